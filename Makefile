@@ -1,0 +1,38 @@
+# Quickstart: `make serve`, then `make test`. Both create .venv when it is missing.
+PY      ?= python3
+VENV    := .venv
+BIN     := $(VENV)/bin
+STAMP   := $(VENV)/.installed
+# Two cores are the norm here; more threads than cores only adds contention.
+export OMP_NUM_THREADS ?= 2
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+
+.PHONY: install serve test lint bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# Without CUDA, install the CPU build of torch first so the range in pyproject is already
+	# satisfied and pip never pulls the multi-GB CUDA build.
+	if ! command -v nvidia-smi >/dev/null 2>&1; then \
+	  $(BIN)/pip install -q torch==2.13.0 || \
+	  $(BIN)/pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; \
+	fi
+	$(BIN)/pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(BIN)/tierserve serve $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,42 @@
+"""`tierserve serve | plan`: one entry point; each subcommand lives in the module that owns it."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+
+from tierserve.errors import TierserveError
+
+# name -> (module path, help); each module defines add_arguments(parser) and run(ns) -> int.
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("tierserve.serve_cli", "serve a model (OpenAI-compatible HTTP server)"),
+    "plan": ("tierserve.plan_cli", "size the KV cache before launch (tierserve, SGLang, vLLM)"),
+}
+
+
+def _load(module_path: str) -> tuple[Callable[[argparse.ArgumentParser], None], Callable]:
+    import importlib
+
+    module = importlib.import_module(module_path)
+    return module.add_arguments, module.run
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tierserve", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    runners = {}
+    for name, (module_path, help_text) in SUBCOMMANDS.items():
+        add_arguments, run = _load(module_path)
+        add_arguments(sub.add_parser(name, help=help_text, description=help_text))
+        runners[name] = run
+    ns = parser.parse_args(argv)
+    try:
+        return runners[ns.command](ns)
+    except TierserveError as err:
+        print(f"tierserve {ns.command}: error: {err.message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,190 @@
+"""Engine configuration: one frozen dataclass behind both the CLI flags and `LLM(**kwargs)`.
+
+Every field of `EngineArgs` is a command-line flag (`page_size` <-> `--page-size`) and a keyword
+argument of `LLM`; `add_cli_args` and `from_cli` derive the parser from the fields, so the two
+cannot drift apart. `EngineArgs` is what the user said; `ModelConfig` is what the checkpoint says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from tierserve.errors import TierserveError
+
+DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
+
+
+def default_model() -> str | None:
+    """The bundled demo model, when the package ships one."""
+    return str(DEMO_MODEL_DIR) if (DEMO_MODEL_DIR / "config.json").exists() else None
+
+
+def _flag(help: str, **kw: Any) -> Any:
+    return {"help": help, **kw}
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model: str | None = field(
+        default=None,
+        metadata=_flag("local Hugging Face checkpoint directory (default: the bundled demo model)"),
+    )
+    tokenizer: str | None = field(
+        default=None, metadata=_flag("tokenizer directory (default: the model directory)")
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=_flag(
+            "weight and KV dtype; auto = float32 on CPU, the checkpoint's dtype on CUDA",
+            choices=["auto", "float32", "bfloat16", "float16"],
+        ),
+    )
+    device: str = field(
+        default="auto", metadata=_flag("auto = cuda when available", choices=["auto", "cpu", "cuda"])
+    )
+    page_size: int = field(default=16, metadata=_flag("tokens per KV page"))
+    max_total_tokens: int | None = field(
+        default=None,
+        metadata=_flag(
+            "device KV pool size in tokens (all requests together); "
+            "default on CPU 32768, on CUDA derived from --mem-fraction-static"
+        ),
+    )
+    mem_fraction_static: float = field(
+        default=0.85,
+        metadata=_flag("CUDA: fraction of GPU memory for weights + KV pool (as in SGLang)"),
+    )
+    max_running_requests: int = field(
+        default=256, metadata=_flag("most requests decoded together in one step")
+    )
+    chunked_prefill_size: int = field(
+        default=2048,
+        metadata=_flag("most prompt tokens prefilled in one step; -1 disables chunking"),
+    )
+    context_length: int | None = field(
+        default=None,
+        metadata=_flag("override the model's max_position_embeddings (prompt + output limit)"),
+    )
+    disable_radix_cache: bool = field(
+        default=False, metadata=_flag("turn off prefix sharing between requests")
+    )
+    attention_backend: str = field(
+        default="torch", metadata=_flag("attention kernel backend", choices=["torch"])
+    )
+    seed: int = field(default=0, metadata=_flag("seed for requests that do not give their own"))
+
+    def __post_init__(self) -> None:
+        positive = {
+            "page_size": self.page_size,
+            "max_running_requests": self.max_running_requests,
+        }
+        if self.max_total_tokens is not None:
+            positive["max_total_tokens"] = self.max_total_tokens
+        if self.context_length is not None:
+            positive["context_length"] = self.context_length
+        for name, value in positive.items():
+            if value <= 0:
+                raise TierserveError(f"{name} must be > 0, got {value}", field=name)
+        if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
+            raise TierserveError(
+                f"chunked_prefill_size must be > 0 or -1 (off), got {self.chunked_prefill_size}",
+                field="chunked_prefill_size",
+            )
+        if not 0.0 < self.mem_fraction_static < 1.0:
+            raise TierserveError(
+                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}",
+                field="mem_fraction_static",
+            )
+
+    @classmethod
+    def from_kwargs(cls, model: str | None, **kwargs: Any) -> EngineArgs:
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TierserveError(
+                f"unknown engine argument(s) {unknown}; known: {sorted(known)}", field=unknown[0]
+            )
+        return cls(model=model, **kwargs)
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        for f in fields(EngineArgs):
+            flag = "--" + f.name.replace("_", "-")
+            meta = dict(f.metadata)
+            if f.type in ("bool", bool):
+                parser.add_argument(flag, action="store_true", help=meta["help"])
+                continue
+            kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
+            parser.add_argument(flag, type=kind, default=f.default, **meta)
+
+    @classmethod
+    def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(ns, f.name) for f in fields(cls)})
+
+    def replace(self, **changes: Any) -> EngineArgs:
+        return dataclasses.replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What a Hugging Face config.json says, reduced to what the model code needs."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    tie_word_embeddings: bool
+    attention_bias: bool
+    qk_norm: bool
+    torch_dtype: str | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        config_path = Path(path) / "config.json"
+        if not config_path.exists():
+            raise TierserveError(f"no config.json in {path!s}", field="model")
+        raw = json.loads(config_path.read_text())
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        archs = raw.get("architectures") or [""]
+        heads = raw["num_attention_heads"]
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        return cls(
+            architecture=archs[0],
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            # Qwen2 has biases on q/k/v but says so only through its model type.
+            attention_bias=raw.get("attention_bias", raw.get("model_type") == "qwen2"),
+            qk_norm=raw.get("model_type") == "qwen3",
+            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            eos_token_ids=eos_ids,
+        )
