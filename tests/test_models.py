@@ -1,0 +1,105 @@
+"""Model code against Hugging Face transformers on the same random-init weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from tests.conftest import random_prompts
+from tierserve import LLM, SamplingParams
+from tierserve.cache.pool import MHAKVPool, PoolShape
+from tierserve.config import ModelConfig
+from tierserve.layers.attention import ForwardBatch, SeqSpan, TorchAttention
+from tierserve.models.loader import load_model
+
+FAMILIES = ["llama", "llama3", "qwen2", "qwen3"]
+LENGTHS = [3, 9, 16, 17, 40, 64, 129, 300]
+
+
+def hf_greedy(path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    # No EOS: generate exactly max_new tokens without masking EOS (min_new_tokens would).
+    model.generation_config.eos_token_id = None
+    outs = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        gen = model.generate(ids, max_new_tokens=max_new, do_sample=False)
+        outs.append(gen[0, len(p) :].tolist())
+    return outs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_matches_transformers(checkpoints, family):
+    path = checkpoints[family]
+    prompts = random_prompts(8, LENGTHS, seed=1)
+    llm = LLM(str(path), page_size=16, max_total_tokens=8192)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    expected = hf_greedy(path, prompts, 16)
+    for out, ref in zip(outs, expected, strict=True):
+        assert out.token_ids == ref
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_logits_match_transformers(checkpoints, family):
+    path = checkpoints[family]
+    cfg = ModelConfig.from_dir(path)
+    model = load_model(path, cfg, torch.float32, torch.device("cpu"))
+    pool = MHAKVPool(
+        PoolShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32),
+        num_pages=64,
+        page_size=8,
+        device=torch.device("cpu"),
+    )
+    attn = TorchAttention(pool)
+    prompt = random_prompts(1, [200], seed=2)[0]
+    slots = torch.arange(len(prompt))
+    batch = ForwardBatch(
+        torch.tensor(prompt), slots, slots, [SeqSpan(0, len(prompt), len(prompt), slots)]
+    )
+    with torch.inference_mode():
+        attn.prepare(batch)
+        ours = model.logits(model(batch.input_ids, batch.positions, attn))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        ref = hf(torch.tensor([prompt])).logits[0]
+    assert ours.shape == ref.shape
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_chunked_prefill_logits_use_the_cached_prefix(checkpoints):
+    """Second half attends to the first half read back from the pool (bottom-right mask)."""
+    path = checkpoints["llama"]
+    cfg = ModelConfig.from_dir(path)
+    model = load_model(path, cfg, torch.float32, torch.device("cpu"))
+    shape = PoolShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
+    pool = MHAKVPool(shape, num_pages=32, page_size=4, device=torch.device("cpu"))
+    attn = TorchAttention(pool)
+    prompt = random_prompts(1, [90], seed=3)[0]
+    slots = torch.randperm(128)[:90]  # scattered slots: the gather must follow the table
+    with torch.inference_mode():
+        for lo, hi in ((0, 50), (50, 90)):
+            batch = ForwardBatch(
+                torch.tensor(prompt[lo:hi]),
+                torch.arange(lo, hi),
+                slots[lo:hi],
+                [SeqSpan(0, hi - lo, hi, slots[:hi])],
+            )
+            attn.prepare(batch)
+            ours = model.logits(model(batch.input_ids, batch.positions, attn))
+        hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+        ref = hf(torch.tensor([prompt])).logits[0, 50:]
+    torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_sharded_checkpoint_loads(tmp_path, checkpoints):
+    src = checkpoints["qwen3"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(src)
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / f).write_bytes((src / f).read_bytes())
+    prompts = random_prompts(2, [20, 33], seed=4)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    sharded = LLM(str(tmp_path), max_total_tokens=2048).generate(prompts, params)
+    single = LLM(str(src), max_total_tokens=2048).generate(prompts, params)
+    assert [o.token_ids for o in sharded] == [o.token_ids for o in single]

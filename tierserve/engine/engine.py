@@ -1,0 +1,226 @@
+"""The engine: tokenizer, model, KV cache and scheduler behind add_request / step.
+
+One synchronous loop; the offline `LLM` and the HTTP server both drive it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from pathlib import Path
+
+import torch
+
+from tierserve.cache.manager import KVCacheManager
+from tierserve.cache.pool import POOLS, PoolShape, check_pool_size, pages_for
+from tierserve.config import EngineArgs, ModelConfig, default_model
+from tierserve.engine.detokenizer import IncrementalDetokenizer
+from tierserve.engine.request import Request, RequestOutput, Status
+from tierserve.engine.runner import ModelRunner
+from tierserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from tierserve.errors import TierserveError
+from tierserve.layers.attention import ATTENTION_BACKENDS
+from tierserve.models.loader import load_model
+from tierserve.sampling_params import SamplingParams
+
+CPU_DEFAULT_POOL_TOKENS = 32768
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise TierserveError("device cuda requested but CUDA is not available", field="device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls in half precision are slow and less exact
+    return DTYPES.get(cfg.torch_dtype or "", torch.bfloat16)
+
+
+def load_tokenizer(path: str):  # -> transformers.PreTrainedTokenizerBase
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+class Engine:
+    def __init__(self, args: EngineArgs) -> None:
+        model_path = args.model or default_model()
+        if model_path is None or not Path(model_path).is_dir():
+            raise TierserveError(f"model directory not found: {model_path}", field="model")
+        self.args = args
+        self.model_config = cfg = ModelConfig.from_dir(model_path)
+        self.device = resolve_device(args.device)
+        self.dtype = resolve_dtype(args.dtype, cfg, self.device)
+        self.context_length = self._context_length(cfg)
+        self.tokenizer = load_tokenizer(args.tokenizer or model_path)
+        self.eos_token_ids = set(cfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        model = load_model(model_path, cfg, self.dtype, self.device)
+        shape = PoolShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        num_pages = check_pool_size(self._pool_tokens(shape), args.page_size)
+        pool = POOLS["mha"](shape, num_pages, args.page_size, self.device)
+        self.kv = KVCacheManager(pool, enable_radix_cache=not args.disable_radix_cache)
+        sched_cfg = SchedulerConfig(
+            args.max_running_requests, args.chunked_prefill_size, self.context_length
+        )
+        self.scheduler = Scheduler(sched_cfg, self.kv)
+        attn = ATTENTION_BACKENDS[args.attention_backend](pool)
+        self.runner = ModelRunner(model, attn, args.page_size, self.device)
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._requests: dict[str, Request] = {}
+        self._default_generator = torch.Generator().manual_seed(args.seed)
+
+    def _context_length(self, cfg: ModelConfig) -> int:
+        limit = self.args.context_length or cfg.max_position_embeddings
+        if limit > cfg.max_position_embeddings:
+            raise TierserveError(
+                f"context_length {limit} exceeds the model's max_position_embeddings "
+                f"{cfg.max_position_embeddings}",
+                field="context_length",
+            )
+        return limit
+
+    def _pool_tokens(self, shape: PoolShape) -> int:
+        if self.args.max_total_tokens is not None:
+            return self.args.max_total_tokens
+        if self.device.type != "cuda":
+            return CPU_DEFAULT_POOL_TOKENS
+        free, total = torch.cuda.mem_get_info(self.device)
+        # As SGLang: weights + KV pool may use this fraction of the card; weights are loaded.
+        budget = total * self.args.mem_fraction_static - (total - free)
+        if budget < shape.bytes_per_token * self.args.page_size:
+            raise TierserveError(
+                f"no room for a KV pool: {total / 1e9:.1f} GB × {self.args.mem_fraction_static}"
+                f" − {(total - free) / 1e9:.1f} GB in use; raise --mem-fraction-static",
+                field="mem_fraction_static",
+            )
+        return int(budget // shape.bytes_per_token)
+
+    # --- requests --------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> str:
+        prompt_ids = self._encode(prompt)
+        self._validate(prompt_ids, params)
+        rid = request_id or str(next(self._ids))
+        if rid in self._requests:
+            raise TierserveError(f"request id {rid!r} is already in flight", field="request_id")
+        generator = self._default_generator
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
+        req = Request(
+            rid=rid,
+            arrival=next(self._arrivals),
+            prompt_ids=prompt_ids,
+            params=params,
+            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
+            generator=generator,
+        )
+        self._requests[rid] = req
+        self.scheduler.add(req)
+        return rid
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise TierserveError("prompt is empty", field="prompt")
+            return self.tokenizer(prompt).input_ids
+        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise TierserveError("prompt is empty", field="prompt")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise TierserveError(f"prompt token ids must be ints in [0, {vocab})", field="prompt")
+        return ids
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.context_length:
+            raise TierserveError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total}"
+                f" exceeds the context length {self.context_length}",
+                field="max_tokens",
+            )
+        if pages_for(total, self.kv.page_size) > self.kv.num_pages:
+            raise TierserveError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total}"
+                f" exceeds the KV pool of {self.kv.num_pages * self.kv.page_size} tokens",
+                field="max_tokens",
+            )
+
+    def abort(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is not None and not req.finished:
+            self.scheduler.finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # --- the loop --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one batch; returns an output for every request that advanced."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        tokens = self.runner.step(chunks)
+        outputs = [self._advance(c, t) for c, t in zip(chunks, tokens, strict=True)]
+        return [o for o in outputs if o is not None]
+
+    def _advance(self, chunk: ScheduledChunk, token: int | None) -> RequestOutput | None:
+        req = chunk.req
+        self.scheduler.record_computed(req, chunk.num_tokens)
+        if chunk.num_tokens > 1:
+            self.kv.cache_prefix(req)  # share the prompt with requests that arrive meanwhile
+        if token is not None:
+            req.output_ids.append(token)
+            self.scheduler.stats.num_generated_tokens += 1
+            req.detokenizer.add(token)
+            reason = self._finish_reason(req, token)
+            if reason:
+                self.scheduler.finish(req, reason)
+                del self._requests[req.rid]
+            return self._output(req)
+        return None
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            return "stop"
+        if req.detokenizer.stopped:
+            return "stop"
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.context_length:
+            return "length"
+        return None
+
+    def _output(self, req: Request) -> RequestOutput:
+        finished = req.status is Status.FINISHED
+        return RequestOutput(
+            request_id=req.rid,
+            prompt_token_ids=req.prompt_ids,
+            token_ids=list(req.output_ids),
+            text=req.detokenizer.text,
+            text_delta=req.detokenizer.delta(finished),
+            finished=finished,
+            finish_reason=req.finish_reason,
+            prompt_tokens=len(req.prompt_ids),
+            cached_tokens=req.cached_tokens or 0,
+            num_preemptions=req.num_preemptions,
+        )
+
+    def check_accounting(self) -> None:
+        self.kv.check_accounting(self.scheduler.running)
+
+    def flush_cache(self) -> int:
+        return self.kv.flush()

@@ -1,0 +1,84 @@
+"""Offline API: `LLM(path, **engine_args).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tierserve.config import EngineArgs
+from tierserve.engine.engine import Engine
+from tierserve.engine.request import RequestOutput
+from tierserve.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+__all__ = ["LLM", "RequestOutput"]
+
+
+class LLM:
+    """Every engine flag is a keyword argument here: `--page-size 16` is `page_size=16`."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        self.args = EngineArgs.from_kwargs(model, **engine_args)
+        self.engine = Engine(self.args)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Run all prompts together (continuous batching); outputs in the prompts' order."""
+        prompts = _as_list(prompts)
+        params_list = _broadcast(params, len(prompts))
+        # Validate every prompt before queueing any, so a bad one leaves nothing half-submitted.
+        rids = []
+        try:
+            for prompt, p in zip(prompts, params_list, strict=True):
+                rids.append(self.engine.add_request(prompt, p))
+        except Exception:
+            for rid in rids:
+                self.engine.abort(rid)
+            raise
+        finished: dict[str, RequestOutput] = {}
+        while len(finished) < len(rids):
+            for out in self.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        return [finished[rid] for rid in rids]
+
+    def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+        """Yields text deltas of one prompt as its tokens are produced."""
+        rid = self.engine.add_request(prompt, params or SamplingParams())
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id != rid:
+                        continue
+                    if out.text_delta:
+                        yield out.text_delta
+                    if out.finished:
+                        return
+        finally:
+            self.engine.abort(rid)  # a consumer that stops early frees the request's KV
+
+
+def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [list(prompts)]  # a single token-id prompt
+    return list(prompts)
+
+
+def _broadcast(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    return list(params)

@@ -1,0 +1,60 @@
+"""Runs one scheduled step: flattens the chunks into a ForwardBatch, runs the model, samples."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tierserve.engine.scheduler import ScheduledChunk
+from tierserve.layers.attention import AttentionBackend, ForwardBatch, SeqSpan
+from tierserve.layers.sampler import sample
+
+
+class ModelRunner:
+    def __init__(
+        self, model: nn.Module, attn: AttentionBackend, page_size: int, device: torch.device
+    ) -> None:
+        self.model = model
+        self.attn = attn
+        self.page_size = page_size
+        self.device = device
+        self._page_offsets = torch.arange(page_size, device=device)
+
+    @torch.inference_mode()
+    def step(self, chunks: list[ScheduledChunk]) -> list[int | None]:
+        """The sampled token of each chunk that reaches its sequence's end, else None."""
+        batch = self._build_batch(chunks)
+        self.attn.prepare(batch)
+        hidden = self.model(batch.input_ids, batch.positions, self.attn)
+        sampling = [i for i, c in enumerate(chunks) if c.samples]
+        if not sampling:
+            return [None] * len(chunks)
+        rows = torch.tensor([batch.spans[i].q_start + chunks[i].num_tokens - 1 for i in sampling])
+        logits = self.model.logits(hidden[rows.to(self.device)])
+        reqs = [chunks[i].req for i in sampling]
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        out: list[int | None] = [None] * len(chunks)
+        for i, token in zip(sampling, tokens, strict=True):
+            out[i] = token
+        return out
+
+    def _build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
+        ids: list[int] = []
+        positions, out_slots, spans = [], [], []
+        for c in chunks:
+            start, end = c.req.num_computed, c.req.num_computed + c.num_tokens
+            slots = self._slots(c.req.pages, end)
+            spans.append(SeqSpan(len(ids), c.num_tokens, end, slots))
+            ids.extend(c.req.all_ids[start:end])
+            positions.append(torch.arange(start, end))
+            out_slots.append(slots[start:end])
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, device=self.device),
+            positions=torch.cat(positions).to(self.device),
+            out_slots=torch.cat(out_slots),
+            spans=spans,
+        )
+
+    def _slots(self, pages: list[int], num_tokens: int) -> torch.Tensor:
+        table = torch.tensor(pages[: -(-num_tokens // self.page_size)], device=self.device)
+        return (table[:, None] * self.page_size + self._page_offsets).flatten()[:num_tokens]

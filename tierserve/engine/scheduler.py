@@ -1,0 +1,137 @@
+"""Continuous batching: each step decodes every running request and fills the rest of the
+token budget with (chunks of) prompts, admitted first come, first served while KV allows.
+
+When decode runs out of pages the newest running request is preempted: its own pages are freed
+and it waits at the front of the queue to be recomputed (its cached prefix survives in the tree).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from tierserve.cache.manager import KVCacheManager
+from tierserve.cache.pool import pages_for
+from tierserve.engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running_requests: int
+    chunked_prefill_size: int  # prompt tokens per step; -1: whole prompts
+    context_length: int
+
+
+@dataclass
+class ScheduledChunk:
+    req: Request
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this chunk reaches the end of the sequence, so its last logits are used."""
+        return self.req.num_computed + self.num_tokens == self.req.num_tokens
+
+
+@dataclass
+class SchedulerStats:
+    num_preemptions: int = 0
+    num_recomputed_tokens: int = 0  # tokens computed again after a preemption
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_generated_tokens: int = 0
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager) -> None:
+        self.cfg = cfg
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.stats = SchedulerStats()
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[ScheduledChunk]:
+        chunks = []
+        budget = self._prefill_budget()
+        for req in sorted(self.running, key=lambda r: r.arrival):
+            if req.status is not Status.RUNNING:
+                continue  # preempted to make room for an older request
+            n = 1 if req.remaining == 1 else min(req.remaining, budget)
+            if n == 0 or not self._make_room(req, req.num_computed + n):
+                continue
+            chunks.append(ScheduledChunk(req, n))
+            budget -= n if n > 1 else 0
+        chunks = [c for c in chunks if c.req.status is Status.RUNNING]
+        chunks.extend(self._admit(budget, reserve=len(chunks)))
+        return chunks
+
+    def _prefill_budget(self) -> int:
+        size = self.cfg.chunked_prefill_size
+        return size if size > 0 else self.cfg.context_length
+
+    def _make_room(self, req: Request, num_tokens: int) -> bool:
+        """Pages for `num_tokens` of `req`, preempting the newest requests until they fit."""
+        while not self.kv.grow(req, num_tokens):
+            victim = max(self.running, key=lambda r: r.arrival)
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def preempt(self, req: Request) -> None:
+        self.stats.num_preemptions += 1
+        req.num_preemptions += 1
+        self.kv.release(req, keep_in_cache=False)
+        self.running.remove(req)
+        req.status = Status.WAITING
+        # Back in arrival order, so a preempted request is the first to return.
+        self.waiting.append(req)
+        self.waiting = deque(sorted(self.waiting, key=lambda r: r.arrival))
+
+    def _admit(self, budget: int, reserve: int) -> list[ScheduledChunk]:
+        chunks = []
+        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
+            req = self.waiting[0]
+            cached = self.kv.match(req)
+            n = min(req.remaining, budget)
+            need = pages_for(req.num_computed + n, self.kv.page_size) - len(req.pages)
+            # Keep a page per running request in hand so admission does not force preemption.
+            if need + reserve > self.kv.available_pages() or not self.kv.grow(
+                req, req.num_computed + n
+            ):
+                self.kv.release(req, keep_in_cache=False)
+                break
+            self.waiting.popleft()
+            self._start(req, cached)
+            chunks.append(ScheduledChunk(req, n))
+            budget -= n
+            reserve += 1
+        return chunks
+
+    def _start(self, req: Request, cached: int) -> None:
+        if req.cached_tokens is None:
+            req.cached_tokens = cached
+            self.stats.num_prompt_tokens += len(req.prompt_ids)
+            self.stats.num_cached_tokens += cached
+        req.status = Status.RUNNING
+        self.running.append(req)
+
+    def record_computed(self, req: Request, num_tokens: int) -> None:
+        """Advance `req` by a computed chunk; count tokens it had computed before a preemption."""
+        start, end = req.num_computed, req.num_computed + num_tokens
+        self.stats.num_recomputed_tokens += max(0, min(end, req.max_computed) - start)
+        req.num_computed, req.max_computed = end, max(req.max_computed, end)
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status, req.finish_reason = Status.FINISHED, reason
+        self.kv.release(req, keep_in_cache=True)
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)

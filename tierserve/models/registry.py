@@ -1,0 +1,25 @@
+"""Model classes by the `architectures` name in config.json."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from tierserve.errors import TierserveError
+from tierserve.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise TierserveError(
+            f"unsupported architecture {architecture!r}; supported: {sorted(MODEL_REGISTRY)}",
+            field="model",
+        ) from None
