@@ -1,0 +1,183 @@
+"""Scheduler and cache paths: identical greedy outputs whichever path computes them."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.conftest import random_prompts
+from tierserve import LLM, SamplingParams, TierserveError
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+LENGTHS = [5, 18, 33, 64, 100, 150, 7, 250, 61, 90]
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return random_prompts(10, LENGTHS, seed=11)
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir, prompts) -> list[list[int]]:
+    llm = LLM(str(llama_dir), page_size=1, disable_radix_cache=True, chunked_prefill_size=-1)
+    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def run_twice(llm: LLM, prompts) -> list[list[int]]:
+    """Second pass sees the first pass's prefixes in the cache."""
+    first = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    second = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert first == second
+    return second
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("radix", [True, False])
+@pytest.mark.parametrize("chunk", [-1, 32])
+def test_outputs_equal_across_cache_paths(llama_dir, prompts, reference, page_size, radix, chunk):
+    llm = LLM(
+        str(llama_dir),
+        page_size=page_size,
+        disable_radix_cache=not radix,
+        chunked_prefill_size=chunk,
+        max_total_tokens=8192,
+    )
+    assert run_twice(llm, prompts) == reference
+    stats = llm.engine.scheduler.stats
+    if radix:
+        assert stats.num_cached_tokens > 0
+    else:
+        assert stats.num_cached_tokens == 0
+    llm.engine.check_accounting()
+    assert not llm.engine.scheduler.running
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_preemption_keeps_outputs(llama_dir, prompts, reference, page_size):
+    # Room for a few requests only: decodes run out of pages and the newest are preempted.
+    llm = LLM(str(llama_dir), page_size=page_size, max_total_tokens=640, chunked_prefill_size=64)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    stats = llm.engine.scheduler.stats
+    assert stats.num_preemptions > 0
+    assert stats.num_recomputed_tokens > 0
+    assert sum(o.num_preemptions for o in outs) == stats.num_preemptions
+    kv = llm.engine.kv
+    assert kv.allocator.num_free + kv.cached_pages() == kv.num_pages
+    llm.engine.check_accounting()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_shared_prefix_is_reported_cached(llama_dir, page_size):
+    shared = random_prompts(1, [512], seed=5)[0]
+    tails = random_prompts(2, [20, 37], seed=6)
+    llm = LLM(str(llama_dir), page_size=page_size, max_total_tokens=4096)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    first = llm.generate(shared + tails[0], params)[0]
+    second = llm.generate(shared + tails[1], params)[0]
+    assert first.cached_tokens == 0
+    assert second.cached_tokens >= 512 - page_size
+    assert second.prompt_tokens == 512 + 37
+
+
+def test_concurrent_requests_share_a_prompt_prefilled_earlier(llama_dir):
+    """A prompt's pages go into the tree after prefill, before the request finishes."""
+    shared = random_prompts(1, [256], seed=7)[0]
+    llm = LLM(str(llama_dir), page_size=16, max_total_tokens=4096, chunked_prefill_size=128)
+    engine = llm.engine
+    first = engine.add_request(shared + [3, 4], SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(3):  # two prefill chunks, then decoding
+        engine.step()
+    second = engine.add_request(shared + [5, 6], SamplingParams(max_tokens=2))
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert done[first].cached_tokens == 0
+    assert done[second].cached_tokens == 256
+    engine.check_accounting()
+
+
+def test_max_running_requests_is_respected(llama_dir, prompts, reference):
+    llm = LLM(str(llama_dir), max_running_requests=2)
+    engine = llm.engine
+    for p in prompts:
+        engine.add_request(p, GREEDY)
+    seen = 0
+    while engine.has_unfinished():
+        engine.step()
+        seen = max(seen, len(engine.scheduler.running))
+    assert seen == 2
+
+
+def test_flush_cache_frees_every_page(llama_dir, prompts):
+    llm = LLM(str(llama_dir), max_total_tokens=4096)
+    llm.generate(prompts, GREEDY)
+    assert llm.engine.kv.cached_pages() > 0
+    llm.engine.flush_cache()
+    assert llm.engine.kv.allocator.num_free == llm.engine.kv.num_pages
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_llm(llama_dir) -> LLM:
+    return LLM(str(llama_dir), context_length=512, max_total_tokens=1024)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "params", "field", "words"),
+    [
+        ("", SamplingParams(), "prompt", "empty"),
+        ([], SamplingParams(), "prompt", "empty"),
+        ([1, 99999], SamplingParams(), "prompt", "[0, 320)"),
+        ([1] * 500, SamplingParams(max_tokens=20), "max_tokens", "context length 512"),
+    ],
+)
+def test_bad_prompts_raise_one_typed_error(small_llm, prompt, params, field, words):
+    with pytest.raises(TierserveError) as err:
+        small_llm.generate([prompt], params)
+    assert err.value.field == field
+    assert words in str(err.value)
+    assert not small_llm.engine.has_unfinished()
+
+
+def test_a_bad_prompt_in_a_batch_queues_nothing(small_llm):
+    with pytest.raises(TierserveError):
+        small_llm.generate([[5, 6, 7], [1] * 600], SamplingParams(max_tokens=4))
+    assert not small_llm.engine.has_unfinished()
+    small_llm.engine.check_accounting()
+
+
+def test_request_larger_than_the_pool_is_refused(llama_dir):
+    llm = LLM(str(llama_dir), max_total_tokens=64, page_size=16)
+    with pytest.raises(TierserveError, match="KV pool of 64 tokens"):
+        llm.generate([[5] * 60], SamplingParams(max_tokens=10))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field", "limit"),
+    [
+        ({"max_tokens": 0}, "max_tokens", ">= 1"),
+        ({"max_tokens": -3}, "max_tokens", ">= 1"),
+        ({"temperature": -0.1}, "temperature", ">= 0"),
+        ({"top_p": 0.0}, "top_p", "(0, 1]"),
+        ({"top_p": 1.5}, "top_p", "(0, 1]"),
+        ({"top_k": -2}, "top_k", ">= 0"),
+        ({"min_p": 2.0}, "min_p", "[0, 1]"),
+    ],
+)
+def test_bad_sampling_params_name_field_and_limit(kwargs, field, limit):
+    with pytest.raises(TierserveError) as err:
+        SamplingParams(**kwargs)
+    assert err.value.field == field
+    assert limit in str(err.value)
+
+
+def test_engine_flags_are_llm_kwargs(llama_dir):
+    with pytest.raises(TierserveError, match="unknown engine argument"):
+        LLM(str(llama_dir), page_sise=16)
+    with pytest.raises(TierserveError) as err:
+        LLM(str(llama_dir), page_size=0)
+    assert err.value.field == "page_size"
+    with pytest.raises(TierserveError, match="max_position_embeddings 2048"):
+        LLM(str(llama_dir), context_length=4096)
