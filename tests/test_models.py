@@ -51,11 +51,11 @@ def test_prefill_logits_match_transformers(checkpoints, family):
         page_size=8,
         device=torch.device("cpu"),
     )
-    attn = TorchAttention(pool)
+    attn = TorchAttention(pool, cfg.num_layers)
     prompt = random_prompts(1, [200], seed=2)[0]
     slots = torch.arange(len(prompt))
     batch = ForwardBatch(
-        torch.tensor(prompt), slots, slots, [SeqSpan(0, len(prompt), len(prompt), slots)]
+        torch.tensor(prompt), slots, slots, [SeqSpan(0, 0, len(prompt), len(prompt), slots // 8)]
     )
     with torch.inference_mode():
         attn.prepare(batch)
@@ -73,16 +73,17 @@ def test_chunked_prefill_logits_use_the_cached_prefix(checkpoints):
     model = load_model(path, cfg, torch.float32, torch.device("cpu"))
     shape = PoolShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
     pool = MHAKVPool(shape, num_pages=32, page_size=4, device=torch.device("cpu"))
-    attn = TorchAttention(pool)
+    attn = TorchAttention(pool, cfg.num_layers)
     prompt = random_prompts(1, [90], seed=3)[0]
-    slots = torch.randperm(128)[:90]  # scattered slots: the gather must follow the table
+    pages = torch.randperm(32)[:23]  # scattered pages: the gather must follow the table
+    slots = (pages[:, None] * 4 + torch.arange(4)).flatten()
     with torch.inference_mode():
         for lo, hi in ((0, 50), (50, 90)):
             batch = ForwardBatch(
                 torch.tensor(prompt[lo:hi]),
                 torch.arange(lo, hi),
                 slots[lo:hi],
-                [SeqSpan(0, hi - lo, hi, slots[:hi])],
+                [SeqSpan(0, 0, hi - lo, hi, pages[: -(-hi // 4)])],
             )
             attn.prepare(batch)
             ours = model.logits(model(batch.input_ids, batch.positions, attn))
@@ -103,3 +104,12 @@ def test_sharded_checkpoint_loads(tmp_path, checkpoints):
     sharded = LLM(str(tmp_path), max_total_tokens=2048).generate(prompts, params)
     single = LLM(str(src), max_total_tokens=2048).generate(prompts, params)
     assert [o.token_ids for o in sharded] == [o.token_ids for o in single]
+
+
+def test_long_decode_matches_transformers(checkpoints):
+    """Past the decode workspace's slack, so it is rebuilt mid-generation."""
+    path = checkpoints["llama"]
+    prompts = random_prompts(3, [10, 70, 33], seed=12)
+    llm = LLM(str(path), page_size=16, max_total_tokens=4096)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=150, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 150)

@@ -44,8 +44,8 @@ class KVPool(ABC):
         """Store the new tokens' K/V of one layer at `slots`."""
 
     @abstractmethod
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of one layer at `slots` (any shape), as [*slots.shape, kv_heads, head_dim]."""
+    def gather(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of one layer in `pages` ([..., P]), as [kv_heads, ..., P * page_size, head_dim]."""
 
     @abstractmethod
     def read_pages(self, pages: torch.Tensor) -> torch.Tensor:
@@ -56,7 +56,11 @@ class KVPool(ABC):
 
 
 class MHAKVPool(KVPool):
-    """K and V for every layer: [layers, 2, slots, kv_heads, head_dim]."""
+    """K and V for every layer: [layers, 2, kv_heads, slots, head_dim].
+
+    Heads outside slots: a gather yields [kv_heads, tokens, dim] blocks that attention's matmuls
+    take as they are, without a transposing copy.
+    """
 
     def __init__(
         self, shape: PoolShape, num_pages: int, page_size: int, device: torch.device
@@ -66,29 +70,41 @@ class MHAKVPool(KVPool):
         self.kv = torch.zeros(
             shape.num_layers,
             2,
-            num_pages * page_size,
             shape.num_kv_heads,
+            num_pages * page_size,
             shape.head_dim,
             dtype=shape.dtype,
             device=device,
         )
 
+    # index_copy_/index_select: several times faster than advanced indexing on CPU.
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kv[layer, 0, slots] = k
-        self.kv[layer, 1, slots] = v
+        self.kv[layer, 0].index_copy_(1, slots, k.transpose(0, 1))
+        self.kv[layer, 1].index_copy_(1, slots, v.transpose(0, 1))
 
-    def gather(self, layer: int, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kv[layer, 0, slots], self.kv[layer, 1, slots]
+    def gather(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # Whole pages are copied as blocks: far faster than a row per token.
+        heads, dim = self.shape.num_kv_heads, self.shape.head_dim
+        out_shape = (heads, *pages.shape[:-1], pages.shape[-1] * self.page_size, dim)
+        flat = pages.reshape(-1)
+        k, v = (
+            self.kv[layer, i]
+            .view(heads, self.num_pages, self.page_size * dim)
+            .index_select(1, flat)
+            .view(out_shape)
+            for i in (0, 1)
+        )
+        return k, v
 
     def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:
         offsets = torch.arange(self.page_size, device=pages.device)
         return (pages[:, None] * self.page_size + offsets).flatten()
 
     def read_pages(self, pages: torch.Tensor) -> torch.Tensor:
-        return self.kv[:, :, self._page_slots(pages)]
+        return self.kv[:, :, :, self._page_slots(pages)]
 
     def write_pages(self, pages: torch.Tensor, data: torch.Tensor) -> None:
-        self.kv[:, :, self._page_slots(pages)] = data
+        self.kv[:, :, :, self._page_slots(pages)] = data
 
 
 POOLS: dict[str, Callable[..., KVPool]] = {"mha": MHAKVPool}

@@ -73,7 +73,7 @@ class Engine:
             args.max_running_requests, args.chunked_prefill_size, self.context_length
         )
         self.scheduler = Scheduler(sched_cfg, self.kv)
-        attn = ATTENTION_BACKENDS[args.attention_backend](pool)
+        attn = ATTENTION_BACKENDS[args.attention_backend](pool, cfg.num_layers)
         self.runner = ModelRunner(model, attn, args.page_size, self.device)
         self._ids = itertools.count()
         self._arrivals = itertools.count()

@@ -43,11 +43,11 @@ class ModelRunner:
         positions, out_slots, spans = [], [], []
         for c in chunks:
             start, end = c.req.num_computed, c.req.num_computed + c.num_tokens
-            slots = self._slots(c.req.pages, end)
-            spans.append(SeqSpan(len(ids), c.num_tokens, end, slots))
+            pages = torch.tensor(c.req.pages[: -(-end // self.page_size)], device=self.device)
+            spans.append(SeqSpan(c.req.arrival, len(ids), c.num_tokens, end, pages))
             ids.extend(c.req.all_ids[start:end])
             positions.append(torch.arange(start, end))
-            out_slots.append(slots[start:end])
+            out_slots.append(self._slots(pages, start, end))
         return ForwardBatch(
             input_ids=torch.tensor(ids, device=self.device),
             positions=torch.cat(positions).to(self.device),
@@ -55,6 +55,7 @@ class ModelRunner:
             spans=spans,
         )
 
-    def _slots(self, pages: list[int], num_tokens: int) -> torch.Tensor:
-        table = torch.tensor(pages[: -(-num_tokens // self.page_size)], device=self.device)
-        return (table[:, None] * self.page_size + self._page_offsets).flatten()[:num_tokens]
+    def _slots(self, pages: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        first = start // self.page_size
+        slots = (pages[first:, None] * self.page_size + self._page_offsets).flatten()
+        return slots[start - first * self.page_size : end - first * self.page_size]

@@ -20,12 +20,13 @@ from tierserve.cache.pool import KVPool
 @dataclass(frozen=True)
 class SeqSpan:
     """One sequence in the batch: its new tokens `q_start : q_start + q_len` of the flat batch
-    attend to `kv_len` tokens of context (cached prefix + new), stored at `slots`."""
+    attend to `kv_len` tokens of context (cached prefix + new), stored in `pages`."""
 
+    seq_id: int
     q_start: int
     q_len: int
     kv_len: int
-    slots: torch.Tensor
+    pages: torch.Tensor
 
 
 @dataclass(frozen=True)
@@ -50,8 +51,61 @@ class AttentionBackend(ABC):
         """q: [tokens, heads, dim], k/v: [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
 
 
+class DecodeWorkspace:
+    """The decode batch's K/V, padded and contiguous, kept from one step to the next.
+
+    On CPU, gathering every sequence's whole context from the pool each step costs more than the
+    attention itself. While the decode batch is the same sequences, each one token longer, only
+    the new tokens are appended; any other change rebuilds it with one gather per layer.
+    """
+
+    SLACK = 64  # tokens of room per row, so appends run for a while before a rebuild
+
+    def __init__(self, pool: KVPool, num_layers: int) -> None:
+        self.pool = pool
+        self.key: tuple[int, ...] = ()
+        self.lens = torch.zeros(0, dtype=torch.long)
+        self.k: list[torch.Tensor | None] = [None] * num_layers
+        self.v: list[torch.Tensor | None] = [None] * num_layers
+        self.capacity = 0
+
+    def plan(self, spans: list[SeqSpan], device: torch.device) -> None:
+        key = tuple(s.seq_id for s in spans)
+        lens = torch.tensor([s.kv_len for s in spans], device=device)
+        self.appending = (
+            key == self.key
+            and bool((lens == self.lens + 1).all())
+            and int(lens.max()) <= self.capacity
+        )
+        if not self.appending:
+            ps = self.pool.page_size
+            self.capacity = -(-(int(lens.max()) + self.SLACK) // ps) * ps
+            self.pages = _page_table(spans, self.capacity // ps, device)
+        self.key, self.lens = key, lens
+        self.rows = torch.arange(len(spans), device=device)
+        self.pad = (torch.arange(self.capacity, device=device)[None, :] >= lens[:, None])[:, None]
+
+    def kv(
+        self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[kv_heads, B, capacity, dim] K and V, including this step's tokens."""
+        if self.appending:
+            self.k[layer][:, self.rows, self.lens - 1] = k_new.transpose(0, 1)
+            self.v[layer][:, self.rows, self.lens - 1] = v_new.transpose(0, 1)
+        else:  # the pool already holds this step's tokens
+            self.k[layer], self.v[layer] = self.pool.gather(layer, self.pages)
+        return self.k[layer], self.v[layer]
+
+    def reset(self) -> None:
+        self.key = ()
+
+
 class TorchAttention(AttentionBackend):
-    """Decode tokens of all sequences in one padded SDPA call; each extend sequence alone."""
+    """Decode tokens of all sequences in one padded call; each extend sequence alone."""
+
+    def __init__(self, pool: KVPool, num_layers: int) -> None:
+        super().__init__(pool)
+        self.workspace = DecodeWorkspace(pool, num_layers)
 
     def prepare(self, batch: ForwardBatch) -> None:
         self.batch = batch
@@ -59,7 +113,10 @@ class TorchAttention(AttentionBackend):
         decode = [s for s in batch.spans if s.q_len == 1]
         self.extend = [s for s in batch.spans if s.q_len > 1]
         self.decode_rows = torch.tensor([s.q_start for s in decode], dtype=torch.long).to(device)
-        self.decode_slots, self.decode_mask = _pad_slots(decode, device)
+        if decode:
+            self.workspace.plan(decode, device)
+        else:
+            self.workspace.reset()
         self.extend_masks = [_bottom_right_causal(s.q_len, s.kv_len, device) for s in self.extend]
 
     def forward(
@@ -68,22 +125,26 @@ class TorchAttention(AttentionBackend):
         self.pool.write(layer, self.batch.out_slots, k, v)
         out = torch.empty_like(q)
         if len(self.decode_rows):
-            out[self.decode_rows] = self._decode(layer, q[self.decode_rows])
+            rows = self.decode_rows
+            out[rows] = self._decode(layer, q[rows], k[rows], v[rows])
         for span, mask in zip(self.extend, self.extend_masks, strict=True):
             rows = slice(span.q_start, span.q_start + span.q_len)
             out[rows] = self._extend(layer, span, q[rows], k[rows], v[rows], mask)
         return out
 
-    def _decode(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        kc, vc = self.pool.gather(layer, self.decode_slots)  # [B, L, kv_heads, dim]
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2),
-            kc.transpose(1, 2),
-            vc.transpose(1, 2),
-            attn_mask=self.decode_mask,
-            enable_gqa=True,
-        )
-        return o.squeeze(2)
+    def _decode(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """One query per sequence: the G query heads that share a KV head form one matmul
+        against it, so K/V are never repeated per query head."""
+        kc, vc = self.workspace.kv(layer, k, v)  # [kv_heads, B, L, dim]
+        b, heads, dim = q.shape
+        kv_heads = kc.shape[0]
+        qg = q.view(b, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [kv_heads, B, G, dim]
+        scores = qg @ kc.transpose(-1, -2) * dim**-0.5  # [kv_heads, B, G, L]
+        scores = scores.masked_fill(self.workspace.pad, float("-inf"))
+        out = scores.softmax(-1).to(vc.dtype) @ vc  # [kv_heads, B, G, dim]
+        return out.transpose(0, 1).reshape(b, heads, dim)
 
     def _extend(
         self,
@@ -95,11 +156,14 @@ class TorchAttention(AttentionBackend):
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         if span.kv_len > span.q_len:  # a cached prefix or earlier chunks: read it from the pool
-            k, v = self.pool.gather(layer, span.slots)
+            k, v = self.pool.gather(layer, span.pages)  # [kv_heads, pages * page_size, dim]
+            k, v = k[:, : span.kv_len], v[:, : span.kv_len]
+        else:
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
+            k.unsqueeze(0),
+            v.unsqueeze(0),
             attn_mask=mask,
             is_causal=mask is None,
             enable_gqa=True,
@@ -107,17 +171,12 @@ class TorchAttention(AttentionBackend):
         return o.squeeze(0).transpose(0, 1)
 
 
-def _pad_slots(
-    spans: list[SeqSpan], device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, Lmax] slot matrix (padding reads slot 0) and a [B, 1, 1, Lmax] validity mask."""
-    longest = max((s.kv_len for s in spans), default=0)
-    slots = torch.zeros(len(spans), longest, dtype=torch.long, device=device)
+def _page_table(spans: list[SeqSpan], width: int, device: torch.device) -> torch.Tensor:
+    """[B, width] page table; padding reads page 0 and is masked out."""
+    table = torch.zeros(len(spans), width, dtype=torch.long, device=device)
     for i, s in enumerate(spans):
-        slots[i, : s.kv_len] = s.slots
-    lengths = torch.tensor([s.kv_len for s in spans], device=device)
-    mask = torch.arange(longest, device=device)[None, :] < lengths[:, None]
-    return slots, mask[:, None, None, :]
+        table[i, : len(s.pages)] = s.pages
+    return table
 
 
 def _bottom_right_causal(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
@@ -131,4 +190,4 @@ def _bottom_right_causal(q_len: int, kv_len: int, device: torch.device) -> torch
     return torch.arange(kv_len, device=device)[None, :] <= rows
 
 
-ATTENTION_BACKENDS: dict[str, Callable[[KVPool], AttentionBackend]] = {"torch": TorchAttention}
+ATTENTION_BACKENDS: dict[str, Callable[[KVPool, int], AttentionBackend]] = {"torch": TorchAttention}
