@@ -235,6 +235,7 @@ class ModelSpec:
     kv: KVShape
     weight_bytes: int
     weight_note: str  # where weight_bytes came from, for the reader of the plan
+    path: str = ""  # what a server's --model flag should say (HF id or local directory)
 
 
 def model_spec(
@@ -428,6 +429,7 @@ class Machine:
     gpu_name: str
     gpu_memory: int  # bytes per GPU, as the driver reports it
     host_available: int  # bytes of host RAM available on one node
+    host_source: str = "given"  # where host_available came from, for the reader
     gpus_per_node: int | None = None  # None: as many as --tp
     host_overhead: int | None = None  # None: DEFAULT_OVERHEAD_PER_RANK × local ranks
     host_margin: int = DEFAULT_MARGIN
@@ -457,6 +459,12 @@ class PlanInputs:
         positive = {"tp": self.tp, "page_size": self.page_size, "gpus": self.gpus_per_node}
         positive["avg_seq_len"] = self.workload.avg_seq_len
         positive["gpu_memory"] = self.machine.gpu_memory
+        optional = {
+            "concurrency": self.workload.concurrency,
+            "max_total_tokens": self.device_tokens_per_rank,
+            "kv_bytes_per_token": self.kv_bytes_per_token_per_rank,
+        }
+        positive.update({name: value for name, value in optional.items() if value is not None})
         for name, value in positive.items():
             if value <= 0:
                 raise TierserveError(f"{name} must be > 0, got {value}", field=name)
@@ -579,15 +587,21 @@ def host_budget(machine: Machine, ranks: int) -> HostBudget:
     return HostBudget(machine.host_available, overhead, machine.host_margin, ranks)
 
 
+def _device_side(inputs: PlanInputs, bytes_per_token: int) -> tuple[int, int, int]:
+    """(weights, KV pool bytes, KV pool tokens) of one rank; a given token count wins."""
+    rank_weights = weights_per_rank(inputs.model.weight_bytes, inputs.tp)
+    if inputs.device_tokens_per_rank is not None:
+        tokens = inputs.device_tokens_per_rank
+        return rank_weights, tokens * bytes_per_token, tokens
+    pool = device_pool_bytes(inputs.machine.gpu_memory, inputs.mem_fraction_static, rank_weights)
+    return rank_weights, pool, tokens_in(pool, bytes_per_token, inputs.page_size)
+
+
 def make_plan(inputs: PlanInputs) -> Plan:
     """Everything `tierserve plan` prints, computed once."""
     kv = _kv_for(inputs)
     ranks = local_ranks(inputs.tp, inputs.gpus_per_node)
-    rank_weights = weights_per_rank(inputs.model.weight_bytes, inputs.tp)
-    pool = device_pool_bytes(inputs.machine.gpu_memory, inputs.mem_fraction_static, rank_weights)
-    device = tokens_in(pool, kv.per_rank, inputs.page_size)
-    if inputs.device_tokens_per_rank is not None:
-        device = inputs.device_tokens_per_rank
+    rank_weights, pool, device = _device_side(inputs, kv.per_rank)
     budget = host_budget(inputs.machine, ranks)
     host = size_host_cache(kv.per_rank, device, inputs.host, budget, inputs.page_size)
     best = size_host_cache(kv.per_rank, device, HostRequest.auto(), budget, inputs.page_size)
@@ -685,8 +699,8 @@ def _ratio_warning(plan: Plan) -> list[str]:
         return []
     return [
         f"host cache ({format_count(host)} tokens) is not larger than the device pool "
-        f"({format_count(device)}): it holds little that the GPU does not already; SGLang before "
-        "0.5 refuses this, later releases warn"
+        f"({format_count(device)}): it holds little that the GPU does not already; some SGLang "
+        "releases refuse to start with this (an assert), newer ones warn"
     ]
 
 
@@ -734,7 +748,7 @@ def launch_flags(plan: Plan) -> LaunchFlags:
     inputs, host = plan.inputs, _fitting_host(plan)
     frac = f"{inputs.mem_fraction_static:g}"
     tierserve = f"--tp {inputs.tp} --mem-fraction-static {frac} --kv-dtype {inputs.kv_dtype}"
-    tierserve += f" --host-cache-size {host.bytes_per_node // (GB // 10) / 10:g}GB"
+    tierserve += f" --host-cache-size {host.bytes_per_node // GB}GB"
     sglang = f"--tp-size {inputs.tp} --mem-fraction-static {frac}"
     sglang += _kv_dtype_flag(plan, "fp8_e4m3") + _sglang_host_flags(plan, host)
     # vLLM's --kv-offloading-size is GiB for the whole instance, split across its TP ranks.
@@ -874,17 +888,18 @@ def _sglang_inputs(flags: SGLangFlags, inputs: PlanInputs) -> PlanInputs:
 
 
 def _sglang_request_line(flags: SGLangFlags, plan: Plan, tokens: int) -> str:
-    bpt = format_bytes(plan.kv.per_rank)
+    bpt, per_rank = format_bytes(plan.kv.per_rank), format_gb(tokens * plan.kv.per_rank)
+    rounded = f"{format_count(tokens)} tokens after SGLang rounds up to pages (+1 page)"
     if flags.hicache_size_gb > 0:
+        size = flags.hicache_size_gb
         return (
-            f"--hicache-size {flags.hicache_size_gb} = {flags.hicache_size_gb} × 10^9 B PER RANK: "
-            f"{flags.hicache_size_gb} × 10^9 // {bpt} per token = {format_count(tokens)} tokens "
-            f"= {format_gb(tokens * plan.kv.per_rank)} per rank"
+            f"--hicache-size {size} = {size} × 10^9 B PER RANK: {size} × 10^9 // {bpt} per token "
+            f"→ {rounded} = {per_rank} per rank"
         )
     return (
         f"--hicache-ratio {flags.hicache_ratio:g} (no --hicache-size): device pool "
-        f"{format_count(plan.device_tokens_per_rank)} tokens × {flags.hicache_ratio:g} = "
-        f"{format_count(tokens)} tokens × {bpt} = {format_gb(tokens * plan.kv.per_rank)} per rank"
+        f"{format_count(plan.device_tokens_per_rank)} tokens × {flags.hicache_ratio:g} → {rounded}"
+        f" × {bpt} = {per_rank} per rank"
     )
 
 
@@ -898,7 +913,7 @@ def _sglang_suggestion(plan: Plan, page_size: int) -> str:
     return text + f" or --hicache-ratio {ratio:g}" if ratio > 0 else text
 
 
-def _sglang_verdict_lines(flags: SGLangFlags, plan: Plan, per_rank: int, fits: bool) -> list[str]:
+def _sglang_verdict_lines(plan: Plan, per_rank: int, fits: bool) -> list[str]:
     budget = plan.budget
     per_node = per_rank * budget.local_ranks
     lines = [
@@ -909,14 +924,19 @@ def _sglang_verdict_lines(flags: SGLangFlags, plan: Plan, per_rank: int, fits: b
     ]
     if fits:
         return [*lines, f"fits: {format_gb(per_node)} ≤ {format_gb(budget.usable)}"]
-    reserve_ok = per_rank <= budget.available - SGLANG_HOST_RESERVE
-    alone = "passes" if reserve_ok else "fails"
-    return [
-        *lines,
-        f"does NOT fit: {format_gb(per_node)} > {format_gb(budget.usable)}",
-        f"SGLang checks each rank alone ({format_gb(per_rank)} ≤ {format_gb(budget.available)} − "
-        f"10 GiB: {alone}), so ranks that allocate together can exhaust the node's RAM",
-    ]
+    return [*lines, f"does NOT fit: {format_gb(per_node)} > {format_gb(budget.usable)}"]
+
+
+def _sglang_own_check_line(plan: Plan, per_rank: int) -> str:
+    """What SGLang itself will say: each rank compares its own pool with free RAM − 10 GiB."""
+    available = plan.budget.available
+    test = f"{format_gb(per_rank)} ≤ {format_gb(available)} − 10 GiB"
+    if per_rank > available - SGLANG_HOST_RESERVE:
+        return f"SGLang's own per-rank check fails ({test} is false): it refuses to start"
+    return (
+        f"SGLang's own check passes ({test}) because each rank checks alone: ranks that "
+        "allocate together exhaust the node's RAM (the server hangs or is OOM-killed)"
+    )
 
 
 def check_sglang(flags: str, inputs: PlanInputs) -> SGLangCheck:
@@ -934,9 +954,9 @@ def check_sglang(flags: str, inputs: PlanInputs) -> SGLangCheck:
     per_rank = tokens * plan.kv.per_rank
     fits = per_rank * plan.local_ranks <= plan.budget.usable and plan.device_tokens_per_rank > 0
     lines.append(_sglang_request_line(parsed, plan, tokens))
-    lines += _sglang_verdict_lines(parsed, plan, per_rank, fits)
+    lines += _sglang_verdict_lines(plan, per_rank, fits)
     suggestion = "" if fits else _sglang_suggestion(plan, parsed.page_size)
     if suggestion:
-        lines.append(f"what fits: {suggestion}")
+        lines += [_sglang_own_check_line(plan, per_rank), f"what fits: {suggestion}"]
     node = per_rank * plan.local_ranks
     return SGLangCheck(parsed, plan, tokens, per_rank, node, fits, suggestion, tuple(lines))

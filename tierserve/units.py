@@ -31,24 +31,24 @@ UNITS: dict[str, int] = {
     "gib": GiB,
     "tib": TiB,
 }
-_SIZE = re.compile(r"^(?P<number>\d*\.?\d+(?:e[+-]?\d+)?)\s*(?P<unit>[a-z]*)$")
+_SIZE = re.compile(r"^(?P<number>\d*\.?\d+(?:e[+-]?\d+)?)\s*(?P<unit>[a-z]*)$", re.IGNORECASE)
 _EXAMPLES = "e.g. 48GB, 48GiB, 0.5TB, 300 MB (a bare number is decimal GB)"
 
 
 def parse_size(text: str | int | float, field: str = "size") -> int:
     """Bytes in `text`: "48GB", "48GiB", "0.5TB", "300 MB", or "48" (= 48 GB)."""
-    raw = str(text).strip().lower()
+    raw = str(text).strip()
     if raw.startswith("-"):
         raise TierserveError(f"{field} must not be negative, got {text!r}", field=field)
     match = _SIZE.match(raw)
     if match is None:
         raise TierserveError(f"cannot read {field} {text!r}: {_EXAMPLES}", field=field)
-    unit = match["unit"] or "gb"
-    if unit not in UNITS:
+    unit = match["unit"] or "GB"
+    if unit.lower() not in UNITS:
         known = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
         raise TierserveError(f"unknown unit {unit!r} in {field} {text!r}; use {known}", field=field)
     try:  # Decimal keeps 0.1 TB an exact 100,000,000,000 bytes
-        return int(Decimal(match["number"]) * UNITS[unit])
+        return int(Decimal(match["number"]) * UNITS[unit.lower()])
     except InvalidOperation as err:
         raise TierserveError(f"cannot read {field} {text!r}: {_EXAMPLES}", field=field) from err
 

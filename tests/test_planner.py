@@ -1,0 +1,489 @@
+"""`tierserve plan`: KV bytes per token, device pool, host sizing, SGLang flag checks, the CLI."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from tierserve import cli, planner
+from tierserve.errors import TierserveError
+from tierserve.planner import (
+    HostBudget,
+    HostRequest,
+    KVShape,
+    Machine,
+    PlanInputs,
+    check_sglang,
+    kv_bytes_per_token,
+    make_plan,
+    size_host_cache,
+)
+from tierserve.presets import GPU_PRESETS, MODEL_PRESETS, gpu_preset, model_preset
+from tierserve.units import GB, GiB, format_gb, parse_size
+
+# The seed's server: Kimi-K2.5 on 8 GPUs, as SGLang reported it and as the user measured RAM.
+SEED_BYTES_PER_TOKEN = 136_793
+SEED_DEVICE_TOKENS = 127_000
+SEED_BUDGET = HostBudget(available=445 * GB, overhead=40 * GB, margin=10 * GB, local_ranks=8)
+SEED_FLAGS = [
+    "--model",
+    "kimi-k2",
+    "--tp",
+    "8",
+    "--gpu",
+    "rtx-pro-6000",
+    "--kv-bytes-per-token",
+    str(SEED_BYTES_PER_TOKEN),
+    "--max-total-tokens",
+    str(SEED_DEVICE_TOKENS),
+    "--host-mem",
+    "445GB",
+    "--overhead",
+    "40GB",
+    "--margin",
+    "10GB",
+]
+
+
+def shape(name: str) -> KVShape:
+    return KVShape.from_hf_config(model_preset(name).config)
+
+
+def seed_inputs() -> PlanInputs:
+    spec = planner.model_spec("kimi-k2", model_preset("kimi-k2").config, weights=0)
+    machine = Machine("rtx-pro-6000", GPU_PRESETS["rtx-pro-6000"].memory_bytes, 445 * GB)
+    machine = Machine(**{**machine.__dict__, "host_overhead": 40 * GB, "host_margin": 10 * GB})
+    return PlanInputs(
+        model=spec,
+        machine=machine,
+        tp=8,
+        kv_bytes_per_token_per_rank=SEED_BYTES_PER_TOKEN,
+        device_tokens_per_rank=SEED_DEVICE_TOKENS,
+    )
+
+
+# --- KV bytes per token ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "total", "per_rank_tp8", "replicated_tp8"),
+    [
+        ("llama-3-8b", 131_072, 16_384, False),  # 8 KV heads: one per rank
+        ("llama-3-70b", 327_680, 40_960, False),
+        ("qwen2.5-7b", 57_344, 14_336, True),  # 4 KV heads < 8 ranks: each head on 2 ranks
+        ("qwen3-8b", 147_456, 18_432, False),
+        ("deepseek-v3", 70_272, 70_272, True),  # MLA: the latent is whole on every rank
+        ("deepseek-r1", 70_272, 70_272, True),
+        ("kimi-k2", 70_272, 70_272, True),
+    ],
+)
+def test_kv_bytes_per_token_against_hand_computed(
+    name: str, total: int, per_rank_tp8: int, replicated_tp8: bool
+) -> None:
+    assert kv_bytes_per_token(shape(name), "bf16", tp=1) == (total, total, False)
+    assert kv_bytes_per_token(shape(name), "bf16", tp=8) == (total, per_rank_tp8, replicated_tp8)
+
+
+def test_mla_fp8_halves_the_latent() -> None:
+    assert kv_bytes_per_token(shape("deepseek-v3"), "fp8", tp=1).total == 35_136
+    assert kv_bytes_per_token(shape("deepseek-v3"), "fp8", tp=8) == (35_136, 35_136, True)
+    assert 61 * (512 + 64) * 2 == 70_272  # the formula, written out
+
+
+def test_copies_of_replicated_kv() -> None:
+    assert planner.kv_copies(shape("deepseek-v3"), 8) == 8
+    assert planner.kv_copies(shape("qwen2.5-7b"), 8) == 2
+    assert planner.kv_copies(shape("llama-3-8b"), 8) == 1
+    assert planner.kv_copies(shape("llama-3-8b"), 1) == 1
+
+
+def test_attention_kinds_and_mla_detection() -> None:
+    assert shape("kimi-k2").attention == "MLA"
+    assert shape("llama-3-70b").attention == "GQA"
+    mha = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
+    assert KVShape.from_hf_config(mha).attention == "MHA"
+    assert KVShape.from_hf_config(mha).head_dim == 16
+
+
+def test_measured_override_keeps_the_split() -> None:
+    kv = kv_bytes_per_token(shape("llama-3-8b"), "bf16", tp=8)
+    assert planner.override_per_rank(kv, 20_000) == (160_000, 20_000, False)
+    with pytest.raises(TierserveError):
+        planner.override_per_rank(kv, 0)
+
+
+def test_unknown_kv_dtype_is_a_user_error() -> None:
+    with pytest.raises(TierserveError, match="KV dtype"):
+        kv_bytes_per_token(shape("llama-3-8b"), "int3")
+
+
+# --- weights and presets ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
+def test_preset_configs_reproduce_their_published_parameter_counts(name: str) -> None:
+    preset = MODEL_PRESETS[name]
+    estimate = planner.estimate_parameters(preset.config)
+    assert estimate == pytest.approx(preset.num_parameters, rel=0.001)
+
+
+def test_checkpoint_weight_dtype() -> None:
+    assert planner.checkpoint_weight_dtype(model_preset("deepseek-v3").config) == "fp8"
+    assert planner.checkpoint_weight_dtype(model_preset("qwen3-8b").config) == "bf16"
+    int4 = {"quantization_config": {"quant_method": "compressed-tensors"}}
+    int4["quantization_config"]["config_groups"] = {"group_0": {"weights": {"num_bits": 4}}}
+    assert planner.checkpoint_weight_dtype({"text_config": int4}) == "int4"
+
+
+def test_gpu_presets() -> None:
+    assert gpu_preset("rtx-pro-6000").memory_bytes == 97_887 * 2**20  # 96 GB Blackwell
+    assert gpu_preset("H100") is GPU_PRESETS["h100-80gb"]
+    assert gpu_preset("h200").memory_bytes > 140 * GiB
+    assert gpu_preset("80GB") is None
+
+
+def test_unknown_model_preset_lists_the_known_ones() -> None:
+    with pytest.raises(TierserveError, match="llama-3-8b"):
+        model_preset("llama-9")
+
+
+# --- device pool -----------------------------------------------------------------------------
+
+
+def test_device_pool_is_static_fraction_minus_weights() -> None:
+    assert planner.device_pool_bytes(80 * GB, 0.9, 16 * GB) == 56 * GB
+    assert planner.device_pool_bytes(80 * GB, 0.5, 60 * GB) == 0  # weights do not fit
+    assert planner.weights_per_rank(16 * GB, 8) == 2 * GB
+    assert planner.tokens_in(999_900, 100, page_size=16) == 9_984
+
+
+def test_local_ranks() -> None:
+    assert planner.local_ranks(8, 8) == 8
+    assert planner.local_ranks(16, 8) == 8  # TP across two nodes
+    assert planner.local_ranks(4, 8) == 8  # two TP groups share the node
+    assert planner.local_ranks(3, 8) == 6
+    assert planner.local_ranks(1, 1) == 1
+
+
+# --- host sizing: the seed's numbers ---------------------------------------------------------
+
+
+def test_seed_device_pool_bytes() -> None:
+    pool_bytes = SEED_DEVICE_TOKENS * SEED_BYTES_PER_TOKEN
+    assert pool_bytes / GB == pytest.approx(17.4, abs=0.05)
+
+
+@pytest.mark.parametrize(("ratio", "gb", "fits"), [(2.5, 43.4, True), (3.0, 52.1, False)])
+def test_seed_hicache_ratio(ratio: float, gb: float, fits: bool) -> None:
+    request = HostRequest.of_ratio(ratio)
+    host = size_host_cache(SEED_BYTES_PER_TOKEN, SEED_DEVICE_TOKENS, request, SEED_BUDGET)
+    assert host.tokens_per_rank == int(SEED_DEVICE_TOKENS * ratio)
+    assert host.bytes_per_rank / GB == pytest.approx(gb, abs=0.05)
+    assert host.bytes_per_node == 8 * host.bytes_per_rank
+    assert host.fits is fits
+
+
+def test_seed_auto_host_size_is_the_per_rank_share() -> None:
+    auto = size_host_cache(
+        SEED_BYTES_PER_TOKEN, SEED_DEVICE_TOKENS, HostRequest.auto(), SEED_BUDGET
+    )
+    assert SEED_BUDGET.usable == 395 * GB
+    assert auto.max_bytes_per_rank == 49_375_000_000  # (445 − 40 − 10) GB / 8, rounded down
+    assert auto.bytes_per_rank / GB == pytest.approx(49.4, abs=0.05)
+    assert auto.bytes_per_node / GB == pytest.approx(395, abs=0.01)
+    assert auto.fits
+    assert "/ 8 local ranks" in auto.formula and "rounded down" in auto.formula
+
+
+def test_host_request_modes() -> None:
+    args = (SEED_BYTES_PER_TOKEN, SEED_DEVICE_TOKENS)
+    per_node = size_host_cache(*args, HostRequest.per_node(384 * GB), SEED_BUDGET)
+    per_rank = size_host_cache(*args, HostRequest.per_rank(48 * GB), SEED_BUDGET)
+    assert per_node.tokens_per_rank == per_rank.tokens_per_rank == 48 * GB // SEED_BYTES_PER_TOKEN
+    assert size_host_cache(*args, HostRequest("off"), SEED_BUDGET).bytes_per_node == 0
+    too_big = size_host_cache(*args, HostRequest.per_rank(300 * GB), SEED_BUDGET)
+    assert not too_big.fits and too_big.bytes_per_node / GB == pytest.approx(2400, abs=0.01)
+
+
+def test_host_budget_rejects_negative_sizes() -> None:
+    with pytest.raises(TierserveError):
+        HostBudget(available=-1, overhead=0, margin=0, local_ranks=1)
+    with pytest.raises(TierserveError):
+        HostRequest.per_rank(-5)
+
+
+# --- the plan --------------------------------------------------------------------------------
+
+
+def test_plan_dict_has_the_documented_keys() -> None:
+    data = make_plan(seed_inputs()).to_dict()
+    for key in (
+        "kv_bytes_per_token_per_rank",
+        "kv_replicated",
+        "device_tokens_per_rank",
+        "host_bytes_per_rank",
+        "host_bytes_per_node",
+        "host_tokens_per_rank",
+        "fits",
+    ):
+        assert key in data
+    assert data["kv_bytes_per_token_per_rank"] == SEED_BYTES_PER_TOKEN
+    assert data["kv_replicated"] is True
+    assert data["device_tokens_per_rank"] == SEED_DEVICE_TOKENS
+    assert data["host_bytes_per_node"] / GB == pytest.approx(395, abs=0.01)
+    assert data["fits"] is True
+    json.dumps(data)  # serialisable as is
+
+
+def test_plan_warns_about_the_per_rank_trap_and_replicated_copies() -> None:
+    warnings = "\n".join(make_plan(seed_inputs()).warnings)
+    assert "PER RANK" in warnings and "8 × 394 GB" in warnings
+    assert "identical on every rank" in warnings and "7 other" in warnings
+
+
+def test_plan_launch_flags() -> None:
+    plan = make_plan(seed_inputs())
+    assert "--enable-hierarchical-cache --hicache-size 49" in plan.flags.sglang
+    # vLLM takes GiB for the whole instance: 8 ranks × ~49.4 GB.
+    assert f"--kv-offloading-size {plan.recommended.bytes_per_rank * 8 // GiB}" in plan.flags.vllm
+    assert "--host-cache-size 394GB" in plan.flags.tierserve
+    ratio = make_plan(PlanInputs(**{**seed_inputs().__dict__, "host": HostRequest.of_ratio(2.5)}))
+    assert ratio.flags.sglang.endswith("--hicache-ratio 2.5")
+    sized = make_plan(PlanInputs(**{**seed_inputs().__dict__, "host": HostRequest.per_rank(48e9)}))
+    assert sized.flags.sglang.endswith("--hicache-size 48")
+
+
+def test_plan_concurrency_at_the_average_length() -> None:
+    inputs = PlanInputs(**{**seed_inputs().__dict__, "workload": planner.Workload(4000, 150)})
+    plan = make_plan(inputs)
+    assert plan.device_concurrency == SEED_DEVICE_TOKENS // 4000 == 31
+    assert plan.cached_concurrency == plan.total_tokens_per_rank // 4000
+    assert any("150 requests" in w for w in plan.warnings)
+
+
+def test_plan_inputs_are_validated() -> None:
+    with pytest.raises(TierserveError, match="mem_fraction_static"):
+        PlanInputs(**{**seed_inputs().__dict__, "mem_fraction_static": 1.5})
+    with pytest.raises(TierserveError, match="tp"):
+        PlanInputs(**{**seed_inputs().__dict__, "tp": 0})
+
+
+# --- SGLang command lines --------------------------------------------------------------------
+
+
+def test_seed_hicache_size_300_does_not_fit() -> None:
+    flags = "--tp-size 8 --enable-hierarchical-cache --hicache-size 300"
+    check = check_sglang(flags, seed_inputs())
+    text = "\n".join(check.lines)
+    assert not check.fits
+    assert check.host_tokens_per_rank == 300 * GB // SEED_BYTES_PER_TOKEN + 1  # + SGLang's page
+    assert "8 ranks × 300.0 GB = 2,400.0 GB requested" in text
+    assert "395.0 GB usable" in text and "does NOT fit" in text
+    assert "SGLang's own check passes" in text  # each rank alone sees enough RAM
+    assert check.suggestion.startswith("--hicache-size 49 ")
+    assert "--hicache-ratio 2.8" in check.suggestion
+
+
+def test_seed_hicache_size_48_fits() -> None:
+    check = check_sglang("--tp-size 8 --enable-hierarchical-cache --hicache-size 48", seed_inputs())
+    assert check.fits and check.suggestion == ""
+    assert check.host_bytes_per_node / GB == pytest.approx(384, abs=0.01)
+
+
+def test_sglang_ratio_and_defaults() -> None:
+    # No size: SGLang multiplies the device pool by --hicache-ratio, default 2.0.
+    check = check_sglang("--tp 8 --enable-hierarchical-cache", seed_inputs())
+    assert check.host_tokens_per_rank == 2 * SEED_DEVICE_TOKENS + 1
+    assert check.fits
+    three = check_sglang("--tp 8 --enable-hierarchical-cache --hicache-ratio 3.0", seed_inputs())
+    assert not three.fits
+
+
+def test_sglang_without_hierarchical_cache_uses_no_host_ram() -> None:
+    check = check_sglang("--tp-size 8 --hicache-size 300", seed_inputs())
+    assert check.fits and check.host_bytes_per_node == 0
+    assert "not set" in check.lines[-1]
+
+
+def test_sglang_reads_a_whole_command_line() -> None:
+    command = (
+        "NCCL_PROTO=LL python -m sglang.launch_server --model-path /models/kimi \\\n"
+        "  --tp-size 8 --mem-fraction-static=0.93 --enable-hierarchical-cache "
+        "--hicache-write-policy write_through --hicache-size 48 --kv-cache-dtype fp8_e4m3"
+    )
+    flags = planner.parse_sglang_flags(command)
+    assert (flags.tp, flags.hicache_size_gb, flags.mem_fraction_static) == (8, 48, 0.93)
+    assert flags.model_path == "/models/kimi" and flags.local_ranks == 8
+    assert planner.sglang_kv_dtype(flags.kv_cache_dtype, "bf16") == "fp8"
+
+
+def test_sglang_size_takes_whole_gb_like_sglang() -> None:
+    with pytest.raises(TierserveError, match="SGLang flags"):
+        planner.parse_sglang_flags("--hicache-size 300GB")
+
+
+# --- units -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("48GB", 48 * 10**9),
+        ("48GiB", 48 * 2**30),
+        ("0.5TB", 5 * 10**11),
+        ("48", 48 * 10**9),  # bare number: decimal GB, as SGLang
+        ("300 MB", 300 * 10**6),
+        ("1.5 gib", 3 * 2**29),
+        ("0.1TB", 10**11),
+        ("512B", 512),
+    ],
+)
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize(("text", "message"), [("-5GB", "negative"), ("abc", "cannot read")])
+def test_parse_size_rejects(text: str, message: str) -> None:
+    with pytest.raises(TierserveError, match=message):
+        parse_size(text, field="host_mem")
+
+
+def test_parse_size_names_unknown_units() -> None:
+    with pytest.raises(TierserveError, match="unknown unit 'XB'") as err:
+        parse_size("48XB", field="margin")
+    assert err.value.field == "margin"
+
+
+def test_format_gb() -> None:
+    assert format_gb(17_374_000_000) == "17.4 GB"
+    assert format_gb(2_400 * GB) == "2,400.0 GB"
+
+
+# --- CLI -------------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def only_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    # cli.main imports every subcommand's module; `serve` pulls in torch and the engine, which
+    # these tests neither need nor should wait for.
+    monkeypatch.setattr(cli, "SUBCOMMANDS", {"plan": cli.SUBCOMMANDS["plan"]})
+
+
+def run_plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = cli.main(["plan", *args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_cli_table_for_the_seed(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_plan(capsys, *SEED_FLAGS)
+    assert code == 0
+    assert "136,793 B" in out and "identical on all 8 ranks" in out
+    assert "127,000" in out and "49.4 GB" in out and "395.0 GB" in out
+    assert "--hicache-size 49" in out and "fits: yes" in out
+
+
+def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_plan(capsys, *SEED_FLAGS, "--host-ratio", "2.5", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["fits"] is True
+    assert data["host_mode"] == "ratio"
+    assert data["host_tokens_per_rank"] == 317_500
+    assert data["host_bytes_per_rank"] / GB == pytest.approx(43.4, abs=0.05)
+
+
+def test_cli_check_sglang_seed(capsys: pytest.CaptureFixture[str]) -> None:
+    bad = "--tp-size 8 --enable-hierarchical-cache --hicache-size 300"
+    code, out, _ = run_plan(capsys, *SEED_FLAGS, "--check-sglang", bad)
+    assert code == 1
+    assert "DOES NOT FIT" in out and "8 ranks × 300.0 GB = 2,400.0 GB" in out
+    assert "what fits: --hicache-size 49" in out
+    good = "--tp-size 8 --enable-hierarchical-cache --hicache-size 48"
+    code, out, _ = run_plan(capsys, *SEED_FLAGS, "--check-sglang", good, "--json")
+    assert code == 0 and json.loads(out)["fits"] is True
+
+
+def test_cli_model_that_does_not_fit_the_gpus(capsys: pytest.CaptureFixture[str]) -> None:
+    # Kimi-K2 as published is FP8, ~1 TB: 128 GB per rank cannot fit a 96 GB GPU.
+    base = ["--model", "kimi-k2", "--tp", "8", "--gpu", "rtx-pro-6000", "--host-mem", "445GB"]
+    code, out, _ = run_plan(capsys, *base)
+    assert code == 1 and "no room for KV" in out and "fits: NO" in out
+    code, out, _ = run_plan(capsys, *base, "--weights", "594GB", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["device_tokens_per_rank"] > 100_000
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "llama-9"], "unknown model preset"),
+        (["--model", "llama-3-8b", "--host-mem=-4GB"], "host_mem must not be negative"),
+        (["--model", "llama-3-8b", "--overhead=-1", "--host-mem", "1TB"], "must not be negative"),
+        (["--model", "llama-3-8b", "--host-mem", "four GB"], "cannot read host_mem"),
+        (["--model", "llama-3-8b", "--host-mem", "4QB"], "unknown unit"),
+        (["--model", "llama-3-8b", "--gpu", "h900"], "cannot read gpu"),
+        (["--model", "llama-3-8b", "--host-mem", "64GB", "--tp", "0"], "tp must be > 0"),
+        (["--host-mem", "64GB"], "give --model"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    code, out, err = run_plan(capsys, *args)
+    assert code == 2 and out == ""
+    assert err.count("\n") == 1 and message in err
+
+
+def test_cli_argparse_errors_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["plan", "--model", "llama-3-8b", "--tp", "eight"])
+    assert exc.value.code == 2
+
+
+def test_cli_reads_host_ram_from_this_machine(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import psutil
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: SimpleNamespace(available=123 * GB))
+    code, out, _ = run_plan(capsys, "--model", "llama-3-8b", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["host_available_bytes"] == 123 * GB
+
+
+def test_cli_reads_a_hf_config_from_disk(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "num_hidden_layers": 16,
+        "hidden_size": 2048,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "intermediate_size": 8192,
+        "vocab_size": 128256,
+        "torch_dtype": "bfloat16",
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(b"\0" * 4096)
+    args = ["--gpu", "24GB", "--host-mem", "64GB", "--json"]
+    code, out, _ = run_plan(capsys, "--model", str(tmp_path), *args)
+    data = json.loads(out)
+    assert code == 0
+    assert data["kv_bytes_per_token"] == 2 * 16 * 8 * 64 * 2 == 32_768
+    assert data["weights_bytes"] == 4096  # the checkpoint's own size
+    code, out, _ = run_plan(capsys, "--model", str(tmp_path / "config.json"), *args)
+    assert json.loads(out)["kv_bytes_per_token"] == 32_768
+
+
+def test_cli_reads_a_nested_mla_config(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Kimi-K2.5-style: the language model's config sits under text_config.
+    config = {"model_type": "kimi_k25", "text_config": model_preset("kimi-k2").config}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    args = ["--model", str(tmp_path), "--tp", "8", "--host-mem", "445GB", "--json"]
+    _, out, _ = run_plan(capsys, *args, "--gpu", "h200")
+    data = json.loads(out)
+    assert data["attention"] == "MLA" and data["kv_bytes_per_token_per_rank"] == 70_272
+    assert data["kv_replicated"] is True
+    # No safetensors here: parameters estimated from the config, at its FP8 quantization.
+    assert data["weights_bytes"] == planner.estimate_parameters(config)

@@ -1,0 +1,422 @@
+"""`tierserve plan`: KV capacity and host-cache sizing before launch, for tierserve, SGLang, vLLM.
+
+This module reads flags, files and this machine's free RAM; all arithmetic is in planner.py.
+Exit status: 0 the plan fits, 1 it does not (the output says why and what does), 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+from tierserve import planner
+from tierserve.errors import TierserveError
+from tierserve.planner import HostRequest, Machine, ModelSpec, Plan, PlanInputs, SGLangCheck
+from tierserve.presets import GPU_PRESETS, MODEL_PRESETS, gpu_preset, model_preset
+from tierserve.units import format_bytes, format_count, format_gb, parse_size
+
+SIZES = "sizes: 48GB, 48GiB, 0.5TB, 300MB; a bare number is decimal GB (as SGLang's flags)"
+EPILOG = f"""{SIZES}. Exit status: 0 the plan fits, 1 it does not, 2 bad input.
+Per rank = one TP process (one GPU); per node = all ranks on one machine, sharing its RAM."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = EPILOG
+    _add_model_arguments(parser)
+    _add_machine_arguments(parser)
+    _add_host_request(parser)
+    add = parser.add_argument
+    add(
+        "--avg-seq-len",
+        type=int,
+        default=4000,
+        metavar="N",
+        help="prompt + output tokens of an average request (4000)",
+    )
+    add("--concurrency", type=int, metavar="N", help="requests you want in flight")
+    add(
+        "--check-sglang",
+        metavar="FLAGS",
+        help="check an SGLang command line instead, e.g. "
+        '"--tp-size 8 --enable-hierarchical-cache --hicache-size 48"',
+    )
+    add("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add(
+        "--model",
+        metavar="PATH_OR_PRESET",
+        help=f"checkpoint directory, its config.json, or a preset: {', '.join(MODEL_PRESETS)}",
+    )
+    add(
+        "--kv-dtype",
+        default="bf16",
+        choices=sorted(planner.KV_DTYPE_BYTES),
+        help="KV cache dtype (bf16)",
+    )
+    add(
+        "--kv-bytes-per-token",
+        type=int,
+        metavar="N",
+        help="measured KV bytes per token PER RANK (as the server logs it); overrides the formula",
+    )
+    add(
+        "--weights",
+        metavar="SIZE",
+        help="weights of all ranks together (the checkpoint's size); default: the "
+        "directory's *.safetensors, else parameters × dtype",
+    )
+    add(
+        "--weight-dtype",
+        choices=sorted(planner.WEIGHT_DTYPE_BYTES),
+        help="estimate weights as parameters × this dtype (default: the checkpoint's)",
+    )
+
+
+def _add_machine_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--tp", type=int, default=1, metavar="N", help="tensor-parallel ranks, one per GPU (1)")
+    add(
+        "--gpu",
+        default="h100-80gb",
+        metavar="PRESET_OR_SIZE",
+        help=f"memory of one GPU: {', '.join(GPU_PRESETS)}, or a size (h100-80gb)",
+    )
+    add("--gpus", type=int, metavar="N", help="GPUs per node (default: --tp)")
+    add(
+        "--mem-fraction-static",
+        type=float,
+        default=0.85,
+        metavar="F",
+        help="fraction of GPU memory for weights + KV pool, as SGLang's (0.85)",
+    )
+    add(
+        "--max-total-tokens",
+        type=int,
+        metavar="N",
+        help="device pool tokens per rank; overrides the memory formula",
+    )
+    add(
+        "--page-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tokens per KV page; pools hold whole pages (1)",
+    )
+    add(
+        "--host-mem",
+        metavar="SIZE",
+        help="host RAM available on one node (default: read from this machine)",
+    )
+    add(
+        "--overhead",
+        metavar="SIZE",
+        help="host RAM the server takes besides its KV cache, per node "
+        "(default: 5GB per local rank)",
+    )
+    add(
+        "--margin",
+        default="10GiB",
+        metavar="SIZE",
+        help="host RAM kept free, per node (10GiB, SGLang's own reserve)",
+    )
+
+
+def _add_host_request(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    add = group.add_argument
+    add("--host-per-node", metavar="SIZE", help="host cache of the whole node, all ranks together")
+    add(
+        "--host-per-rank",
+        metavar="SIZE",
+        help="host cache of each rank (what SGLang's --hicache-size means)",
+    )
+    add(
+        "--host-ratio",
+        type=float,
+        metavar="R",
+        help="host tokens = device tokens × R (SGLang's --hicache-ratio)",
+    )
+    add("--no-host-cache", action="store_true", help="device pool only")
+    # None of the four: the largest host cache that fits.
+
+
+def run(ns: argparse.Namespace) -> int:
+    inputs = build_inputs(ns, load_model(_model_arg(ns), ns.weight_dtype, _weights(ns)))
+    if ns.check_sglang is not None:
+        check = planner.check_sglang(ns.check_sglang, inputs)
+        print(_json(check.to_dict()) if ns.json else render_check(check))
+        return 0 if check.fits else 1
+    plan = planner.make_plan(inputs)
+    print(_json(plan.to_dict()) if ns.json else render_plan(plan))
+    return 0 if plan.fits else 1
+
+
+def _json(data: dict) -> str:
+    return json.dumps(data, indent=2, ensure_ascii=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def _model_arg(ns: argparse.Namespace) -> str:
+    """--model, else the --model-path of the SGLang command line being checked."""
+    if ns.model:
+        return ns.model
+    if ns.check_sglang is not None:
+        path = planner.parse_sglang_flags(ns.check_sglang).model_path
+        if path:
+            return path
+    raise TierserveError("give --model: a preset, a checkpoint directory or a config.json", "model")
+
+
+def _weights(ns: argparse.Namespace) -> int | None:
+    return _optional_size(ns.weights, "weights")
+
+
+def _optional_size(text: str | None, field: str) -> int | None:
+    return None if text is None else parse_size(text, field=field)
+
+
+def load_model(text: str, weight_dtype: str | None, weights: int | None) -> ModelSpec:
+    """A preset name, a checkpoint directory, or a config.json path."""
+    path = Path(text).expanduser()
+    if not path.exists():
+        preset = model_preset(text)  # raises with the list of presets
+        spec = planner.model_spec(
+            preset.name,
+            preset.config,
+            preset.num_parameters,
+            weight_dtype or preset.weight_dtype,
+            weights,
+        )
+        return _with_path(spec, preset.hf_id)
+    config_path = path / "config.json" if path.is_dir() else path
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as err:
+        raise TierserveError(f"cannot read {config_path}: {err}", field="model") from err
+    if weights is None and weight_dtype is None:
+        weights = _safetensors_bytes(config_path.parent)
+    name = config_path.parent.name or str(config_path.parent)
+    spec = planner.model_spec(name, config, weight_dtype=weight_dtype, weights=weights)
+    return _with_path(spec, str(config_path.parent))
+
+
+def _safetensors_bytes(directory: Path) -> int | None:
+    """The checkpoint's own size is the best weight estimate there is."""
+    sizes = [f.stat().st_size for f in directory.glob("*.safetensors")]
+    return sum(sizes) or None
+
+
+def _with_path(spec: ModelSpec, path: str) -> ModelSpec:
+    return dataclasses.replace(spec, path=path)
+
+
+def _gpu(text: str) -> tuple[str, int]:
+    preset = gpu_preset(text)
+    if preset is not None:
+        return preset.name, preset.memory_bytes
+    size = parse_size(text, field="gpu")
+    return format_gb(size), size
+
+
+def _host_available(text: str | None) -> tuple[int, str]:
+    if text is not None:
+        return parse_size(text, field="host_mem"), "--host-mem"
+    import psutil  # only when asked to read this machine
+
+    return psutil.virtual_memory().available, "this machine, psutil"
+
+
+def _host_request(ns: argparse.Namespace) -> HostRequest:
+    if ns.no_host_cache:
+        return HostRequest("off")
+    if ns.host_ratio is not None:
+        return HostRequest.of_ratio(ns.host_ratio)
+    if ns.host_per_rank is not None:
+        return HostRequest.per_rank(parse_size(ns.host_per_rank, field="host_per_rank"))
+    if ns.host_per_node is not None:
+        return HostRequest.per_node(parse_size(ns.host_per_node, field="host_per_node"))
+    return HostRequest.auto()
+
+
+def build_inputs(ns: argparse.Namespace, model: ModelSpec) -> PlanInputs:
+    gpu_name, gpu_memory = _gpu(ns.gpu)
+    available, source = _host_available(ns.host_mem)
+    machine = Machine(
+        gpu_name=gpu_name,
+        gpu_memory=gpu_memory,
+        host_available=available,
+        host_source=source,
+        gpus_per_node=ns.gpus,
+        host_overhead=_optional_size(ns.overhead, "overhead"),
+        host_margin=parse_size(ns.margin, field="margin"),
+    )
+    return PlanInputs(
+        model=model,
+        machine=machine,
+        tp=ns.tp,
+        kv_dtype=ns.kv_dtype,
+        mem_fraction_static=ns.mem_fraction_static,
+        page_size=ns.page_size,
+        host=_host_request(ns),
+        workload=planner.Workload(ns.avg_seq_len, ns.concurrency),
+        kv_bytes_per_token_per_rank=ns.kv_bytes_per_token,
+        device_tokens_per_rank=ns.max_total_tokens,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# Output
+
+Row = tuple[str, str, str]
+
+
+def _table(sections: list[tuple[str, list[Row]]]) -> list[str]:
+    lines = []
+    for title, rows in sections:
+        lines.append(title)
+        lines += [f"  {label:<26}{value:>16}   {note}".rstrip() for label, value, note in rows]
+        lines.append("")
+    return lines
+
+
+def _kv_note(plan: Plan) -> str:
+    kv, tp = plan.inputs.model.kv, plan.inputs.tp
+    if kv.is_mla:
+        return f"MLA latent: not split, identical on all {tp} ranks" if tp > 1 else "MLA latent"
+    if plan.kv.replicated:
+        return (
+            f"{kv.num_kv_heads} KV heads < tp {tp}: 1 head per rank, each on {plan.kv_copies} ranks"
+        )
+    return (
+        f"{kv.num_kv_heads} KV heads split over {tp} ranks"
+        if tp > 1
+        else f"{kv.num_kv_heads} KV heads"
+    )
+
+
+def _device_rows(plan: Plan) -> list[Row]:
+    inputs = plan.inputs
+    gpu, frac = inputs.machine.gpu_memory, inputs.mem_fraction_static
+    static = int(gpu * frac)
+    length = format_count(inputs.workload.avg_seq_len)
+    pool_note = f"= {format_gb(static)} − {format_gb(plan.weights_bytes_per_rank)}"
+    if inputs.device_tokens_per_rank is not None:
+        pool_note = "--max-total-tokens given; memory formula not used"
+    return [
+        (
+            "weights",
+            format_gb(plan.weights_bytes_per_rank),
+            f"{inputs.model.weight_note} / {inputs.tp} ranks",
+        ),
+        ("GPU × mem-fraction-static", format_gb(static), f"{format_gb(gpu)} × {frac:g}"),
+        ("KV pool", format_gb(plan.device_pool_bytes_per_rank), pool_note),
+        (
+            "tokens",
+            format_count(plan.device_tokens_per_rank),
+            f"pool // {format_bytes(plan.kv.per_rank)}",
+        ),
+        (f"requests of {length} tokens", format_count(plan.device_concurrency), "decoding at once"),
+    ]
+
+
+def _host_rows(plan: Plan) -> list[Row]:
+    budget, best, host = plan.budget, plan.recommended, plan.host
+    usable_note = (
+        f"= {format_gb(budget.available)} available − {format_gb(budget.overhead)} overhead "
+        f"− {format_gb(budget.margin)} margin"
+    )
+    rows = [
+        ("usable on the node", format_gb(budget.usable), usable_note),
+        ("recommended per rank", format_gb(best.bytes_per_rank), _per_rank_note(plan)),
+        ("recommended per node", format_gb(best.bytes_per_node), f"× {plan.local_ranks} ranks"),
+        ("host tokens per rank", format_count(best.tokens_per_rank), "at the recommended size"),
+    ]
+    if host.mode == "auto":
+        return rows
+    verdict = "fits" if host.fits else "DOES NOT FIT"
+    sizes = f"{format_gb(host.bytes_per_rank)}/rank, {format_gb(host.bytes_per_node)}/node"
+    requested = f"{plan.inputs.host.describe()}: {sizes}, {verdict}"
+    return [*rows, ("requested host tokens", format_count(host.tokens_per_rank), requested)]
+
+
+def _per_rank_note(plan: Plan) -> str:
+    budget = plan.budget
+    return f"= {format_gb(budget.usable)} / {budget.local_ranks} local ranks, rounded down"
+
+
+def _total_rows(plan: Plan) -> list[Row]:
+    length = format_count(plan.inputs.workload.avg_seq_len)
+    mode = "recommended" if plan.host.mode == "auto" else "requested"
+    return [
+        ("tokens per rank", format_count(plan.total_tokens_per_rank), f"device + {mode} host"),
+        (
+            f"requests of {length} tokens",
+            format_count(plan.cached_concurrency),
+            "whose KV stays cached (device + host)",
+        ),
+    ]
+
+
+def _header(plan: Plan) -> str:
+    inputs, machine = plan.inputs, plan.inputs.machine
+    gpus = f"{plan.local_ranks} × {machine.gpu_name} ({format_gb(machine.gpu_memory)} each)"
+    nodes = f" on {plan.nodes} nodes" if plan.nodes > 1 else ""
+    return (
+        f"tierserve plan: {inputs.model.name} ({inputs.model.kv.attention}), KV {inputs.kv_dtype}, "
+        f"TP {inputs.tp}{nodes}, {gpus}, mem-fraction-static {inputs.mem_fraction_static:g}\n"
+        f"host RAM: {format_gb(machine.host_available)} available ({machine.host_source})\n"
+    )
+
+
+def render_plan(plan: Plan) -> str:
+    kv_rows: list[Row] = [
+        ("whole model", format_bytes(plan.kv.total), f"one copy, {plan.inputs.kv_dtype}"),
+        ("per rank", format_bytes(plan.kv.per_rank), _kv_note(plan)),
+    ]
+    sections = [
+        ("KV bytes per token", kv_rows),
+        ("Device pool, per rank", _device_rows(plan)),
+        ("Host cache", _host_rows(plan)),
+        ("Total", _total_rows(plan)),
+    ]
+    lines = [_header(plan), *_table(sections)]
+    lines.append("fits: yes" if plan.fits else "fits: NO (see warnings)")
+    lines += ["", "Launch flags", *_flag_lines(plan)]
+    if plan.warnings:
+        lines += ["", "Warnings", *(f"  - {w}" for w in plan.warnings)]
+    return "\n".join(lines)
+
+
+def _flag_lines(plan: Plan) -> list[str]:
+    if plan.device_tokens_per_rank == 0:
+        return ["  none: the model leaves no room for KV on these GPUs (see warnings)"]
+    path, flags = plan.inputs.model.path or plan.inputs.model.name, plan.flags
+    return [
+        f"  tierserve serve --model {path} {flags.tierserve}",
+        "    --host-cache-size: per node, all local ranks together",
+        f"  python -m sglang.launch_server --model-path {path} {flags.sglang}",
+        "    --hicache-size: decimal GB PER RANK; --hicache-ratio: × each rank's device pool",
+        f"  vllm serve {path} {flags.vllm}",
+        "    --gpu-memory-utilization also covers activations (vLLM's KV pool comes out smaller);",
+        "    --kv-offloading-size: GiB for the whole instance, split across its TP ranks",
+    ]
+
+
+def render_check(check: SGLangCheck) -> str:
+    verdict = "fits" if check.fits else "DOES NOT FIT"
+    plan = check.plan
+    lines = [
+        f"tierserve plan --check-sglang: {verdict}",
+        f"  model {plan.inputs.model.name}: {format_bytes(plan.kv.per_rank)} of KV per token "
+        f"per rank, device pool {format_count(plan.device_tokens_per_rank)} tokens per rank",
+        *(f"  {line}" for line in check.lines),
+    ]
+    return "\n".join(lines)
