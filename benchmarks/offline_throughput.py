@@ -95,7 +95,9 @@ def main() -> None:
         theirs = run_transformers(model, prompts, args.output_len, args.hf_batch_size)
     print(f"model: {model}  threads: {torch.get_num_threads()}  prompts: {len(prompts)}")
     print(f"tierserve     {ours:8.1f} output tok/s")
-    print(f"transformers  {theirs:8.1f} output tok/s (batched generate, batch {args.hf_batch_size})")
+    print(
+        f"transformers  {theirs:8.1f} output tok/s (batched generate, batch {args.hf_batch_size})"
+    )
     print(f"ratio         {ours / theirs:8.2f}x")
 
 

@@ -105,4 +105,7 @@ def llama_dir(checkpoints) -> Path:
 
 def random_prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(2, VOCAB, (lengths[i % len(lengths)],), generator=g).tolist() for i in range(n)]
+    return [
+        torch.randint(2, VOCAB, (lengths[i % len(lengths)],), generator=g).tolist()
+        for i in range(n)
+    ]

@@ -32,7 +32,9 @@ def test_top_k_samples_only_the_top_tokens():
     logits = torch.randn(1, 50, generator=torch.Generator().manual_seed(1))
     top3 = set(logits[0].topk(3).indices.tolist())
     gen = torch.Generator().manual_seed(2)
-    drawn = {sample(logits, [SamplingParams(temperature=5.0, top_k=3)], [gen])[0] for _ in range(200)}
+    drawn = {
+        sample(logits, [SamplingParams(temperature=5.0, top_k=3)], [gen])[0] for _ in range(200)
+    }
     assert drawn == top3
 
 
@@ -98,7 +100,9 @@ def test_stop_string_across_token_boundary_is_not_emitted(llm):
     cut = llm.generate(prompt, SamplingParams(max_tokens=40, temperature=0, stop=[stop]))[0]
     assert cut.text == full.text[:at]
     assert cut.finish_reason == "stop"
-    streamed = "".join(llm.generate_stream(prompt, SamplingParams(max_tokens=40, temperature=0, stop=[stop])))
+    streamed = "".join(
+        llm.generate_stream(prompt, SamplingParams(max_tokens=40, temperature=0, stop=[stop]))
+    )
     assert streamed == cut.text
 
 

@@ -45,7 +45,8 @@ class EngineArgs:
         ),
     )
     device: str = field(
-        default="auto", metadata=_flag("auto = cuda when available", choices=["auto", "cpu", "cuda"])
+        default="auto",
+        metadata=_flag("auto = cuda when available", choices=["auto", "cpu", "cuda"]),
     )
     page_size: int = field(default=16, metadata=_flag("tokens per KV page"))
     max_total_tokens: int | None = field(

@@ -33,9 +33,7 @@ class SamplingParams:
         if self.max_tokens <= 0:
             raise TierserveError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
         if self.temperature < 0:
-            raise TierserveError(
-                f"temperature must be >= 0, got {self.temperature}", "temperature"
-            )
+            raise TierserveError(f"temperature must be >= 0, got {self.temperature}", "temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise TierserveError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < -1:

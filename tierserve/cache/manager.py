@@ -63,7 +63,9 @@ class KVCacheManager:
         tokens = req.all_ids[:n]
         present = self.radix.insert(tokens, req.pages[: n // self.page_size])
         # Another request inserted [tree_tokens, present) first: keep its pages, free ours.
-        self.allocator.free(req.pages[req.tree_tokens // self.page_size : present // self.page_size])
+        self.allocator.free(
+            req.pages[req.tree_tokens // self.page_size : present // self.page_size]
+        )
         pages, node = self.radix.match_prefix(tokens)
         req.pages[: len(pages)] = pages
         self.radix.lock(node)

@@ -50,7 +50,9 @@ class LLM:
                     finished[out.request_id] = out
         return [finished[rid] for rid in rids]
 
-    def generate_stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[str]:
+    def generate_stream(
+        self, prompt: Prompt, params: SamplingParams | None = None
+    ) -> Iterator[str]:
         """Yields text deltas of one prompt as its tokens are produced."""
         rid = self.engine.add_request(prompt, params or SamplingParams())
         try:
