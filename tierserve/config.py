@@ -74,6 +74,33 @@ class EngineArgs:
     disable_radix_cache: bool = field(
         default=False, metadata=_flag("turn off prefix sharing between requests")
     )
+    enable_hierarchical_cache: bool = field(
+        default=False, metadata=_flag("keep KV evicted from the device in a host-RAM tier")
+    )
+    hicache_ratio: float = field(
+        default=2.0,
+        metadata=_flag("host tier tokens = this × device pool tokens (used when no size is given)"),
+    )
+    hicache_size: str | None = field(
+        default=None,
+        metadata=_flag(
+            "host tier size PER RANK, as in SGLang (48GB, 48GiB, 0.5TB; a bare number is "
+            "decimal GB), or 'auto' = (available RAM − overhead − margin) / local ranks"
+        ),
+    )
+    hicache_node_size: str | None = field(
+        default=None,
+        metadata=_flag(
+            "host tier size for ALL local ranks together, split evenly (units as above)"
+        ),
+    )
+    hicache_write_policy: str = field(
+        default="write_through",
+        metadata=_flag(
+            "when KV is copied to the host",
+            choices=["write_through", "write_through_selective", "write_back"],
+        ),
+    )
     attention_backend: str = field(
         default="torch", metadata=_flag("attention kernel backend", choices=["torch"])
     )
@@ -95,6 +122,15 @@ class EngineArgs:
             raise TierserveError(
                 f"chunked_prefill_size must be > 0 or -1 (off), got {self.chunked_prefill_size}",
                 field="chunked_prefill_size",
+            )
+        if self.hicache_size is not None and self.hicache_node_size is not None:
+            raise TierserveError(
+                "give --hicache-size (per rank) or --hicache-node-size (per node), not both",
+                field="hicache_size",
+            )
+        if self.hicache_ratio <= 0:
+            raise TierserveError(
+                f"hicache_ratio must be > 0, got {self.hicache_ratio}", field="hicache_ratio"
             )
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise TierserveError(

@@ -1,4 +1,5 @@
-"""Request-level KV bookkeeping: match a prefix, grow a request's pages, hand pages to the tree.
+"""Request-level KV bookkeeping: match a prefix, load its host part back, grow a request's
+pages, hand computed pages to the tree, offload a preempted request.
 
 A request's page table is `pages`; its first `tree_tokens / page_size` pages belong to the radix
 tree (locked through `node` while the request runs), the rest are the request's own.
@@ -6,21 +7,42 @@ tree (locked through `node` while the request runs), the rest are the request's 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tierserve.cache.pool import KVPool, PageAllocator, pages_for
 from tierserve.cache.radix import RadixCache
+from tierserve.cache.tiers import HostTier
 
 if TYPE_CHECKING:
     from tierserve.engine.request import Request
 
 
+@dataclass(frozen=True)
+class PrefixHit:
+    device_tokens: int
+    host_tokens: int  # loaded back from the host
+    missed_host_tokens: int = 0  # on the host, but no device room to load them now
+
+    @property
+    def tokens(self) -> int:
+        return self.device_tokens + self.host_tokens
+
+
 class KVCacheManager:
-    def __init__(self, pool: KVPool, enable_radix_cache: bool) -> None:
+    def __init__(
+        self, pool: KVPool, enable_radix_cache: bool, host: HostTier | None = None
+    ) -> None:
         self.pool = pool
         self.page_size = pool.page_size
         self.allocator = PageAllocator(pool.num_pages)
-        self.radix = RadixCache(self.page_size, self.allocator.free) if enable_radix_cache else None
+        self.host = host
+        self.radix: RadixCache | None = None
+        if enable_radix_cache:
+            free_host = host.allocator.free if host else None
+            self.radix = RadixCache(self.page_size, self.allocator.free, free_host)
+        if host is not None:
+            host.radix = self.radix
 
     @property
     def num_pages(self) -> int:
@@ -31,46 +53,91 @@ class KVCacheManager:
         evictable = self.radix.evictable_pages if self.radix else 0
         return self.allocator.num_free + evictable
 
-    def match(self, req: Request) -> int:
-        """Attach the longest cached prefix to a request being admitted; returns its tokens."""
+    # --- admission --------------------------------------------------------------------------
+
+    def match(self, req: Request) -> PrefixHit:
+        """Attach the longest cached prefix to a request being admitted, loading its host part
+        back to the device when there is room."""
         if self.radix is None:
-            return 0
+            return PrefixHit(0, 0)
         # The last token is always recomputed: its logits give the next token.
-        pages, node = self.radix.match_prefix(req.all_ids[: len(req.all_ids) - 1])
-        self.radix.lock(node)
-        req.node, req.pages = node, list(pages)
-        req.tree_tokens = req.num_computed = len(pages) * self.page_size
-        return req.tree_tokens
+        m = self.radix.match_prefix(req.all_ids[: len(req.all_ids) - 1])
+        req.pages = list(m.device_pages)
+        host_pages = m.host_page_count if self.host else 0
+        # Lock the whole match first: the allocation below must not evict any of it.
+        req.node = m.host_nodes[-1] if host_pages else m.device_node
+        self.radix.lock(req.node)
+        loaded = self._alloc(host_pages) if host_pages else None
+        if loaded is not None:
+            self.host.load_back(m.host_nodes, loaded)
+            req.pages += loaded
+        elif host_pages:
+            self.radix.unlock(req.node)
+            req.node = m.device_node
+            self.radix.lock(req.node)
+        req.tree_tokens = req.num_computed = len(req.pages) * self.page_size
+        device = len(m.device_pages) * self.page_size
+        host = host_pages * self.page_size
+        return PrefixHit(device, host if loaded else 0, 0 if loaded else host)
+
+    def commit(self, req: Request, hit: PrefixHit) -> None:
+        """The request was admitted with `hit`: count it (selective write-through uses it)."""
+        if self.radix is None or req.node is None:
+            return
+        self.radix.record_hit_path(req.node)
+        if self.host is not None:
+            self.host.stats.device_hit_tokens += hit.device_tokens
+            self.host.stats.host_hit_tokens += hit.host_tokens
+            self.host.backup_hot(req.node)
+
+    # --- growth and eviction ----------------------------------------------------------------
 
     def grow(self, req: Request, num_tokens: int) -> bool:
         """Give `req` pages for its first `num_tokens` tokens; False when memory is short."""
         need = pages_for(num_tokens, self.page_size) - len(req.pages)
         if need <= 0:
             return True
-        if self.allocator.num_free < need and self.radix is not None:
-            self.radix.evict(need - self.allocator.num_free)
-        pages = self.allocator.alloc(need)
+        pages = self._alloc(need)
         if pages is None:
             return False
         req.pages.extend(pages)
         return True
+
+    def _alloc(self, n: int) -> list[int] | None:
+        if self.allocator.num_free < n and self.radix is not None:
+            hook = self.host.before_device_drop if self.host else None
+            freed = self.radix.evict(n - self.allocator.num_free, before_drop=hook)
+            if self.host:
+                self.host.stats.device_evicted_tokens += freed * self.page_size
+        return self.allocator.alloc(n)
+
+    # --- handing pages to the tree ----------------------------------------------------------
 
     def cache_prefix(self, req: Request) -> None:
         """Move the request's computed whole pages into the tree so others can share them."""
         n = req.num_computed // self.page_size * self.page_size
         if self.radix is None or n <= req.tree_tokens:
             return
+        ps = self.page_size
         tokens = req.all_ids[:n]
-        present = self.radix.insert(tokens, req.pages[: n // self.page_size])
+        present, node = self.radix.insert(tokens, req.pages[: n // ps])
         # Another request inserted [tree_tokens, present) first: keep its pages, free ours.
-        self.allocator.free(
-            req.pages[req.tree_tokens // self.page_size : present // self.page_size]
-        )
-        pages, node = self.radix.match_prefix(tokens)
-        req.pages[: len(pages)] = pages
+        self.allocator.free(req.pages[req.tree_tokens // ps : present // ps])
+        m = self.radix.match_prefix(tokens)
+        assert m.device_node is node and not m.host_nodes
+        req.pages[: len(m.device_pages)] = m.device_pages
         self.radix.lock(node)
         self._unlock(req)
         req.node, req.tree_tokens = node, n
+        if self.host is not None:
+            self.host.after_insert(node)
+
+    def offload(self, req: Request) -> bool:
+        """Preemption by offload: keep a preempted request's KV on the host; True if it is."""
+        if self.host is None or self.radix is None:
+            return False
+        self.cache_prefix(req)
+        return req.node is not None and self.host.backup(req.node)
 
     def release(self, req: Request, keep_in_cache: bool) -> None:
         """Free a finished (kept in cache) or preempted (dropped) request's KV."""
@@ -83,6 +150,8 @@ class KVCacheManager:
     def _unlock(self, req: Request) -> None:
         if req.node is not None and self.radix is not None:
             self.radix.unlock(req.node)
+
+    # --- inspection -------------------------------------------------------------------------
 
     def flush(self) -> int:
         return self.radix.reset() if self.radix else 0
@@ -99,3 +168,7 @@ class KVCacheManager:
                 f"page leak: free {self.allocator.num_free} + tree {self.cached_pages()} "
                 f"+ requests {owned} = {total} != {self.num_pages}"
             )
+        if self.host is not None and self.radix is not None:
+            used = self.host.used_pages
+            if used != self.radix.host_pages:
+                raise AssertionError(f"host leak: {used} used, tree holds {self.radix.host_pages}")

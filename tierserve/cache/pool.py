@@ -34,6 +34,7 @@ class KVPool(ABC):
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
+        self.layer_waiter: Callable[[int], None] | None = None
 
     @property
     def num_slots(self) -> int:
@@ -48,11 +49,18 @@ class KVPool(ABC):
         """K/V of one layer in `pages` ([..., P]), as [kv_heads, ..., P * page_size, head_dim]."""
 
     @abstractmethod
-    def read_pages(self, pages: torch.Tensor) -> torch.Tensor:
-        """All layers' KV of `pages`, as one tensor that `write_pages` takes back (tier copies)."""
+    def read_pages(self, pages: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """KV of `pages` (all layers, or one), as one tensor `write_pages` takes back."""
 
     @abstractmethod
-    def write_pages(self, pages: torch.Tensor, data: torch.Tensor) -> None: ...
+    def write_pages(
+        self, pages: torch.Tensor, data: torch.Tensor, layer: int | None = None
+    ) -> None: ...
+
+    def wait_layer(self, layer: int) -> None:
+        """Block compute on `layer` until a pending load-back into it has landed."""
+        if self.layer_waiter is not None:
+            self.layer_waiter(layer)
 
 
 class MHAKVPool(KVPool):
@@ -63,19 +71,25 @@ class MHAKVPool(KVPool):
     """
 
     def __init__(
-        self, shape: PoolShape, num_pages: int, page_size: int, device: torch.device
+        self,
+        shape: PoolShape,
+        num_pages: int,
+        page_size: int,
+        device: torch.device,
+        host_tier: bool = False,
+        pin_memory: bool = False,
     ) -> None:
         super().__init__(num_pages, page_size)
         self.shape = shape
-        self.kv = torch.zeros(
-            shape.num_layers,
-            2,
-            shape.num_kv_heads,
-            num_pages * page_size,
-            shape.head_dim,
-            dtype=shape.dtype,
-            device=device,
-        )
+        self.device = torch.device(device)
+        dims = (shape.num_layers, 2, shape.num_kv_heads, num_pages * page_size, shape.head_dim)
+        if host_tier:
+            # Only pages written are ever read: leave it untouched, so RAM is committed as the
+            # tier fills. Pinned on CUDA machines, for async copies.
+            self.kv = torch.empty(dims, dtype=shape.dtype, pin_memory=pin_memory)
+        else:
+            # Padded attention reads unused pages with zero weight; 0 × stale NaN would not be 0.
+            self.kv = torch.zeros(dims, dtype=shape.dtype, device=self.device)
 
     # index_copy_/index_select: several times faster than advanced indexing on CPU.
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -100,11 +114,24 @@ class MHAKVPool(KVPool):
         offsets = torch.arange(self.page_size, device=pages.device)
         return (pages[:, None] * self.page_size + offsets).flatten()
 
-    def read_pages(self, pages: torch.Tensor) -> torch.Tensor:
-        return self.kv[:, :, :, self._page_slots(pages)]
+    def read_pages(self, pages: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        slots = self._page_slots(pages.to(self.kv.device))
+        return (
+            self.kv.index_select(3, slots)
+            if layer is None
+            else self.kv[layer].index_select(2, slots)
+        )
 
-    def write_pages(self, pages: torch.Tensor, data: torch.Tensor) -> None:
-        self.kv[:, :, :, self._page_slots(pages)] = data
+    def write_pages(
+        self, pages: torch.Tensor, data: torch.Tensor, layer: int | None = None
+    ) -> None:
+        slots = self._page_slots(pages.to(self.kv.device))
+        target = self.kv if layer is None else self.kv[layer]
+        target.index_copy_(target.dim() - 2, slots, data.to(self.kv.device, non_blocking=True))
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.shape.bytes_per_token * self.page_size
 
 
 POOLS: dict[str, Callable[..., KVPool]] = {"mha": MHAKVPool}

@@ -1,8 +1,13 @@
-"""Radix tree over token ids at page granularity: which prefixes already have KV, and where.
+"""Radix tree over token ids at page granularity: which prefixes have KV, and in which tier.
 
 Edges hold whole pages: a node's key is a run of tokens whose length is a multiple of the page
-size, and `pages` holds one page id per `page_size` tokens. Nodes in use are locked (a request
-locks the path from its deepest matched node to the root); only unlocked leaves are evicted, LRU.
+size. A node's KV may be on the device (`pages`), on the host (`host_pages`), or both. Both sets
+are closed under prefixes: a node is on the device only if its parent is, and has a host copy
+only if its parent has one, so a match is a device part followed by a host part.
+
+Requests lock the path from their deepest device node to the root; locked device pages are never
+evicted. Device eviction takes unlocked nodes with no child on the device, least recently used
+first; host eviction takes host-only leaves.
 """
 
 from __future__ import annotations
@@ -10,43 +15,86 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 
 class RadixNode:
-    __slots__ = ("children", "hit_count", "key", "last_access", "lock_ref", "pages", "parent")
+    __slots__ = (
+        "children",
+        "hit_count",
+        "host_pages",
+        "key",
+        "last_access",
+        "lock_ref",
+        "pages",
+        "parent",
+    )
 
     def __init__(self, key: tuple[int, ...], pages: list[int], parent: RadixNode | None) -> None:
         self.key = key
-        self.pages = pages
+        self.pages: list[int] | None = pages  # device pages; None once evicted from the device
+        self.host_pages: list[int] | None = None  # host copy, if backed up
         self.parent = parent
         self.children: dict[tuple[int, ...], RadixNode] = {}
         self.lock_ref = 0
         self.last_access = 0
         self.hit_count = 0
 
+    @property
+    def on_device(self) -> bool:
+        return self.pages is not None
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages) if self.pages is not None else len(self.host_pages or ())
+
     def __lt__(self, other: RadixNode) -> bool:  # heap order for LRU eviction
         return self.last_access < other.last_access
 
 
+@dataclass
+class PrefixMatch:
+    """A cached prefix: `device_pages` for the device part (ending at `device_node`), then
+    `host_nodes`, whose KV is only on the host, in prefix order."""
+
+    device_pages: list[int]
+    device_node: RadixNode
+    host_nodes: list[RadixNode] = field(default_factory=list)
+
+    @property
+    def host_page_count(self) -> int:
+        return sum(n.num_pages for n in self.host_nodes)
+
+
 class RadixCache:
-    def __init__(self, page_size: int, free_pages: Callable[[list[int]], None]) -> None:
+    def __init__(
+        self,
+        page_size: int,
+        free_pages: Callable[[list[int]], None],
+        free_host_pages: Callable[[list[int]], None] | None = None,
+    ) -> None:
         self.page_size = page_size
         self._free_pages = free_pages
+        self._free_host_pages = free_host_pages
         self._clock = itertools.count(1)
         self.root = RadixNode((), [], None)
+        self.root.host_pages = []
         self.root.lock_ref = 1  # the root is never evicted
-        self.evictable_pages = 0
-        self.locked_pages = 0
+        self.evictable_pages = 0  # device pages of unlocked nodes
+        self.locked_pages = 0  # device pages of locked nodes
+        self.host_pages = 0  # host pages held by nodes
 
     @property
     def num_pages(self) -> int:
+        """Device pages held by the tree."""
         return self.evictable_pages + self.locked_pages
 
     # --- lookup and insertion -------------------------------------------------------------
 
-    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], RadixNode]:
-        """Pages of the longest cached whole-page prefix of `tokens`, and its deepest node."""
-        node, pages, i = self.root, [], 0
+    def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch:
+        """The longest cached whole-page prefix of `tokens`, split by tier."""
+        node, i = self.root, 0
+        match = PrefixMatch([], self.root)
         tokens = tokens[: len(tokens) // self.page_size * self.page_size]
         while i < len(tokens):
             child = node.children.get(tuple(tokens[i : i + self.page_size]))
@@ -56,28 +104,58 @@ class RadixCache:
             if n < len(child.key):
                 child = self._split(child, n)
             self._touch(child)
-            child.hit_count += 1
-            pages.extend(child.pages)
+            if child.on_device:
+                match.device_pages.extend(child.pages)
+                match.device_node = child
+            else:
+                match.host_nodes.append(child)
             node, i = child, i + n
-        return pages, node
+        return match
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> int:
-        """Add a whole-page prefix; returns how many of its tokens the tree already held.
+    def record_hit_path(self, node: RadixNode) -> None:
+        """Count a use of `node` and its ancestors by an admitted request."""
+        for n in self._path(node):
+            n.hit_count += 1
 
-        The caller owns `pages` for the part already held and should free its own copies there.
+    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> tuple[int, RadixNode]:
+        """Add a whole-page prefix whose KV is on the device at `pages`.
+
+        Returns how many tokens the tree already held on the device (the caller frees its own
+        pages for them) and the node that ends the prefix. Host-only nodes along the way take
+        the caller's pages: they are on the device again.
         """
-        node, i = self.root, 0
+        node, i, present = self.root, 0, 0
         while i < len(tokens):
             child = node.children.get(tuple(tokens[i : i + self.page_size]))
             if child is None:
-                self._add_leaf(node, tuple(tokens[i:]), list(pages[i // self.page_size :]))
-                return i
+                node = self._add_leaf(node, tuple(tokens[i:]), list(pages[i // self.page_size :]))
+                break
             n = self._common_length(child.key, tokens, i)
             if n < len(child.key):
                 child = self._split(child, n)
             self._touch(child)
+            if child.on_device:
+                present = i + n
+            else:
+                ps = self.page_size
+                self.set_device_pages(child, list(pages[i // ps : (i + n) // ps]))
             node, i = child, i + n
-        return i
+        return present, node
+
+    def set_device_pages(self, node: RadixNode, pages: list[int]) -> None:
+        """Give a host-only node a device copy again (loaded back or recomputed)."""
+        assert node.pages is None and node.parent is not None and node.parent.on_device
+        node.pages = pages
+        if node.lock_ref:
+            self.locked_pages += len(pages)
+        else:
+            self.evictable_pages += len(pages)
+
+    def set_host_pages(self, node: RadixNode, host_pages: list[int]) -> None:
+        assert node.host_pages is None and node.parent is not None
+        assert node.parent.host_pages is not None, "host copies must form a prefix"
+        node.host_pages = host_pages
+        self.host_pages += len(host_pages)
 
     def _common_length(self, key: tuple[int, ...], tokens: Sequence[int], start: int) -> int:
         n, ps = 0, self.page_size
@@ -86,24 +164,30 @@ class RadixCache:
             n += ps
         return n
 
-    def _add_leaf(self, parent: RadixNode, key: tuple[int, ...], pages: list[int]) -> None:
+    def _add_leaf(self, parent: RadixNode, key: tuple[int, ...], pages: list[int]) -> RadixNode:
         leaf = RadixNode(key, pages, parent)
         parent.children[key[: self.page_size]] = leaf
         self._touch(leaf)
         self.evictable_pages += len(pages)
+        return leaf
 
     def _split(self, node: RadixNode, n: int) -> RadixNode:
         """Cut `node` after `n` tokens; the new upper half keeps its place, locks and history."""
         parent = node.parent
         assert parent is not None
-        upper = RadixNode(node.key[:n], node.pages[: n // self.page_size], parent)
+        cut = n // self.page_size
+        upper = RadixNode(node.key[:n], node.pages[:cut] if node.on_device else None, parent)
+        if node.host_pages is not None:
+            upper.host_pages, node.host_pages = node.host_pages[:cut], node.host_pages[cut:]
         upper.lock_ref, upper.last_access, upper.hit_count = (
             node.lock_ref,
             node.last_access,
             node.hit_count,
         )
         parent.children[upper.key[: self.page_size]] = upper
-        node.key, node.pages, node.parent = node.key[n:], node.pages[n // self.page_size :], upper
+        node.key, node.parent = node.key[n:], upper
+        if node.on_device:
+            node.pages = node.pages[cut:]
         upper.children[node.key[: self.page_size]] = node
         return upper
 
@@ -114,7 +198,7 @@ class RadixCache:
 
     def lock(self, node: RadixNode) -> None:
         for n in self._path(node):
-            if n.lock_ref == 0:
+            if n.lock_ref == 0 and n.on_device:
                 self.evictable_pages -= len(n.pages)
                 self.locked_pages += len(n.pages)
             n.lock_ref += 1
@@ -122,7 +206,7 @@ class RadixCache:
     def unlock(self, node: RadixNode) -> None:
         for n in self._path(node):
             n.lock_ref -= 1
-            if n.lock_ref == 0:
+            if n.lock_ref == 0 and n.on_device:
                 self.evictable_pages += len(n.pages)
                 self.locked_pages -= len(n.pages)
 
@@ -134,29 +218,84 @@ class RadixCache:
 
     # --- eviction -------------------------------------------------------------------------
 
-    def evict(self, num_pages: int) -> int:
-        """Free at least `num_pages` pages from unlocked leaves, least recently used first."""
-        heap = [n for n in self.nodes() if not n.children and n.lock_ref == 0]
+    def device_candidates(self) -> list[RadixNode]:
+        """Unlocked device nodes with no child on the device, as an LRU heap."""
+        heap = [
+            n
+            for n in self.nodes()
+            if n.on_device and n.lock_ref == 0 and not any(c.on_device for c in n.children.values())
+        ]
         heapq.heapify(heap)
+        return heap
+
+    def evict(self, num_pages: int, before_drop: Callable[[RadixNode], None] | None = None) -> int:
+        """Free at least `num_pages` device pages, least recently used first.
+
+        `before_drop` may back a node up to the host first (write-back); a node with a host copy
+        keeps its place in the tree, one without is removed.
+        """
+        heap = self.device_candidates()
         freed = 0
         while heap and freed < num_pages:
-            leaf = heapq.heappop(heap)
-            freed += self._remove_leaf(leaf)
-            parent = leaf.parent
-            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+            node = heapq.heappop(heap)
+            if before_drop is not None and node.host_pages is None:
+                before_drop(node)
+            freed += self._drop_device(node)
+            parent = node.parent
+            if (
+                parent is not self.root
+                and parent.lock_ref == 0
+                and not any(c.on_device for c in parent.children.values())
+            ):
                 heapq.heappush(heap, parent)
         return freed
 
-    def _remove_leaf(self, leaf: RadixNode) -> int:
-        assert leaf.parent is not None
-        del leaf.parent.children[leaf.key[: self.page_size]]
-        self._free_pages(leaf.pages)
-        self.evictable_pages -= len(leaf.pages)
-        return len(leaf.pages)
+    def _drop_device(self, node: RadixNode) -> int:
+        freed = len(node.pages)
+        self._free_pages(node.pages)
+        self.evictable_pages -= freed
+        node.pages = None
+        if node.host_pages is None:
+            self._remove(node)
+        return freed
+
+    def evict_host(self, num_pages: int) -> int:
+        """Free at least `num_pages` host pages from unlocked host-only leaves, LRU first."""
+        heap = [n for n in self.nodes() if not n.children and not n.on_device and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < num_pages:
+            node = heapq.heappop(heap)
+            freed += len(node.host_pages)
+            self._drop_host(node)
+            parent = node.parent
+            if (
+                parent is not self.root
+                and not parent.children
+                and not parent.on_device
+                and parent.lock_ref == 0
+            ):
+                heapq.heappush(heap, parent)
+        return freed
+
+    def _drop_host(self, node: RadixNode) -> None:
+        assert self._free_host_pages is not None
+        self._free_host_pages(node.host_pages)
+        self.host_pages -= len(node.host_pages)
+        node.host_pages = None
+        if not node.on_device:
+            self._remove(node)
+
+    def _remove(self, node: RadixNode) -> None:
+        assert not node.children and node.parent is not None
+        del node.parent.children[node.key[: self.page_size]]
 
     def reset(self) -> int:
-        """Drop every unlocked node (flush); returns the pages freed."""
-        return self.evict(self.evictable_pages)
+        """Drop every unlocked node from both tiers (flush); returns device pages freed."""
+        freed = self.evict(self.evictable_pages)
+        if self._free_host_pages is not None:
+            self.evict_host(self.host_pages)
+        return freed
 
     def nodes(self) -> Iterator[RadixNode]:
         stack = list(self.root.children.values())

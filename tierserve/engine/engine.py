@@ -6,13 +6,16 @@ One synchronous loop; the offline `LLM` and the HTTP server both drive it.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from pathlib import Path
 
 import torch
 
+from tierserve.cache.host_sizing import size_host_tier, startup_table
 from tierserve.cache.manager import KVCacheManager
-from tierserve.cache.pool import POOLS, PoolShape, check_pool_size, pages_for
+from tierserve.cache.pool import POOLS, KVPool, PoolShape, check_pool_size, pages_for
+from tierserve.cache.tiers import HostTier
 from tierserve.config import EngineArgs, ModelConfig, default_model
 from tierserve.engine.detokenizer import IncrementalDetokenizer
 from tierserve.engine.request import Request, RequestOutput, Status
@@ -21,7 +24,10 @@ from tierserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfi
 from tierserve.errors import TierserveError
 from tierserve.layers.attention import ATTENTION_BACKENDS
 from tierserve.models.loader import load_model
+from tierserve.planner import HostSizing
 from tierserve.sampling_params import SamplingParams
+
+logger = logging.getLogger("tierserve")
 
 CPU_DEFAULT_POOL_TOKENS = 32768
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -67,8 +73,19 @@ class Engine:
         model = load_model(model_path, cfg, self.dtype, self.device)
         shape = PoolShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
         num_pages = check_pool_size(self._pool_tokens(shape), args.page_size)
+        host_sizing = self._size_host_tier(shape, num_pages)  # refuses before allocating
+        logger.info(
+            "KV cache plan:\n%s",
+            startup_table(
+                shape.bytes_per_token,
+                num_pages * args.page_size,
+                host_sizing,
+                args.hicache_write_policy,
+            ),
+        )
         pool = POOLS["mha"](shape, num_pages, args.page_size, self.device)
-        self.kv = KVCacheManager(pool, enable_radix_cache=not args.disable_radix_cache)
+        host = self._host_tier(pool, shape, host_sizing) if host_sizing else None
+        self.kv = KVCacheManager(pool, not args.disable_radix_cache, host)
         sched_cfg = SchedulerConfig(
             args.max_running_requests, args.chunked_prefill_size, self.context_length
         )
@@ -79,6 +96,30 @@ class Engine:
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
         self._default_generator = torch.Generator().manual_seed(args.seed)
+
+    def _size_host_tier(self, shape: PoolShape, num_pages: int) -> HostSizing | None:
+        if not self.args.enable_hierarchical_cache:
+            return None
+        if self.args.disable_radix_cache:
+            raise TierserveError(
+                "the hierarchical cache needs the radix cache; drop --disable-radix-cache",
+                field="enable_hierarchical_cache",
+            )
+        device_tokens = num_pages * self.args.page_size
+        # On CPU the "device" pool is host RAM too: it is part of what must fit.
+        overhead = device_tokens * shape.bytes_per_token if self.device.type == "cpu" else 0
+        return size_host_tier(self.args, shape.bytes_per_token, device_tokens, overhead)
+
+    def _host_tier(self, pool: KVPool, shape: PoolShape, sizing: HostSizing) -> HostTier:
+        host_pool = POOLS["mha"](
+            shape,
+            sizing.tokens_per_rank // self.args.page_size,
+            self.args.page_size,
+            torch.device("cpu"),
+            host_tier=True,
+            pin_memory=self.device.type == "cuda",
+        )
+        return HostTier(pool, host_pool, self.args.hicache_write_policy, shape.num_layers)
 
     def _context_length(self, cfg: ModelConfig) -> int:
         limit = self.args.context_length or cfg.max_position_embeddings

@@ -1,8 +1,9 @@
 """Continuous batching: each step decodes every running request and fills the rest of the
 token budget with (chunks of) prompts, admitted first come, first served while KV allows.
 
-When decode runs out of pages the newest running request is preempted: its own pages are freed
-and it waits at the front of the queue to be recomputed (its cached prefix survives in the tree).
+When decode runs out of pages the newest running request is preempted and waits at the front of
+the queue. With a host tier its KV is offloaded there and loaded back when it resumes; without
+one its own pages are freed and recomputed later (its cached prefix survives in the tree).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class ScheduledChunk:
 @dataclass
 class SchedulerStats:
     num_preemptions: int = 0
+    num_offload_preemptions: int = 0  # of those, KV kept on the host instead of dropped
     num_recomputed_tokens: int = 0  # tokens computed again after a preemption
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
@@ -87,6 +89,8 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         self.stats.num_preemptions += 1
         req.num_preemptions += 1
+        if self.kv.offload(req):
+            self.stats.num_offload_preemptions += 1
         self.kv.release(req, keep_in_cache=False)
         self.running.remove(req)
         req.status = Status.WAITING
@@ -98,17 +102,21 @@ class Scheduler:
         chunks = []
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
-            cached = self.kv.match(req)
+            hit = self.kv.match(req)
             n = min(req.remaining, budget)
             need = pages_for(req.num_computed + n, self.kv.page_size) - len(req.pages)
-            # Keep a page per running request in hand so admission does not force preemption.
-            if need + reserve > self.kv.available_pages() or not self.kv.grow(
-                req, req.num_computed + n
+            # Keep a page per running request in hand so admission does not force preemption;
+            # and wait, rather than recompute, while the host part cannot be loaded back.
+            if (
+                (hit.missed_host_tokens and self.running)
+                or need + reserve > self.kv.available_pages()
+                or not self.kv.grow(req, req.num_computed + n)
             ):
                 self.kv.release(req, keep_in_cache=False)
                 break
             self.waiting.popleft()
-            self._start(req, cached)
+            self.kv.commit(req, hit)
+            self._start(req, hit.tokens)
             chunks.append(ScheduledChunk(req, n))
             budget -= n
             reserve += 1

@@ -122,6 +122,7 @@ class TorchAttention(AttentionBackend):
     def forward(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
+        self.pool.wait_layer(layer)  # pages loaded back from the host for this step
         self.pool.write(layer, self.batch.out_slots, k, v)
         out = torch.empty_like(q)
         if len(self.decode_rows):

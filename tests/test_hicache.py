@@ -1,0 +1,176 @@
+"""Hierarchical cache: equal outputs with and without the host tier, host hits that happen,
+multi-turn reuse, preemption by offload, and start-up sizing that refuses what cannot fit."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import random_prompts
+from tierserve import LLM, SamplingParams, TierserveError
+
+GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+POLICIES = ["write_through", "write_through_selective", "write_back"]
+
+
+def mixed_workload(llm: LLM) -> list[list[int]]:
+    """A prefix used three times (hot enough for selective write-through), a flood that pushes
+    it off the device, the prefix again, then two rounds of multi-turn conversations."""
+    shared = random_prompts(1, [96], seed=20)[0]
+    tails = random_prompts(4, [12], seed=21)
+    flood = random_prompts(6, [180], seed=22)
+    outs = [llm.generate(shared + t, GREEDY)[0] for t in tails[:3]]
+    outs += llm.generate(flood, GREEDY)
+    outs += llm.generate(shared + tails[3], GREEDY)
+    convs = random_prompts(6, [150], seed=23)
+    for r in range(2):
+        round_outs = llm.generate(convs, GREEDY)
+        outs += round_outs
+        questions = random_prompts(6, [6], seed=30 + r)
+        convs = [c + o.token_ids + q for c, o, q in zip(convs, round_outs, questions, strict=True)]
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_outputs_equal_and_host_hits_for_every_policy(llama_dir, page_size):
+    common = dict(page_size=page_size, max_total_tokens=480, chunked_prefill_size=128)
+    reference = mixed_workload(LLM(str(llama_dir), **common))
+    for policy in POLICIES:
+        llm = LLM(
+            str(llama_dir),
+            enable_hierarchical_cache=True,
+            hicache_ratio=8,
+            hicache_write_policy=policy,
+            **common,
+        )
+        assert mixed_workload(llm) == reference, policy
+        stats = llm.engine.kv.host.stats
+        assert stats.host_hit_tokens > 0, policy
+        assert stats.load_backs > 0 and stats.load_back_bytes > 0, policy
+        assert stats.host_written_tokens > 0, policy
+        llm.engine.check_accounting()
+
+
+def run_multiturn(llm: LLM, page: int, clients=8, rounds=4, first=400, question=8, out=8):
+    convs = random_prompts(clients, [first], seed=40)
+    params = SamplingParams(max_tokens=out, temperature=0, ignore_eos=True)
+    recomputed = 0
+    prev_lens: list[int] = []
+    for r in range(rounds):
+        outs = llm.generate(convs, params)
+        if r >= 1:
+            for prev_len, o in zip(prev_lens, outs, strict=True):
+                floor = (prev_len + out - 1) // page * page
+                if llm.args.enable_hierarchical_cache:
+                    assert o.cached_tokens >= floor, (r, o.cached_tokens, floor)
+                recomputed += o.prompt_tokens - o.cached_tokens
+        prev_lens = [len(c) for c in convs]
+        questions = random_prompts(clients, [question], seed=50 + r)
+        convs = [c + o.token_ids + q for c, o, q in zip(convs, outs, questions, strict=True)]
+    return recomputed
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_multiturn_rounds_hit_the_host_tier(llama_dir, page_size):
+    # 8 conversations grow to ~450 tokens: the device pool holds about a quarter of them.
+    pool = 896
+    off = LLM(str(llama_dir), page_size=page_size, max_total_tokens=pool)
+    on = LLM(
+        str(llama_dir),
+        page_size=page_size,
+        max_total_tokens=pool,
+        enable_hierarchical_cache=True,
+        hicache_ratio=6,
+    )
+    without = run_multiturn(off, page_size)
+    with_cache = run_multiturn(on, page_size)
+    assert with_cache <= 0.10 * without, (with_cache, without)
+    assert on.engine.kv.host.stats.host_hit_tokens > 0
+    on.engine.check_accounting()
+
+
+def test_preemption_offloads_instead_of_recomputing(llama_dir):
+    prompts = random_prompts(10, [60, 140, 90, 200, 30], seed=60)
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    common = dict(page_size=16, max_total_tokens=640, chunked_prefill_size=64)
+    recompute = LLM(str(llama_dir), **common)
+    offload = LLM(str(llama_dir), enable_hierarchical_cache=True, hicache_ratio=4, **common)
+    a = recompute.generate(prompts, params)
+    b = offload.generate(prompts, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    sa, sb = recompute.engine.scheduler.stats, offload.engine.scheduler.stats
+    assert sa.num_preemptions > 0 and sb.num_offload_preemptions > 0
+    assert sa.num_offload_preemptions == 0
+    assert sb.num_recomputed_tokens < sa.num_recomputed_tokens
+    offload.engine.check_accounting()
+
+
+def test_flush_empties_both_tiers(llama_dir):
+    llm = LLM(str(llama_dir), max_total_tokens=512, enable_hierarchical_cache=True)
+    llm.generate(random_prompts(4, [100], seed=70), GREEDY)
+    assert llm.engine.kv.host.used_pages > 0
+    llm.engine.flush_cache()
+    assert llm.engine.kv.host.used_pages == 0
+    assert llm.engine.kv.allocator.num_free == llm.engine.kv.num_pages
+
+
+# --- sizing ---------------------------------------------------------------------------------
+
+
+def test_oversized_host_tier_is_refused_with_the_arithmetic(llama_dir):
+    with pytest.raises(TierserveError) as err:
+        LLM(str(llama_dir), enable_hierarchical_cache=True, hicache_size="100TB")
+    message = str(err.value)
+    assert "1 rank(s) × 100,000.0 GB = 100,000.0 GB requested" in message
+    assert "available" in message and "margin" in message
+    assert "use --hicache-size" in message and "--hicache-node-size" in message
+
+
+def test_serve_exits_2_within_seconds_allocating_nothing(llama_dir):
+    start = time.monotonic()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tierserve.cli",
+            "serve",
+            "--model",
+            str(llama_dir),
+            "--enable-hierarchical-cache",
+            "--hicache-node-size",
+            "50TB",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "requested" in proc.stderr and "use --hicache-size" in proc.stderr
+    assert time.monotonic() - start < 60
+
+
+def test_auto_size_starts_and_fits(llama_dir):
+    llm = LLM(str(llama_dir), enable_hierarchical_cache=True, hicache_size="auto")
+    host = llm.engine.kv.host
+    assert host.host_pool.num_pages > 0
+    llm.generate(random_prompts(2, [40], seed=71), GREEDY)
+    llm.engine.check_accounting()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"hicache_size": "48XB"}, "hicache_size"),
+        ({"hicache_size": "-4GB"}, "hicache_size"),
+        ({"hicache_size": "4GB", "hicache_node_size": "8GB"}, "hicache_size"),
+        ({"hicache_ratio": 0}, "hicache_ratio"),
+        ({"disable_radix_cache": True}, "enable_hierarchical_cache"),
+    ],
+)
+def test_bad_host_flags_are_user_errors(llama_dir, kwargs, field):
+    with pytest.raises(TierserveError) as err:
+        LLM(str(llama_dir), enable_hierarchical_cache=True, **kwargs)
+    assert err.value.field == field

@@ -1,0 +1,86 @@
+"""Start-up sizing of the host tier, with the planner's arithmetic, checked before allocating.
+
+The check is on the node total of every local rank, never on one rank alone (SGLang's trap:
+each rank checks free RAM by itself, and 8 × 300 GB hung a 449 GB machine). `node_total` is the
+hook through which tensor parallelism will sum the ranks' requests; one process is one rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import psutil
+
+from tierserve.config import EngineArgs
+from tierserve.errors import TierserveError
+from tierserve.planner import DEFAULT_MARGIN, HostBudget, HostRequest, HostSizing, size_host_cache
+from tierserve.units import format_bytes, format_count, format_gb, parse_size
+
+
+def host_request(args: EngineArgs) -> HostRequest:
+    if args.hicache_node_size is not None:
+        return HostRequest.per_node(parse_size(args.hicache_node_size, "hicache_node_size"))
+    if args.hicache_size is None:
+        return HostRequest.of_ratio(args.hicache_ratio)
+    if args.hicache_size.strip().lower() == "auto":
+        return HostRequest.auto()
+    return HostRequest.per_rank(parse_size(args.hicache_size, "hicache_size"))
+
+
+def single_rank_total(bytes_per_rank: int) -> list[int]:
+    return [bytes_per_rank]
+
+
+def size_host_tier(
+    args: EngineArgs,
+    bytes_per_token: int,
+    device_tokens: int,
+    overhead: int,
+    available: int | None = None,
+    node_total: Callable[[int], list[int]] = single_rank_total,
+) -> HostSizing:
+    """The host tier for this rank; raises with the arithmetic when the node would not fit."""
+    budget = HostBudget(
+        available=psutil.virtual_memory().available if available is None else available,
+        overhead=overhead,
+        margin=DEFAULT_MARGIN,
+        local_ranks=1,
+    )
+    request = host_request(args)
+    sizing = size_host_cache(bytes_per_token, device_tokens, request, budget, args.page_size)
+    requested = sum(node_total(sizing.bytes_per_rank))
+    if requested > budget.usable or sizing.tokens_per_rank < args.page_size:
+        raise TierserveError(refusal(sizing, budget, requested), field="hicache_size")
+    return sizing
+
+
+def refusal(sizing: HostSizing, budget: HostBudget, requested: int) -> str:
+    ranks = budget.local_ranks
+    most = budget.max_bytes_per_rank
+    return (
+        f"host cache does not fit: {ranks} rank(s) × {format_gb(sizing.bytes_per_rank)} = "
+        f"{format_gb(requested)} requested; {format_gb(budget.available)} available − "
+        f"{format_gb(budget.overhead)} overhead − {format_gb(budget.margin)} margin = "
+        f"{format_gb(budget.usable)} usable: use --hicache-size {most / 1e9:.1f} (per rank) or "
+        f"--hicache-node-size {most * ranks / 1e9:.1f}GB (per node), or --hicache-size auto"
+    )
+
+
+def startup_table(
+    bytes_per_token: int, device_tokens: int, sizing: HostSizing | None, policy: str
+) -> str:
+    rows = [
+        ("KV bytes per token per rank", format_bytes(bytes_per_token)),
+        ("device pool tokens per rank", format_count(device_tokens)),
+        ("device pool bytes per rank", format_gb(device_tokens * bytes_per_token, 3)),
+    ]
+    if sizing is not None:
+        rows += [
+            ("host tier tokens per rank", format_count(sizing.tokens_per_rank)),
+            ("host tier bytes per rank", format_gb(sizing.bytes_per_rank, 3)),
+            ("host tier bytes per node", format_gb(sizing.bytes_per_node, 3)),
+            ("host budget", sizing.formula),
+            ("write policy", policy),
+        ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
