@@ -12,6 +12,7 @@ from tierserve.errors import TierserveError
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("tierserve.serve_cli", "serve a model (OpenAI-compatible HTTP server)"),
     "plan": ("tierserve.plan_cli", "size the KV cache before launch (tierserve, SGLang, vLLM)"),
+    "batch": ("tierserve.batch", "run an OpenAI Batch file (resumable) against a server or model"),
 }
 
 

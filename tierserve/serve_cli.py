@@ -1,26 +1,50 @@
-"""`tierserve serve`: engine flags (shared with `LLM(**kwargs)`) plus where to listen."""
+"""`tierserve serve`: engine flags (shared with `LLM(**kwargs)`) plus where to listen.
+
+The engine is built, and every flag checked, before the port is opened: a bad flag or a cache
+that does not fit exits with status 2 and nothing half-started.
+"""
 
 from __future__ import annotations
 
 import argparse
+import logging
+from pathlib import Path
 
-from tierserve.config import EngineArgs
+from tierserve.config import EngineArgs, default_model
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument(
+        "--served-model-name", default=None, help="model id in the API (default: directory name)"
+    )
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+
+
+def served_model_name(args: EngineArgs, override: str | None = None) -> str:
+    return override or Path(args.model or default_model() or "model").name
 
 
 def run(ns: argparse.Namespace) -> int:
-    from tierserve.engine.llm import LLM
-    from tierserve.sampling_params import SamplingParams
+    import uvicorn
 
+    from tierserve.engine.engine import Engine
+    from tierserve.server.api import create_app
+    from tierserve.server.async_engine import AsyncEngine
+
+    logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     args = EngineArgs.from_cli(ns)
-    llm = LLM(**vars(args))
-    print(f"loaded {llm.engine.args.model or 'the bundled demo model'}; HTTP server: not yet built")
-    for delta in llm.generate_stream("ROMEO:", SamplingParams(max_tokens=64, temperature=0.8)):
-        print(delta, end="", flush=True)
-    print()
+    engine = Engine(args)  # raises TierserveError (exit 2) before anything listens
+    name = served_model_name(args, ns.served_model_name)
+    app = create_app(AsyncEngine(engine), name)
+    logging.getLogger("tierserve").info("serving %s on http://%s:%d/v1", name, ns.host, ns.port)
+    uvicorn.run(
+        app,
+        host=ns.host,
+        port=ns.port,
+        log_level=ns.log_level,
+        timeout_graceful_shutdown=120,  # SIGTERM: finish in-flight requests, then exit
+    )
     return 0

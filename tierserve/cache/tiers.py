@@ -68,7 +68,8 @@ class HostTier:
         if need == 0:
             return True
         if self.allocator.num_free < need:
-            self.radix.evict_host(need - self.allocator.num_free)
+            freed = self.radix.evict_host(need - self.allocator.num_free)
+            self.stats.host_evicted_tokens += freed * self.page_size
         host_pages = self.allocator.alloc(need)
         if host_pages is None:
             self.stats.host_write_failures += 1

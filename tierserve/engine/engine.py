@@ -97,6 +97,10 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._default_generator = torch.Generator().manual_seed(args.seed)
 
+    @staticmethod
+    def vocab_size_of(model_path: str) -> int:
+        return ModelConfig.from_dir(model_path).vocab_size
+
     def _size_host_tier(self, shape: PoolShape, num_pages: int) -> HostSizing | None:
         if not self.args.enable_hierarchical_cache:
             return None
@@ -152,25 +156,33 @@ class Engine:
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
+        req = self.make_request(prompt, params, request_id)
+        self.submit(req)
+        return req.rid
+
+    def make_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> Request:
+        """Tokenize and validate; touches no scheduler state, so another thread may call it."""
         prompt_ids = self._encode(prompt)
         self._validate(prompt_ids, params)
-        rid = request_id or str(next(self._ids))
-        if rid in self._requests:
-            raise TierserveError(f"request id {rid!r} is already in flight", field="request_id")
         generator = self._default_generator
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
-        req = Request(
-            rid=rid,
+        return Request(
+            rid=request_id or f"req-{next(self._ids)}",
             arrival=next(self._arrivals),
             prompt_ids=prompt_ids,
             params=params,
             detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
             generator=generator,
         )
-        self._requests[rid] = req
+
+    def submit(self, req: Request) -> None:
+        if req.rid in self._requests:
+            raise TierserveError(f"request id {req.rid!r} is already in flight", "request_id")
+        self._requests[req.rid] = req
         self.scheduler.add(req)
-        return rid
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -1,0 +1,380 @@
+"""The HTTP server against real clients: the official `openai` package, raw SSE, /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import random_prompts
+from tierserve import LLM, SamplingParams
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model: Path, *flags: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(model)]
+        cmd += ["--port", str(self.port), "--log-level", "warning", *flags]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.proc.stdout.read().decode()
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.3)
+        raise TimeoutError("server did not start")
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics").text
+        values = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return values
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir) -> Iterator[Server]:
+    s = Server(llama_dir, "--max-total-tokens", "4096")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(llama_dir) -> LLM:
+    return LLM(str(llama_dir), max_total_tokens=4096)
+
+
+def test_completion_matches_offline_and_reports_usage(client, offline):
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = offline.generate("Once upon a time", params)[0]
+    got = client.completions.create(
+        model="llama",
+        prompt="Once upon a time",
+        max_tokens=12,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    assert got.choices[0].text == expected.text
+    assert got.choices[0].finish_reason == "length"
+    assert got.usage.completion_tokens == 12
+    assert got.usage.prompt_tokens == expected.prompt_tokens
+    assert got.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_uses_the_template_and_streams_usage(client, offline):
+    messages = [{"role": "user", "content": "hello there"}]
+    whole = client.chat.completions.create(
+        model="llama", messages=messages, max_tokens=10, temperature=0
+    )
+    chunks = list(
+        client.chat.completions.create(
+            model="llama",
+            messages=messages,
+            max_tokens=10,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert (
+        chunks[-1].choices == []
+        and chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    )
+    # The same prompt twice: the second is served from the prefix cache.
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
+    tok = offline.tokenizer
+    prompt = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert whole.usage.prompt_tokens == len(tok(prompt, add_special_tokens=False).input_ids)
+
+
+def test_stop_strings_are_not_emitted(client):
+    full = client.completions.create(
+        model="llama",
+        prompt="The server",
+        max_tokens=20,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    text = full.choices[0].text
+    stop = text[5:7]
+    cut = client.completions.create(
+        model="llama", prompt="The server", max_tokens=20, temperature=0, stop=[stop]
+    )
+    assert cut.choices[0].text == text[: text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"max_tokens": 0},
+        {"temperature": -1},
+        {"top_p": 0},
+        {"max_tokens": 100000},
+        {"n": 2},
+        {"prompt": ""},
+        {"prompt": [999999]},
+    ],
+)
+def test_invalid_requests_are_400(client, kwargs):
+    body = {"model": "llama", "prompt": "hi", **kwargs}
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(**body)
+    assert err.value.status_code == 400
+    assert err.value.body["message"]
+
+
+def test_unknown_model_is_404_and_bad_json_400(client, server):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="hi")
+    bad = httpx.post(
+        f"{server.url}/v1/completions",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    huge = httpx.post(
+        f"{server.url}/v1/completions",
+        content=b"x" * (17 * 1024 * 1024),
+        headers={"content-type": "application/json"},
+    )
+    assert huge.status_code == 413
+
+
+def test_context_length_error_states_the_limit(client):
+    with pytest.raises(openai.BadRequestError, match="context length 2048"):
+        client.completions.create(model="llama", prompt=[5] * 2040, max_tokens=20)
+
+
+def test_native_generate_takes_token_ids(server):
+    reply = httpx.post(
+        f"{server.url}/generate",
+        json={
+            "input_ids": [5, 6, 7, 8],
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0},
+        },
+    )
+    body = reply.json()
+    assert reply.status_code == 200 and len(body["output_ids"]) <= 5
+    assert body["meta_info"]["prompt_tokens"] == 4
+
+
+def test_64_concurrent_streams_match_offline_greedy(server, offline):
+    prompts = random_prompts(64, [8, 30, 65, 120], seed=80)
+    params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
+    expected = [o.text for o in offline.generate(prompts, params)]
+
+    async def one(client: openai.AsyncOpenAI, prompt: list[int]) -> str:
+        stream = await client.completions.create(
+            model="llama",
+            prompt=prompt,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        return "".join([c.choices[0].text async for c in stream if c.choices])
+
+    async def all_streams() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x") as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    assert asyncio.run(all_streams()) == expected
+
+
+def test_aborted_streams_free_their_kv(server):
+    before = server.metrics().get("tierserve_requests_total{status=abort}", 0)
+
+    async def abort_half_way(client: httpx.AsyncClient, i: int) -> None:
+        body = {"prompt": [7 + i] * 50, "max_tokens": 400, "stream": True, "ignore_eos": True}
+        async with client.stream("POST", "/v1/completions", json=body) as reply:
+            seen = 0
+            async for line in reply.aiter_lines():
+                seen += line.startswith("data:")
+                if seen >= 5:
+                    break  # leaving the block closes the connection mid-stream
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
+            await asyncio.gather(*(abort_half_way(client, i) for i in range(20)))
+
+    asyncio.run(run())
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["tierserve_num_requests_running"] == 0 and m["tierserve_num_requests_waiting"] == 0:
+            break
+        time.sleep(0.2)
+    m = server.metrics()
+    assert m["tierserve_num_requests_running"] == 0
+    assert (
+        m["tierserve_kv_pages_used{tier=device}"] == m["tierserve_radix_cached_pages{tier=device}"]
+    )
+    assert m["tierserve_requests_total{status=abort}"] - before == 20
+    assert m["tierserve_generation_tokens_total"] < 20 * 400
+
+
+def test_metrics_parse_and_move(server, client):
+    before = server.metrics()
+    client.completions.create(
+        model="llama",
+        prompt="count me",
+        max_tokens=3,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
+    after = server.metrics()
+    assert (
+        after["tierserve_generation_tokens_total"]
+        == before["tierserve_generation_tokens_total"] + 3
+    )
+    assert after["tierserve_requests_total{status=length}"] > before.get(
+        "tierserve_requests_total{status=length}", 0
+    )
+    assert (
+        after["tierserve_time_to_first_token_seconds_count"]
+        > before["tierserve_time_to_first_token_seconds_count"]
+    )
+    assert after["tierserve_kv_pages_total{tier=device}"] == 4096 // 16
+
+
+def test_sigterm_drains_in_flight_requests(llama_dir):
+    s = Server(llama_dir, "--max-total-tokens", "2048")
+    try:
+        body = {
+            "prompt": [5] * 20,
+            "max_tokens": 120,
+            "stream": True,
+            "ignore_eos": True,
+            "stream_options": {"include_usage": True},
+        }
+        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=120) as reply:
+            lines = reply.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            s.proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data:")]
+        assert first and rest[-1] == "data: [DONE]"
+        usage = json.loads(rest[-2].removeprefix("data: "))["usage"]
+        assert usage["completion_tokens"] == 120
+        # uvicorn re-raises the signal once drained, so the status says "ended by SIGTERM".
+        assert s.proc.wait(timeout=60) in (0, -signal.SIGTERM)
+    finally:
+        s.stop()
+
+
+def test_server_with_hierarchical_cache_reports_host_tier(llama_dir):
+    s = Server(
+        llama_dir,
+        "--max-total-tokens",
+        "256",
+        "--enable-hierarchical-cache",
+        "--hicache-ratio",
+        "8",
+    )
+    try:
+        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x")
+        prompts = random_prompts(4, [150], seed=81)
+        for _ in range(2):
+            for p in prompts:
+                c.completions.create(model="llama", prompt=p, max_tokens=2, temperature=0)
+        m = s.metrics()
+        assert m["tierserve_cached_tokens_total{tier=host}"] > 0
+        assert m["tierserve_kv_pages_total{tier=host}"] > 0
+        assert m["tierserve_load_back_tokens_total"] > 0
+    finally:
+        s.stop()
+
+
+def test_batch_runner_resumes_after_a_kill(llama_dir, tmp_path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    with src.open("w") as f:
+        for i in range(40):
+            body = {
+                "model": "gpt-x",
+                "prompt": [3 + i % 50] * 30,
+                "max_tokens": 24,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            f.write(
+                json.dumps(
+                    {
+                        "custom_id": f"req-{i}",
+                        "method": "POST",
+                        "url": "/v1/completions",
+                        "body": body,
+                    }
+                )
+                + "\n"
+            )
+    cmd = [
+        sys.executable,
+        "-m",
+        "tierserve.cli",
+        "batch",
+        str(src),
+        "-o",
+        str(out),
+        "--model",
+        str(llama_dir),
+        "--concurrency",
+        "4",
+        "--no-progress",
+    ]
+    first = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and (not out.exists() or out.read_text().count("\n") < 5):
+        time.sleep(0.05)
+    os.kill(first.pid, signal.SIGKILL)
+    first.wait()
+    partial = out.read_text().count("\n")
+    assert 5 <= partial < 40, "kill the run part-way"
+    with out.open("a") as f:
+        f.write('{"id": "torn')  # a line cut off by the kill
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert f"{partial} already done" in done.stderr
+    ids = [json.loads(line)["custom_id"] for line in out.read_text().splitlines()]
+    assert sorted(ids) == sorted(f"req-{i}" for i in range(40))
+    assert all(
+        json.loads(line)["response"]["status_code"] == 200 for line in out.read_text().splitlines()
+    )

@@ -1,0 +1,201 @@
+"""`tierserve batch`: the OpenAI Batch file format, against a running server or in-process.
+
+Output lines are appended as requests complete, so a run that is killed loses nothing it
+finished: a rerun skips every `custom_id` already written (and drops a torn last line).
+Transient failures (connection errors, 429, 5xx) are retried with backoff; a request the server
+rejects (4xx) is written with its error, as OpenAI's batch output does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tierserve.config import EngineArgs
+from tierserve.errors import TierserveError
+
+RETRYABLE = {408, 429, 500, 502, 503, 504}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("input", help="OpenAI Batch input (.jsonl: custom_id, method, url, body)")
+    parser.add_argument("-o", "--output", required=True, help="output .jsonl (appended, resumable)")
+    parser.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--concurrency", type=int, default=64, help="requests in flight")
+    parser.add_argument("--max-retries", type=int, default=5)
+    parser.add_argument("--no-progress", action="store_true")
+    EngineArgs.add_cli_args(parser)  # used when no --url is given: an in-process engine
+
+
+def read_input(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        raise TierserveError(f"input file not found: {path}", field="input")
+    lines, seen = [], set()
+    for number, raw in enumerate(path.read_text().splitlines(), 1):
+        if not raw.strip():
+            continue
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise TierserveError(f"{path}:{number}: not JSON ({err.msg})", "input") from None
+        missing = [k for k in ("custom_id", "url", "body") if k not in line]
+        if missing:
+            raise TierserveError(f"{path}:{number}: missing {missing}", "input")
+        if line["custom_id"] in seen:
+            raise TierserveError(f"{path}:{number}: duplicate custom_id {line['custom_id']!r}")
+        seen.add(line["custom_id"])
+        lines.append(line)
+    return lines
+
+
+def done_ids(path: Path) -> set[str]:
+    """custom_ids already written; a torn last line (the run was killed mid-write) is cut off."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    if keep < len(data):
+        with path.open("r+b") as f:
+            f.truncate(keep)
+    return {json.loads(line)["custom_id"] for line in data[:keep].splitlines() if line.strip()}
+
+
+@dataclass
+class Totals:
+    completed: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, status: int, body: dict[str, Any]) -> None:
+        if status != 200:
+            self.failed += 1
+            return
+        self.completed += 1
+        usage = body.get("usage") or {}
+        self.prompt_tokens += usage.get("prompt_tokens", 0)
+        self.completion_tokens += usage.get("completion_tokens", 0)
+        details = usage.get("prompt_tokens_details") or {}
+        self.cached_tokens += details.get("cached_tokens", 0) or 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+class BatchRunner:
+    def __init__(
+        self, client: httpx.AsyncClient, out: Path, ns: argparse.Namespace, any_model: bool
+    ) -> None:
+        self.client, self.out, self.ns = client, out, ns
+        self.any_model = any_model  # in-process: the file's model names mean our one model
+        self.totals = Totals()
+        self.lock = asyncio.Lock()
+        self.start = time.perf_counter()
+        self.bar = None
+
+    async def run(self, pending: list[dict[str, Any]]) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=len(pending), unit="req", disable=self.ns.no_progress)
+        gate = asyncio.Semaphore(self.ns.concurrency)
+        with self.out.open("a") as sink:
+
+            async def one(line: dict[str, Any]) -> None:
+                async with gate:
+                    status, body = await self._send(line)
+                await self._write(sink, line, status, body)
+
+            await asyncio.gather(*(one(line) for line in pending))
+        self.bar.close()
+
+    async def _send(self, line: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        body = {**line["body"], "stream": False}
+        if self.any_model:
+            body.pop("model", None)
+        for attempt in range(self.ns.max_retries + 1):
+            try:
+                reply = await self.client.post(line["url"], json=body, timeout=None)
+                if reply.status_code not in RETRYABLE or attempt == self.ns.max_retries:
+                    return reply.status_code, reply.json()
+            except (httpx.TransportError, json.JSONDecodeError) as err:
+                if attempt == self.ns.max_retries:
+                    return 599, {"error": {"message": f"{type(err).__name__}: {err}"}}
+            await asyncio.sleep(min(30.0, 0.5 * 2**attempt))
+        raise AssertionError("unreachable")
+
+    async def _write(self, sink: Any, line: dict, status: int, body: dict[str, Any]) -> None:
+        record = {
+            "id": f"batch_req_{uuid.uuid4().hex[:24]}",
+            "custom_id": line["custom_id"],
+            "response": {"status_code": status, "request_id": body.get("id"), "body": body},
+            "error": None if status == 200 else body.get("error"),
+        }
+        async with self.lock:
+            sink.write(json.dumps(record) + "\n")
+            sink.flush()  # survives the process being killed
+            self.totals.add(status, body)
+            elapsed = time.perf_counter() - self.start
+            self.bar.set_postfix(
+                tok_s=f"{self.totals.completion_tokens / elapsed:.0f}",
+                hit=f"{self.totals.hit_rate:.0%}",
+                failed=self.totals.failed,
+            )
+            self.bar.update(1)
+
+    def summary(self, skipped: int) -> str:
+        t, elapsed = self.totals, time.perf_counter() - self.start
+        return (
+            f"batch: {t.completed} completed, {t.failed} failed, {skipped} already done; "
+            f"{t.prompt_tokens} prompt tokens ({t.hit_rate:.1%} cached), "
+            f"{t.completion_tokens} completion tokens, "
+            f"{t.completion_tokens / max(elapsed, 1e-9):.1f} tok/s over {elapsed:.1f} s"
+        )
+
+
+def run(ns: argparse.Namespace) -> int:
+    lines = read_input(Path(ns.input))
+    out = Path(ns.output)
+    finished = done_ids(out)
+    pending = [line for line in lines if line["custom_id"] not in finished]
+    if ns.concurrency <= 0:
+        raise TierserveError("--concurrency must be > 0", "concurrency")
+    totals = asyncio.run(_run(pending, out, ns))
+    print(totals.summary(skipped=len(lines) - len(pending)), file=sys.stderr)
+    return 0 if totals.totals.failed == 0 else 1
+
+
+async def _run(pending: list[dict[str, Any]], out: Path, ns: argparse.Namespace) -> BatchRunner:
+    if ns.url:
+        async with httpx.AsyncClient(base_url=ns.url) as client:
+            runner = BatchRunner(client, out, ns, any_model=False)
+            await runner.run(pending)
+            return runner
+    from tierserve.engine.engine import Engine
+    from tierserve.server.api import create_app
+    from tierserve.server.async_engine import AsyncEngine
+
+    from tierserve.serve_cli import served_model_name
+
+    args = EngineArgs.from_cli(ns)
+    engine = AsyncEngine(Engine(args))
+    app = create_app(engine, served_model_name(args))
+    engine.start()  # ASGITransport runs no lifespan: start and stop the engine here
+    try:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://in-process") as client:
+            runner = BatchRunner(client, out, ns, any_model=True)
+            await runner.run(pending)
+            return runner
+    finally:
+        engine.stop()

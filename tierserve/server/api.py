@@ -1,0 +1,315 @@
+"""OpenAI-compatible HTTP routes over the AsyncEngine, plus /generate, /health, /metrics and
+/flush_cache. Bad input is a 4xx with OpenAI's error JSON, never a 500."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tierserve.engine.request import RequestOutput
+from tierserve.errors import TierserveError
+from tierserve.sampling_params import SamplingParams
+from tierserve.server.async_engine import AsyncEngine, EngineDeadError
+from tierserve.server.metrics import ServerMetrics
+from tierserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    SamplingFields,
+    error_body,
+    new_id,
+    now,
+    usage,
+)
+
+MAX_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_TOKENS = 256
+
+
+class ModelNotFound(Exception):
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+    metrics = ServerMetrics(engine.engine)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        yield
+        engine.stop()  # uvicorn has drained the open requests by now
+
+    app = FastAPI(title="tierserve", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.metrics = metrics
+    _add_error_handlers(app)
+    _add_body_limit(app)
+    _add_routes(app, engine, metrics, model_name)
+    return app
+
+
+# --- errors -------------------------------------------------------------------------------
+
+
+def _error(status: int, message: str, kind: str, param: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(message, kind, param, status), status_code=status)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(TierserveError)
+    async def user_error(_: Request, err: TierserveError) -> JSONResponse:
+        return _error(400, err.message, "invalid_request_error", err.field)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(_: Request, err: RequestValidationError) -> JSONResponse:
+        first = err.errors()[0] if err.errors() else {}
+        if first.get("type") == "json_invalid":
+            message = f"body is not valid JSON: {first.get('msg')}"
+            return _error(400, message, "invalid_request_error")
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
+        return _error(400, message, "invalid_request_error", loc[0] if loc else None)
+
+    @app.exception_handler(ModelNotFound)
+    async def unknown_model(_: Request, err: ModelNotFound) -> JSONResponse:
+        return _error(404, f"The model `{err.name}` does not exist.", "NotFoundError", "model")
+
+    @app.exception_handler(EngineDeadError)
+    async def engine_dead(_: Request, err: EngineDeadError) -> JSONResponse:
+        return _error(503, str(err), "service_unavailable")
+
+
+def _add_body_limit(app: FastAPI) -> None:
+    @app.middleware("http")
+    async def limit_body(request: Request, call_next: Callable) -> Response:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
+            return _error(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error")
+        return await call_next(request)
+
+
+# --- routes -------------------------------------------------------------------------------
+
+
+def _add_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics, model: str) -> None:
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model:
+            raise ModelNotFound(name)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        if engine.error is not None:
+            raise EngineDeadError(str(engine.error))
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        card = {"id": model, "object": "model", "created": now(), "owned_by": "tierserve"}
+        card["max_model_len"] = engine.engine.context_length
+        return {"object": "list", "data": [card]}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> dict[str, int]:
+        return {"flushed_pages": await engine.call(lambda e: e.flush_cache())}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        params = body.sampling_params(DEFAULT_MAX_TOKENS)
+        stream = Completion(engine, metrics, model, body, "text_completion")
+        return await stream.respond(body.single_prompt(), params, request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        params = body.sampling_params(DEFAULT_MAX_TOKENS)
+        prompt_ids = await asyncio.to_thread(_apply_chat_template, engine, body)
+        stream = Completion(engine, metrics, model, body, "chat.completion")
+        return await stream.respond(prompt_ids, params, request)
+
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, request: Request) -> Response:
+        stream = Completion(engine, metrics, model, None, "generate")
+        return await stream.respond(body.prompt(), body.params(), request, stream=body.stream)
+
+
+def _apply_chat_template(engine: AsyncEngine, body: ChatCompletionRequest) -> list[int]:
+    tok = engine.engine.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise TierserveError("this model has no chat template; use /v1/completions", "messages")
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False).input_ids
+    if not ids:
+        raise TierserveError("messages are empty", "messages")
+    return ids
+
+
+class Completion:
+    """One request's life on the server: metrics, disconnects, and the three response shapes
+    (completion, chat completion, native generate), streamed or whole."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: ServerMetrics,
+        model: str,
+        body: SamplingFields | None,
+        kind: str,
+    ) -> None:
+        self.engine, self.metrics, self.model, self.kind = engine, metrics, model, kind
+        self.include_usage = bool(body and body.include_usage)
+        self.stream = bool(body and body.stream)
+        prefix = {"text_completion": "cmpl", "chat.completion": "chatcmpl"}.get(kind, "gen")
+        self.id = new_id(prefix)
+        self.created = now()
+
+    async def respond(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request: Request,
+        stream: bool | None = None,
+    ) -> Response:
+        outputs = self._tracked(prompt, params)
+        first = await anext(outputs)  # errors in the prompt surface here, as a 400
+        if stream if stream is not None else self.stream:
+            return StreamingResponse(self._sse(first, outputs), media_type="text/event-stream")
+        last = await _until_done(first, outputs, request)
+        if last is None:
+            return Response(status_code=499)  # the client went away
+        return JSONResponse(self._whole(last))
+
+    async def _tracked(
+        self, prompt: str | list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        start, first_at, out = time.perf_counter(), None, None
+        try:
+            async for out in self.engine.generate(prompt, params, self.id):
+                if first_at is None:
+                    first_at = time.perf_counter()
+                    self.metrics.ttft.observe(first_at - start)
+                yield out
+        finally:
+            self._record(start, first_at, out)
+
+    def _record(self, start: float, first_at: float | None, out: RequestOutput | None) -> None:
+        if out is None or not out.finished:
+            self.metrics.requests.labels("abort").inc()
+            return
+        end = time.perf_counter()
+        self.metrics.requests.labels(out.finish_reason or "stop").inc()
+        self.metrics.e2e.observe(end - start)
+        if first_at is not None and len(out.token_ids) > 1:
+            self.metrics.tpot.observe((end - first_at) / (len(out.token_ids) - 1))
+
+    # --- response bodies ------------------------------------------------------------------
+
+    def _usage(self, out: RequestOutput) -> dict[str, Any]:
+        return usage(out.prompt_tokens, len(out.token_ids), out.cached_tokens)
+
+    def _whole(self, out: RequestOutput) -> dict[str, Any]:
+        if self.kind == "generate":
+            return _native(out, out.text)
+        if self.kind == "chat.completion":
+            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}}
+        else:
+            choice = {"index": 0, "text": out.text, "logprobs": None}
+        choice["finish_reason"] = out.finish_reason
+        return self._envelope(self.kind, [choice], usage=self._usage(out))
+
+    def _envelope(self, obj: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        return {**body, "choices": choices, **extra}
+
+    def _chunk(self, out: RequestOutput, first: bool) -> dict[str, Any]:
+        if self.kind == "generate":
+            return _native(out, out.text)
+        if self.kind == "chat.completion":
+            delta: dict[str, Any] = {"content": out.text_delta}
+            if first:
+                delta["role"] = "assistant"
+            choice = {"index": 0, "delta": delta}
+            obj = "chat.completion.chunk"
+        else:
+            choice, obj = {"index": 0, "text": out.text_delta, "logprobs": None}, self.kind
+        choice["finish_reason"] = out.finish_reason if out.finished else None
+        extra = {"usage": None} if self.include_usage else {}
+        return self._envelope(obj, [choice], **extra)
+
+    async def _sse(
+        self, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
+    ) -> AsyncIterator[str]:
+        out, is_first = first, True
+        try:
+            while True:
+                if out.text_delta or out.finished or is_first:
+                    yield f"data: {json.dumps(self._chunk(out, is_first))}\n\n"
+                    is_first = False
+                if out.finished:
+                    break
+                out = await anext(outputs)
+            if self.include_usage and self.kind != "generate":
+                tail = self._envelope(self._chunk_object(), [], usage=self._usage(out))
+                yield f"data: {json.dumps(tail)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            await outputs.aclose()  # a client that left aborts the request and frees its KV
+
+    def _chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat.completion" else self.kind
+
+
+def _native(out: RequestOutput, text: str) -> dict[str, Any]:
+    return {
+        "text": text,
+        "output_ids": out.token_ids,
+        "meta_info": {
+            "id": out.request_id,
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": len(out.token_ids),
+            "cached_tokens": out.cached_tokens,
+            "finish_reason": out.finish_reason,
+        },
+    }
+
+
+async def _until_done(
+    first: RequestOutput, outputs: AsyncIterator[RequestOutput], request: Request
+) -> RequestOutput | None:
+    """The final output, or None if the client disconnects first (the request is aborted)."""
+    if first.finished:
+        return first
+
+    async def drain() -> RequestOutput:
+        last = first
+        async for out in outputs:
+            last = out
+        return last
+
+    task = asyncio.ensure_future(drain())
+    try:
+        while not task.done():
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await outputs.aclose()  # aborts the request and frees its KV
+                return None
+            await asyncio.wait({task}, timeout=0.25)
+        return task.result()
+    finally:
+        if not task.done():
+            task.cancel()

@@ -1,0 +1,116 @@
+"""Prometheus metrics: request latencies observed by the routes, engine and cache state read
+from the engine at scrape time (so the numbers can never drift from the engine's own)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tierserve.engine.engine import Engine
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class EngineCollector(Collector):
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        e = self.engine
+        sched = e.scheduler
+        yield _gauge(
+            "tierserve_num_requests_running",
+            "requests being decoded or prefilled",
+            len(sched.running),
+        )
+        yield _gauge("tierserve_num_requests_waiting", "requests queued", len(sched.waiting))
+        yield _counter(
+            "tierserve_prompt_tokens", "prompt tokens admitted", sched.stats.num_prompt_tokens
+        )
+        yield _counter(
+            "tierserve_generation_tokens", "tokens generated", sched.stats.num_generated_tokens
+        )
+        yield _counter(
+            "tierserve_recomputed_tokens",
+            "tokens computed again after preemption",
+            sched.stats.num_recomputed_tokens,
+        )
+        preempt = CounterMetricFamily(
+            "tierserve_preemptions", "preempted requests", labels=["kind"]
+        )
+        offload = sched.stats.num_offload_preemptions
+        preempt.add_metric(["offload"], offload)
+        preempt.add_metric(["recompute"], sched.stats.num_preemptions - offload)
+        yield preempt
+        yield from self._tiers()
+
+    def _tiers(self) -> Iterator[Metric]:
+        kv = self.engine.kv
+        host = kv.host
+        used = GaugeMetricFamily("tierserve_kv_pages_used", "pages in use", labels=["tier"])
+        total = GaugeMetricFamily("tierserve_kv_pages_total", "pages in the pool", labels=["tier"])
+        cached = GaugeMetricFamily(
+            "tierserve_radix_cached_pages", "pages the radix cache holds", labels=["tier"]
+        )
+        used.add_metric(["device"], kv.num_pages - kv.allocator.num_free)
+        total.add_metric(["device"], kv.num_pages)
+        cached.add_metric(["device"], kv.cached_pages())
+        hits = CounterMetricFamily(
+            "tierserve_cached_tokens", "prompt tokens served from cache", labels=["tier"]
+        )
+        if host is None:
+            hits.add_metric(["device"], self.engine.scheduler.stats.num_cached_tokens)
+            yield from (used, total, cached, hits)
+            return
+        used.add_metric(["host"], host.used_pages)
+        total.add_metric(["host"], host.host_pool.num_pages)
+        cached.add_metric(["host"], kv.radix.host_pages if kv.radix else 0)
+        hits.add_metric(["device"], host.stats.device_hit_tokens)
+        hits.add_metric(["host"], host.stats.host_hit_tokens)
+        yield from (used, total, cached, hits)
+        s = host.stats
+        yield _counter(
+            "tierserve_host_written_tokens", "tokens copied to the host tier", s.host_written_tokens
+        )
+        yield _counter(
+            "tierserve_load_back_tokens", "tokens loaded back from the host", s.load_back_tokens
+        )
+        yield _counter(
+            "tierserve_load_back_bytes", "bytes loaded back from the host", s.load_back_bytes
+        )
+        yield _counter(
+            "tierserve_load_back_seconds", "time spent loading back", s.load_back_seconds
+        )
+        evicted = CounterMetricFamily("tierserve_evicted_tokens", "tokens evicted", labels=["tier"])
+        evicted.add_metric(["device"], s.device_evicted_tokens)
+        evicted.add_metric(["host"], s.host_evicted_tokens)
+        yield evicted
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)
+
+
+class ServerMetrics:
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        self.registry.register(EngineCollector(engine))
+        self.requests = Counter(
+            "tierserve_requests", "finished requests by status", ["status"], registry=self.registry
+        )
+        self.ttft = self._histogram("tierserve_time_to_first_token_seconds", "time to first token")
+        self.tpot = self._histogram("tierserve_time_per_output_token_seconds", "per output token")
+        self.e2e = self._histogram("tierserve_e2e_request_latency_seconds", "end-to-end latency")
+
+    def _histogram(self, name: str, doc: str) -> Histogram:
+        return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,154 @@
+"""OpenAI-compatible request bodies, and their mapping to SamplingParams.
+
+Fields that vLLM and SGLang accept beyond OpenAI's (top_k, min_p, ignore_eos, stop_token_ids)
+are accepted too. Fields we do not implement are refused when set to a non-default value, never
+silently ignored.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from tierserve.errors import TierserveError
+from tierserve.sampling_params import SamplingParams
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class SamplingFields(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: Any = None
+    user: str | None = None
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        self._refuse_unsupported()
+        return SamplingParams(
+            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+        )
+
+    def _refuse_unsupported(self) -> None:
+        if self.n != 1:
+            raise TierserveError(f"n must be 1 (got {self.n}); send n requests instead", "n")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise TierserveError(f"{name} is not supported; leave it at 0", name)
+        if self.logprobs not in (None, False, 0):
+            raise TierserveError("logprobs are not supported", "logprobs")
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+
+    def single_prompt(self) -> str | list[int]:
+        p = self.prompt
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
+            p = p[0]
+        if isinstance(p, list) and p and not all(isinstance(t, int) for t in p):
+            raise TierserveError(
+                "one prompt per request: send a batch as separate requests", "prompt"
+            )
+        if self.echo:
+            raise TierserveError("echo is not supported", "echo")
+        return p
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):  # OpenAI content parts: keep the text ones
+            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        return self.content or ""
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        if self.max_tokens is None and self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return super().sampling_params(default_max_tokens)
+
+
+class GenerateRequest(BaseModel):
+    """SGLang's native /generate: text or token ids, sampling parameters in one object."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    stream: bool = False
+
+    def prompt(self) -> str | list[int]:
+        if (self.text is None) == (self.input_ids is None):
+            raise TierserveError("give exactly one of text or input_ids", "text")
+        return self.text if self.text is not None else self.input_ids
+
+    def params(self) -> SamplingParams:
+        fields = dict(self.sampling_params)
+        if "max_new_tokens" in fields:  # SGLang's name
+            fields["max_tokens"] = fields.pop("max_new_tokens")
+        known = set(SamplingParams.__dataclass_fields__)
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise TierserveError(f"unknown sampling parameter(s) {unknown}", unknown[0])
+        return SamplingParams(**fields)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def error_body(message: str, kind: str, param: str | None, code: int) -> dict[str, Any]:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
