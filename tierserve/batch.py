@@ -182,10 +182,9 @@ async def _run(pending: list[dict[str, Any]], out: Path, ns: argparse.Namespace)
             await runner.run(pending)
             return runner
     from tierserve.engine.engine import Engine
+    from tierserve.serve_cli import served_model_name
     from tierserve.server.api import create_app
     from tierserve.server.async_engine import AsyncEngine
-
-    from tierserve.serve_cli import served_model_name
 
     args = EngineArgs.from_cli(ns)
     engine = AsyncEngine(Engine(args))
