@@ -248,7 +248,8 @@ def test_plan_launch_flags() -> None:
     assert "--enable-hierarchical-cache --hicache-size 49" in plan.flags.sglang
     # vLLM takes GiB for the whole instance: 8 ranks × ~49.4 GB.
     assert f"--kv-offloading-size {plan.recommended.bytes_per_rank * 8 // GiB}" in plan.flags.vllm
-    assert "--host-cache-size 394GB" in plan.flags.tierserve
+    assert "--hicache-node-size 394GB" in plan.flags.tierserve
+    assert "--enable-hierarchical-cache" in plan.flags.tierserve
     ratio = make_plan(PlanInputs(**{**seed_inputs().__dict__, "host": HostRequest.of_ratio(2.5)}))
     assert ratio.flags.sglang.endswith("--hicache-ratio 2.5")
     sized = make_plan(PlanInputs(**{**seed_inputs().__dict__, "host": HostRequest.per_rank(48e9)}))

@@ -401,7 +401,7 @@ def _flag_lines(plan: Plan) -> list[str]:
     path, flags = plan.inputs.model.path or plan.inputs.model.name, plan.flags
     return [
         f"  tierserve serve --model {path} {flags.tierserve}",
-        "    --host-cache-size: per node, all local ranks together",
+        "    --hicache-node-size: all local ranks together (--hicache-size would be per rank)",
         f"  python -m sglang.launch_server --model-path {path} {flags.sglang}",
         "    --hicache-size: decimal GB PER RANK; --hicache-ratio: × each rank's device pool",
         f"  vllm serve {path} {flags.vllm}",

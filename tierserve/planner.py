@@ -747,8 +747,9 @@ def launch_flags(plan: Plan) -> LaunchFlags:
     """Flags that give each server the plan's device pool and a host cache that fits."""
     inputs, host = plan.inputs, _fitting_host(plan)
     frac = f"{inputs.mem_fraction_static:g}"
-    tierserve = f"--tp {inputs.tp} --mem-fraction-static {frac} --kv-dtype {inputs.kv_dtype}"
-    tierserve += f" --host-cache-size {host.bytes_per_node // GB}GB"
+    # Only flags `tierserve serve` has today (no --tp or KV dtype yet: one GPU per server).
+    tierserve = f"--mem-fraction-static {frac} --enable-hierarchical-cache"
+    tierserve += f" --hicache-node-size {host.bytes_per_node // GB}GB"
     sglang = f"--tp-size {inputs.tp} --mem-fraction-static {frac}"
     sglang += _kv_dtype_flag(plan, "fp8_e4m3") + _sglang_host_flags(plan, host)
     # vLLM's --kv-offloading-size is GiB for the whole instance, split across its TP ranks.
