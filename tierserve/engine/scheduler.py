@@ -71,7 +71,8 @@ class Scheduler:
             budget -= n if n > 1 else 0
         chunks = [c for c in chunks if c.req.status is Status.RUNNING]
         chunks.extend(self._admit(budget, reserve=len(chunks)))
-        return chunks
+        # Decode tokens first: attention then treats them as one contiguous block of rows.
+        return sorted(chunks, key=lambda c: c.num_tokens > 1)
 
     def _prefill_budget(self) -> int:
         size = self.cfg.chunked_prefill_size

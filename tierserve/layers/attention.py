@@ -83,7 +83,10 @@ class DecodeWorkspace:
             self.pages = _page_table(spans, self.capacity // ps, device)
         self.key, self.lens = key, lens
         self.rows = torch.arange(len(spans), device=device)
-        self.pad = (torch.arange(self.capacity, device=device)[None, :] >= lens[:, None])[:, None]
+        pad = torch.arange(self.capacity, device=device)[None, :] >= lens[:, None]
+        # Added to the scores: 0 for real tokens, -inf for padding ([B, 1, capacity]).
+        bias = torch.zeros(pad.shape, device=device).masked_fill_(pad, float("-inf"))
+        self.bias = bias[:, None]
 
     def kv(
         self, layer: int, k_new: torch.Tensor, v_new: torch.Tensor
@@ -112,7 +115,9 @@ class TorchAttention(AttentionBackend):
         device = batch.out_slots.device
         decode = [s for s in batch.spans if s.q_len == 1]
         self.extend = [s for s in batch.spans if s.q_len > 1]
-        self.decode_rows = torch.tensor([s.q_start for s in decode], dtype=torch.long).to(device)
+        # The runner puts decode tokens first, so they are rows [0, num_decode).
+        assert all(s.q_start == i for i, s in enumerate(decode)), "decode rows must lead"
+        self.num_decode = len(decode)
         if decode:
             self.workspace.plan(decode, device)
         else:
@@ -124,10 +129,12 @@ class TorchAttention(AttentionBackend):
     ) -> torch.Tensor:
         self.pool.wait_layer(layer)  # pages loaded back from the host for this step
         self.pool.write(layer, self.batch.out_slots, k, v)
+        nd = self.num_decode
+        if nd == len(q):
+            return self._decode(layer, q, k, v)
         out = torch.empty_like(q)
-        if len(self.decode_rows):
-            rows = self.decode_rows
-            out[rows] = self._decode(layer, q[rows], k[rows], v[rows])
+        if nd:
+            out[:nd] = self._decode(layer, q[:nd], k[:nd], v[:nd])
         for span, mask in zip(self.extend, self.extend_masks, strict=True):
             rows = slice(span.q_start, span.q_start + span.q_len)
             out[rows] = self._extend(layer, span, q[rows], k[rows], v[rows], mask)
@@ -141,9 +148,8 @@ class TorchAttention(AttentionBackend):
         kc, vc = self.workspace.kv(layer, k, v)  # [kv_heads, B, L, dim]
         b, heads, dim = q.shape
         kv_heads = kc.shape[0]
-        qg = q.view(b, kv_heads, heads // kv_heads, dim).transpose(0, 1)  # [kv_heads, B, G, dim]
-        scores = qg @ kc.transpose(-1, -2) * dim**-0.5  # [kv_heads, B, G, L]
-        scores = scores.masked_fill(self.workspace.pad, float("-inf"))
+        qg = (q * dim**-0.5).view(b, kv_heads, heads // kv_heads, dim).transpose(0, 1)
+        scores = (qg @ kc.transpose(-1, -2)).add_(self.workspace.bias)  # [kv_heads, B, G, L]
         out = scores.softmax(-1).to(vc.dtype) @ vc  # [kv_heads, B, G, dim]
         return out.transpose(0, 1).reshape(b, heads, dim)
 
