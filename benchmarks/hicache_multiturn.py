@@ -98,7 +98,7 @@ def main() -> None:
     p.add_argument("--model", default=None)
     p.add_argument("--clients", type=int, default=16)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--first-len", type=int, default=1000)
+    p.add_argument("--first-len", type=int, default=600)
     p.add_argument("--question-len", type=int, default=32)
     p.add_argument("--output-len", type=int, default=16)
     p.add_argument("--device-tokens", type=int, default=0, help="default: a quarter of the total")
