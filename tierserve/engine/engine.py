@@ -226,6 +226,10 @@ class Engine:
         """Run one batch; returns an output for every request that advanced."""
         chunks = self.scheduler.schedule()
         if not chunks:
+            if self.scheduler.waiting and not self.scheduler.running:
+                # Admission with nothing running always fits (requests are checked against the
+                # pool at submission); reaching here is a bug, and a loud one beats a hang.
+                raise RuntimeError("scheduler admitted nothing with an idle engine")
             return []
         tokens = self.runner.step(chunks)
         outputs = [self._advance(c, t) for c, t in zip(chunks, tokens, strict=True)]
