@@ -23,7 +23,7 @@ from tierserve.engine.runner import ModelRunner
 from tierserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from tierserve.errors import TierserveError
 from tierserve.layers.attention import ATTENTION_BACKENDS
-from tierserve.models.loader import load_model
+from tierserve.models.loader import checkpoint_numel, load_model
 from tierserve.planner import HostSizing
 from tierserve.sampling_params import SamplingParams
 
@@ -70,10 +70,11 @@ class Engine:
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        model = load_model(model_path, cfg, self.dtype, self.device)
         shape = PoolShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
-        num_pages = check_pool_size(self._pool_tokens(shape), args.page_size)
-        host_sizing = self._size_host_tier(shape, num_pages)  # refuses before allocating
+        weight_bytes = checkpoint_numel(model_path) * self.dtype.itemsize
+        # Every size is decided, and checked, before weights or KV take any memory.
+        num_pages = check_pool_size(self._pool_tokens(shape, weight_bytes), args.page_size)
+        host_sizing = self._size_host_tier(shape, num_pages, weight_bytes)
         logger.info(
             "KV cache plan:\n%s",
             startup_table(
@@ -83,6 +84,7 @@ class Engine:
                 args.hicache_write_policy,
             ),
         )
+        model = load_model(model_path, cfg, self.dtype, self.device)
         pool = POOLS["mha"](shape, num_pages, args.page_size, self.device)
         host = self._host_tier(pool, shape, host_sizing) if host_sizing else None
         self.kv = KVCacheManager(pool, not args.disable_radix_cache, host)
@@ -101,7 +103,9 @@ class Engine:
     def vocab_size_of(model_path: str) -> int:
         return ModelConfig.from_dir(model_path).vocab_size
 
-    def _size_host_tier(self, shape: PoolShape, num_pages: int) -> HostSizing | None:
+    def _size_host_tier(
+        self, shape: PoolShape, num_pages: int, weight_bytes: int
+    ) -> HostSizing | None:
         if not self.args.enable_hierarchical_cache:
             return None
         if self.args.disable_radix_cache:
@@ -110,8 +114,9 @@ class Engine:
                 field="enable_hierarchical_cache",
             )
         device_tokens = num_pages * self.args.page_size
-        # On CPU the "device" pool is host RAM too: it is part of what must fit.
-        overhead = device_tokens * shape.bytes_per_token if self.device.type == "cpu" else 0
+        # On CPU the weights and the "device" pool are host RAM too: part of what must fit.
+        on_cpu = self.device.type == "cpu"
+        overhead = device_tokens * shape.bytes_per_token + weight_bytes if on_cpu else 0
         return size_host_tier(self.args, shape.bytes_per_token, device_tokens, overhead)
 
     def _host_tier(self, pool: KVPool, shape: PoolShape, sizing: HostSizing) -> HostTier:
@@ -135,18 +140,20 @@ class Engine:
             )
         return limit
 
-    def _pool_tokens(self, shape: PoolShape) -> int:
+    def _pool_tokens(self, shape: PoolShape, weight_bytes: int) -> int:
         if self.args.max_total_tokens is not None:
             return self.args.max_total_tokens
         if self.device.type != "cuda":
             return CPU_DEFAULT_POOL_TOKENS
         free, total = torch.cuda.mem_get_info(self.device)
-        # As SGLang: weights + KV pool may use this fraction of the card; weights are loaded.
-        budget = total * self.args.mem_fraction_static - (total - free)
+        # As SGLang: weights + KV pool may use this fraction of the card.
+        frac = self.args.mem_fraction_static
+        budget = total * frac - (total - free) - weight_bytes
         if budget < shape.bytes_per_token * self.args.page_size:
             raise TierserveError(
-                f"no room for a KV pool: {total / 1e9:.1f} GB × {self.args.mem_fraction_static}"
-                f" − {(total - free) / 1e9:.1f} GB in use; raise --mem-fraction-static",
+                f"no room for a KV pool: {total / 1e9:.1f} GB × {frac} − "
+                f"{(total - free) / 1e9:.1f} GB in use − {weight_bytes / 1e9:.1f} GB of weights;"
+                " raise --mem-fraction-static",
                 field="mem_fraction_static",
             )
         return int(budget // shape.bytes_per_token)

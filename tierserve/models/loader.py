@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
@@ -23,6 +25,16 @@ def weight_files(path: Path) -> list[Path]:
     if single.exists():
         return [single]
     raise TierserveError(f"no model.safetensors (or index) in {path}", field="model")
+
+
+def checkpoint_numel(path: str | Path) -> int:
+    """Parameters in the checkpoint, read from the safetensors headers without loading them."""
+    total = 0
+    for file in weight_files(Path(path)):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                total += math.prod(f.get_slice(key).get_shape())
+    return total
 
 
 def load_model(
