@@ -7,26 +7,29 @@ tree (locked through `node` while the request runs), the rest are the request's 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tierserve.cache.pool import KVPool, PageAllocator, pages_for
-from tierserve.cache.radix import RadixCache
+from tierserve.cache.radix import RadixCache, RadixNode
 from tierserve.cache.tiers import HostTier
 
 if TYPE_CHECKING:
     from tierserve.engine.request import Request
 
 
-@dataclass(frozen=True)
+@dataclass
 class PrefixHit:
+    """A request's cached prefix: a device part, then a host part not yet loaded back."""
+
     device_tokens: int
-    host_tokens: int  # loaded back from the host
-    missed_host_tokens: int = 0  # on the host, but no device room to load them now
+    host_nodes: list[RadixNode] = field(default_factory=list)
+    host_tokens: int = 0
+    loaded: bool = False  # whether the host part made it back to the device
 
     @property
     def tokens(self) -> int:
-        return self.device_tokens + self.host_tokens
+        return self.device_tokens + (self.host_tokens if self.loaded else 0)
 
 
 class KVCacheManager:
@@ -56,29 +59,33 @@ class KVCacheManager:
     # --- admission --------------------------------------------------------------------------
 
     def match(self, req: Request) -> PrefixHit:
-        """Attach the longest cached prefix to a request being admitted, loading its host part
-        back to the device when there is room."""
+        """Attach the longest cached prefix to a request being admitted and lock all of it;
+        its host part stays on the host until `load_back`."""
         if self.radix is None:
-            return PrefixHit(0, 0)
+            return PrefixHit(0)
         # The last token is always recomputed: its logits give the next token.
         m = self.radix.match_prefix(req.all_ids[: len(req.all_ids) - 1])
+        host_nodes = m.host_nodes if self.host else []
         req.pages = list(m.device_pages)
-        host_pages = m.host_page_count if self.host else 0
-        # Lock the whole match first: the allocation below must not evict any of it.
-        req.node = m.host_nodes[-1] if host_pages else m.device_node
-        self.radix.lock(req.node)
-        loaded = self._alloc(host_pages) if host_pages else None
-        if loaded is not None:
-            self.host.load_back(m.host_nodes, loaded)
-            req.pages += loaded
-        elif host_pages:
-            self.radix.unlock(req.node)
-            req.node = m.device_node
-            self.radix.lock(req.node)
+        req.node = host_nodes[-1] if host_nodes else m.device_node
+        self.radix.lock(req.node)  # host nodes too: making room must not evict any of it
         req.tree_tokens = req.num_computed = len(req.pages) * self.page_size
-        device = len(m.device_pages) * self.page_size
-        host = host_pages * self.page_size
-        return PrefixHit(device, host if loaded else 0, 0 if loaded else host)
+        host_tokens = sum(n.num_pages for n in host_nodes) * self.page_size
+        return PrefixHit(req.tree_tokens, host_nodes, host_tokens)
+
+    def load_back(self, req: Request, hit: PrefixHit) -> bool:
+        """Copy the host part of `hit` to the device; False (and it stays behind) if no room."""
+        pages = self._alloc(hit.host_tokens // self.page_size)
+        if pages is None:
+            self.radix.unlock(req.node)
+            req.node = hit.host_nodes[0].parent
+            self.radix.lock(req.node)
+            return False
+        self.host.load_back(hit.host_nodes, pages)
+        req.pages += pages
+        req.tree_tokens = req.num_computed = len(req.pages) * self.page_size
+        hit.loaded = True
+        return True
 
     def commit(self, req: Request, hit: PrefixHit) -> None:
         """The request was admitted with `hit`: count it (selective write-through uses it)."""
@@ -87,7 +94,7 @@ class KVCacheManager:
         self.radix.record_hit_path(req.node)
         if self.host is not None:
             self.host.stats.device_hit_tokens += hit.device_tokens
-            self.host.stats.host_hit_tokens += hit.host_tokens
+            self.host.stats.host_hit_tokens += hit.host_tokens if hit.loaded else 0
             self.host.backup_hot(req.node)
 
     # --- growth and eviction ----------------------------------------------------------------

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from tierserve.cache.manager import KVCacheManager
+from tierserve.cache.manager import KVCacheManager, PrefixHit
 from tierserve.cache.pool import pages_for
 from tierserve.engine.request import Request, Status
 
@@ -104,15 +104,16 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
             hit = self.kv.match(req)
-            n = min(req.remaining, budget)
-            need = pages_for(req.num_computed + n, self.kv.page_size) - len(req.pages)
+            cached = req.num_computed + hit.host_tokens
+            n = min(req.num_tokens - cached, budget)
+            need = pages_for(cached + n, self.kv.page_size) - len(req.pages)
             # Keep a page per running request in hand so admission does not force preemption;
             # and wait, rather than recompute, while the host part cannot be loaded back.
-            if (
-                (hit.missed_host_tokens and self.running)
-                or need + reserve > self.kv.available_pages()
-                or not self.kv.grow(req, req.num_computed + n)
-            ):
+            if need + reserve > self.kv.available_pages() or not self._load_back(req, hit):
+                self.kv.release(req, keep_in_cache=False)
+                break
+            n = min(req.remaining, budget)  # more to compute if the host part stayed behind
+            if not self.kv.grow(req, req.num_computed + n):
                 self.kv.release(req, keep_in_cache=False)
                 break
             self.waiting.popleft()
@@ -122,6 +123,12 @@ class Scheduler:
             budget -= n
             reserve += 1
         return chunks
+
+    def _load_back(self, req: Request, hit: PrefixHit) -> bool:
+        """Load the host part; on failure go ahead without it only when nothing else runs."""
+        if not hit.host_tokens:
+            return True
+        return self.kv.load_back(req, hit) or not self.running
 
     def _start(self, req: Request, cached: int) -> None:
         if req.cached_tokens is None:
