@@ -6,9 +6,9 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,51 +16,22 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import random_prompts
 from tierserve import LLM, SamplingParams
+from tierserve.bench.client import parse_prometheus
+from tierserve.bench.compare import ServerProcess
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+class Server(ServerProcess):
+    """`tierserve serve` in a subprocess (the benchmark's launcher), plus its parsed /metrics."""
 
-
-class Server:
     def __init__(self, model: Path, *flags: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(model)]
-        cmd += ["--port", str(self.port), "--log-level", "warning", *flags]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.proc.stdout.read().decode()
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.3)
-        raise TimeoutError("server did not start")
+        log = Path(tempfile.mkdtemp()) / "server.log"
+        super().__init__(str(model), flags, log, startup_timeout_s=180)
 
     def metrics(self) -> dict[str, float]:
-        text = httpx.get(f"{self.url}/metrics").text
-        values = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
-                values[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
-        return values
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        return parse_prometheus(httpx.get(f"{self.url}/metrics").text)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("tierserve.serve_cli", "serve a model (OpenAI-compatible HTTP server)"),
     "plan": ("tierserve.plan_cli", "size the KV cache before launch (tierserve, SGLang, vLLM)"),
     "batch": ("tierserve.batch", "run an OpenAI Batch file (resumable) against a server or model"),
+    "bench": ("tierserve.bench_cli", "benchmark a server with the field's workloads"),
 }
 
 

@@ -1,0 +1,281 @@
+"""Side-by-side runs: start `tierserve serve` under named configurations one after the other, run
+the same workload against each, and write a results folder (see report.py).
+
+Configurations (the device pool of the small ones holds about a quarter of the workload's KV):
+
+    device-only               the small device pool, no host tier
+    write_through             the small pool + a host tier, --hicache-write-policy write_through
+    write_through_selective   ... write_through_selective
+    write_back                ... write_back
+    limit                     a device pool big enough for the whole workload (the upper bound)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from tierserve.bench import report
+from tierserve.bench.client import LoadOptions, RunResult, run_load, warmup
+from tierserve.bench.metrics import later_rounds_ttft, summarize
+from tierserve.bench.workloads import TokenSpace, Workload
+from tierserve.errors import TierserveError
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+CONFIG_NAMES = ("device-only", *WRITE_POLICIES, "limit")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    name: str
+    flags: list[str]
+    description: str
+
+
+@dataclass(frozen=True)
+class Sizing:
+    kv_tokens: int  # the whole workload's KV, shared prefixes once
+    device_tokens: int  # device pool of the small configurations
+    host_ratio: float  # host tier = this × device pool
+    limit_tokens: int  # device pool of "limit"
+    page_size: int
+
+    def describe(self) -> dict[str, str]:
+        host = int(self.device_tokens * self.host_ratio)
+        return {
+            "workload KV (shared prefixes once)": f"{self.kv_tokens:,} tokens",
+            "small device pool (device-only, write policies)": (
+                f"{self.device_tokens:,} tokens ({self.device_tokens / self.kv_tokens:.0%} of "
+                "the workload's KV)"
+            ),
+            "host tier (write policies)": f"{host:,} tokens (--hicache-ratio {self.host_ratio:g})",
+            "limit device pool": f"{self.limit_tokens:,} tokens",
+            "page size": f"{self.page_size} tokens",
+        }
+
+
+def _round_up(n: float, page: int) -> int:
+    return int(math.ceil(n / page) * page)
+
+
+def size_pools(
+    workload: Workload,
+    page_size: int,
+    device_tokens: int | None = None,
+    fraction: float = 0.25,
+    host_ratio: float | None = None,
+) -> Sizing:
+    """The small pool holds `fraction` of the workload's KV (never less than its longest request
+    plus two pages); the host tier holds the whole workload twice over; "limit" holds it twice
+    over, plus a page per request for partly filled pages."""
+    kv = workload.kv_tokens()
+    floor = workload.max_request_tokens() + 2 * page_size
+    small = _round_up(device_tokens or max(kv * fraction, floor), page_size)
+    if small < floor:
+        raise TierserveError(
+            f"device pool {small} tokens cannot hold the longest request ({floor - 2 * page_size} "
+            "tokens) plus two pages",
+            "device_tokens",
+        )
+    ratio = host_ratio or max(2.0, float(math.ceil(2 * kv / small)))
+    limit = _round_up(2 * kv + workload.num_requests * page_size, page_size)
+    return Sizing(kv, small, ratio, limit, page_size)
+
+
+def configurations(sizing: Sizing, names: Sequence[str] = CONFIG_NAMES) -> list[ServerConfig]:
+    small = ["--max-total-tokens", str(sizing.device_tokens)]
+    page = ["--page-size", str(sizing.page_size)]
+    out = []
+    for name in names:
+        if name == "device-only":
+            out.append(ServerConfig(name, small + page, "small device pool, no host tier"))
+        elif name in WRITE_POLICIES:
+            flags = small + page + ["--enable-hierarchical-cache"]
+            flags += ["--hicache-ratio", f"{sizing.host_ratio:g}"]
+            flags += ["--hicache-write-policy", name]
+            out.append(ServerConfig(name, flags, f"small device pool + host tier, {name}"))
+        elif name == "limit":
+            flags = ["--max-total-tokens", str(sizing.limit_tokens)] + page
+            out.append(ServerConfig(name, flags, "device pool big enough for everything"))
+        else:
+            raise TierserveError(
+                f"unknown configuration {name!r}; known: {', '.join(CONFIG_NAMES)}", "configs"
+            )
+    return out
+
+
+# --- one server ---------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """`tierserve serve` in a subprocess on a free port; stopped with SIGTERM."""
+
+    def __init__(
+        self, model: str, flags: Sequence[str], log_path: Path, startup_timeout_s: float = 300
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", model]
+        cmd += ["--port", str(self.port), "--log-level", "warning", *flags]
+        self.cmd = cmd
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            self._wait_ready(startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise TierserveError(
+                    f"server exited with status {self.proc.returncode}: {self.log_tail()}",
+                    "server_args",
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        raise TierserveError(f"server not ready after {timeout_s:.0f} s: {self.log_tail()}")
+
+    def log_tail(self, chars: int = 1500) -> str:
+        self._log.flush()
+        return self.log_path.read_bytes()[-chars:].decode(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        if self.log_path.exists() and self.log_path.stat().st_size == 0:
+            self.log_path.unlink()  # --log-level warning: a quiet server leaves no log
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# --- the whole comparison -----------------------------------------------------------------
+
+
+def warmup_prompts(space: TokenSpace, n: int = 2, length: int = 48) -> list[list[int]]:
+    rng = np.random.default_rng(12345)
+    return [space.draw(rng, length) for _ in range(n)]
+
+
+def run_repeats(
+    url: str,
+    workload: Workload,
+    opts: LoadOptions,
+    space: TokenSpace,
+    repeats: int = 1,
+    warmup_requests: int = 2,
+) -> list[tuple[RunResult, dict[str, Any]]]:
+    """Warm up once, then run the workload `repeats` times (the cache flushed before each)."""
+    if warmup_requests:
+        warmup(url, opts, warmup_prompts(space, warmup_requests))
+    out = []
+    for _ in range(repeats):
+        result = run_load(url, workload, opts)
+        out.append((result, summarize(result)))
+    return out
+
+
+def brief(summary: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "request_throughput": summary["request_throughput"],
+        "output_throughput": summary["output_throughput"],
+        "ttft_mean_s": summary["ttft_s"]["mean"],
+        "ttft_later_rounds_mean_s": later_rounds_ttft(summary),
+        "hit_rate": summary["hit_rate"],
+    }
+
+
+def compare(
+    model: str,
+    workload: Workload,
+    opts: LoadOptions,
+    configs: Sequence[ServerConfig],
+    out: Path,
+    space: TokenSpace,
+    server_args: Sequence[str] = (),
+    meta: dict[str, Any] | None = None,
+    log: Any = print,
+    repeats: int = 1,
+    warmup_requests: int = 2,
+) -> Path:
+    """Run `workload` against a fresh server per configuration; write the results folder."""
+    if opts.backend != "generate":
+        raise TierserveError("compare starts tierserve servers: use --backend generate", "backend")
+    if repeats < 1:
+        raise TierserveError(f"repeats must be >= 1, got {repeats}", "repeats")
+    out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for cfg in configs:
+        flags = [*cfg.flags, *server_args]
+        log(f"[{cfg.name}] starting: tierserve serve {' '.join(flags)}")
+        start = time.monotonic()
+        with ServerProcess(model, flags, out / "logs" / f"{cfg.name}.log") as server:
+            reps = run_repeats(server.url, workload, opts, space, repeats, warmup_requests)
+        # the repeat of median request throughput (the lower one of an even count) stands for
+        # the configuration; every repeat's headline numbers are kept beside it
+        order = sorted(range(repeats), key=lambda i: reps[i][1]["request_throughput"])
+        mid = order[(repeats - 1) // 2]
+        result, summary = reps[mid]
+        run = {
+            "name": cfg.name,
+            "description": cfg.description,
+            "flags": flags,
+            "summary": summary,
+            "repeat_shown": mid,
+            "repeats": [brief(s) for _, s in reps],
+        }
+        report.write_run_json(out / "runs" / f"{cfg.name}.json", run, result)
+        for i, (res_i, sum_i) in enumerate(reps):
+            if i != mid:
+                other = {**run, "summary": sum_i, "repeat_shown": i}
+                report.write_run_json(out / "runs" / f"{cfg.name}.repeat{i}.json", other, res_i)
+        runs.append(run)
+        for i, (_, s) in enumerate(reps):
+            log(
+                f"[{cfg.name}] repeat {i}: {s['completed']} requests in {s['duration_s']:.1f} s: "
+                f"{s['request_throughput']:.2f} req/s, TTFT mean {s['ttft_s']['mean'] or 0:.3f} s, "
+                f"hit rate {s['hit_rate'] or 0:.1%}"
+            )
+            if s["failed"]:
+                log(f"[{cfg.name}] {s['failed']} failed: {s['errors']}")
+        log(f"[{cfg.name}] wall {time.monotonic() - start:.0f} s with startup")
+    meta = {"model": model, **(meta or {})}
+    meta.setdefault("machine", report.machine_info())
+    meta = json.loads(json.dumps(meta, default=str))
+    return report.write_report(out, runs, meta)
