@@ -228,10 +228,8 @@ def markdown(runs: list[dict[str, Any]], meta: dict[str, Any]) -> str:
             for r in tiered
         ):
             lines += [
-                "Tier split as the server counts it. Where more tokens were loaded back than "
-                "counted as host hits, a request's host prefix was loaded back but its admission "
-                "deferred; on the next try those pages are on the device and count as device "
-                "hits. The 'loaded back' column is the host tier's real traffic.",
+                "Tier split as the server counts it; more tokens were loaded back than counted "
+                "as host hits. The 'loaded back' column is the host tier's real traffic.",
                 "",
             ]
 

@@ -110,24 +110,21 @@ class MHAKVPool(KVPool):
         )
         return k, v
 
-    def _page_slots(self, pages: torch.Tensor) -> torch.Tensor:
-        offsets = torch.arange(self.page_size, device=pages.device)
-        return (pages[:, None] * self.page_size + offsets).flatten()
+    def _by_page(self, layer: int | None) -> torch.Tensor:
+        """A view with one row per page ([..., pages, page_size * dim]): copies move blocks."""
+        kv = self.kv if layer is None else self.kv[layer]
+        return kv.view(*kv.shape[:-2], self.num_pages, self.page_size * self.shape.head_dim)
 
     def read_pages(self, pages: torch.Tensor, layer: int | None = None) -> torch.Tensor:
-        slots = self._page_slots(pages.to(self.kv.device))
-        return (
-            self.kv.index_select(3, slots)
-            if layer is None
-            else self.kv[layer].index_select(2, slots)
-        )
+        view = self._by_page(layer)
+        return view.index_select(view.dim() - 2, pages.to(self.kv.device))
 
     def write_pages(
         self, pages: torch.Tensor, data: torch.Tensor, layer: int | None = None
     ) -> None:
-        slots = self._page_slots(pages.to(self.kv.device))
-        target = self.kv if layer is None else self.kv[layer]
-        target.index_copy_(target.dim() - 2, slots, data.to(self.kv.device, non_blocking=True))
+        view = self._by_page(layer)
+        data = data.to(self.kv.device, non_blocking=True)
+        view.index_copy_(view.dim() - 2, pages.to(self.kv.device), data)
 
     @property
     def bytes_per_page(self) -> int:
