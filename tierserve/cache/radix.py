@@ -93,23 +93,13 @@ class RadixCache:
 
     def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch:
         """The longest cached whole-page prefix of `tokens`, split by tier."""
-        node, i = self.root, 0
         match = PrefixMatch([], self.root)
-        tokens = tokens[: len(tokens) // self.page_size * self.page_size]
-        while i < len(tokens):
-            child = node.children.get(tuple(tokens[i : i + self.page_size]))
-            if child is None:
-                break
-            n = self._common_length(child.key, tokens, i)
-            if n < len(child.key):
-                child = self._split(child, n)
-            self._touch(child)
-            if child.on_device:
-                match.device_pages.extend(child.pages)
-                match.device_node = child
+        for node, _, _ in self._walk(tokens[: len(tokens) // self.page_size * self.page_size]):
+            if node.on_device:
+                match.device_pages.extend(node.pages)
+                match.device_node = node
             else:
-                match.host_nodes.append(child)
-            node, i = child, i + n
+                match.host_nodes.append(node)
         return match
 
     def record_hit_path(self, node: RadixNode) -> None:
@@ -124,23 +114,31 @@ class RadixCache:
         pages for them) and the node that ends the prefix. Host-only nodes along the way take
         the caller's pages: they are on the device again.
         """
-        node, i, present = self.root, 0, 0
+        ps = self.page_size
+        node, end, present = self.root, 0, 0
+        for node, start, end in self._walk(tokens):  # node and end live on after the loop
+            if node.on_device:
+                present = end
+            else:
+                self.set_device_pages(node, list(pages[start // ps : end // ps]))
+        if end < len(tokens):
+            node = self._add_leaf(node, tuple(tokens[end:]), list(pages[end // ps :]))
+        return present, node
+
+    def _walk(self, tokens: Sequence[int]) -> Iterator[tuple[RadixNode, int, int]]:
+        """The nodes along the longest whole-page match of `tokens`, split where the match ends
+        inside an edge: (node, start, end) with `tokens[start:end]` its key."""
+        node, i = self.root, 0
         while i < len(tokens):
             child = node.children.get(tuple(tokens[i : i + self.page_size]))
             if child is None:
-                node = self._add_leaf(node, tuple(tokens[i:]), list(pages[i // self.page_size :]))
-                break
+                return
             n = self._common_length(child.key, tokens, i)
             if n < len(child.key):
                 child = self._split(child, n)
             self._touch(child)
-            if child.on_device:
-                present = i + n
-            else:
-                ps = self.page_size
-                self.set_device_pages(child, list(pages[i // ps : (i + n) // ps]))
+            yield child, i, i + n
             node, i = child, i + n
-        return present, node
 
     def set_device_pages(self, node: RadixNode, pages: list[int]) -> None:
         """Give a host-only node a device copy again (loaded back or recomputed)."""
