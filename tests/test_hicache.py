@@ -177,3 +177,17 @@ def test_bad_host_flags_are_user_errors(llama_dir, kwargs, field):
     with pytest.raises(TierserveError) as err:
         LLM(str(llama_dir), enable_hierarchical_cache=True, **kwargs)
     assert err.value.field == field
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_planner_bytes_per_token_is_what_the_pools_allocate(checkpoints, family):
+    """`tierserve plan` and the running server must agree on the arithmetic."""
+    import json
+
+    from tierserve.planner import KVShape, kv_bytes_per_token
+
+    llm = LLM(str(checkpoints[family]), max_total_tokens=256, enable_hierarchical_cache=True)
+    raw = json.loads((checkpoints[family] / "config.json").read_text())
+    planned = kv_bytes_per_token(KVShape.from_hf_config(raw), "fp32", tp=1).per_rank
+    for pool in (llm.engine.kv.pool, llm.engine.kv.host.host_pool):
+        assert pool.kv.nbytes == planned * pool.num_slots

@@ -31,7 +31,7 @@ from typing import Any, Literal, NamedTuple
 from tierserve.errors import TierserveError
 from tierserve.units import GB, GiB, format_bytes, format_count, format_gb
 
-KV_DTYPE_BYTES: dict[str, int] = {"bf16": 2, "fp16": 2, "fp8": 1}
+KV_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 WEIGHT_DTYPE_BYTES: dict[str, float] = {
     "fp32": 4.0,
     "bf16": 2.0,
