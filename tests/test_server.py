@@ -349,3 +349,13 @@ def test_batch_runner_resumes_after_a_kill(llama_dir, tmp_path):
     assert all(
         json.loads(line)["response"]["status_code"] == 200 for line in out.read_text().splitlines()
     )
+
+
+def test_without_max_tokens_a_request_runs_to_the_context_end(client):
+    got = client.completions.create(
+        model="llama", prompt=[5] * 2000, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert got.usage.completion_tokens == 2048 - 2000
+    assert got.choices[0].finish_reason == "length"
+    with pytest.raises(openai.BadRequestError, match="leaves no room"):
+        client.completions.create(model="llama", prompt=[5] * 2048)

@@ -11,7 +11,7 @@ from tierserve.errors import TierserveError
 class SamplingParams:
     """What and how much to generate. temperature 0 means greedy."""
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16  # None: as many as the context (and KV pool) leave room for
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: no limit
@@ -30,7 +30,7 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        if self.max_tokens <= 0:
+        if self.max_tokens is not None and self.max_tokens <= 0:
             raise TierserveError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
         if self.temperature < 0:
             raise TierserveError(f"temperature must be >= 0, got {self.temperature}", "temperature")

@@ -5,6 +5,7 @@ One synchronous loop; the offline `LLM` and the HTTP server both drive it.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import os
@@ -172,6 +173,8 @@ class Engine:
     ) -> Request:
         """Tokenize and validate; touches no scheduler state, so another thread may call it."""
         prompt_ids = self._encode(prompt)
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=self._room_after(prompt_ids))
         self._validate(prompt_ids, params)
         generator = self._default_generator
         if params.seed is not None:
@@ -203,6 +206,18 @@ class Engine:
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise TierserveError(f"prompt token ids must be ints in [0, {vocab})", field="prompt")
         return ids
+
+    def _room_after(self, prompt_ids: list[int]) -> int:
+        """Tokens a request may generate when it does not say: up to the context or pool end."""
+        pool_tokens = self.kv.num_pages * self.kv.page_size
+        room = min(self.context_length, pool_tokens) - len(prompt_ids)
+        if room <= 0:
+            raise TierserveError(
+                f"prompt ({len(prompt_ids)} tokens) leaves no room to generate within the context"
+                f" length {self.context_length} (KV pool {pool_tokens} tokens)",
+                field="prompt",
+            )
+        return room
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         total = len(prompt_ids) + params.max_tokens

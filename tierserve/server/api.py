@@ -31,7 +31,6 @@ from tierserve.server.protocol import (
 )
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
-DEFAULT_MAX_TOKENS = 256
 
 
 class ModelNotFound(Exception):
@@ -128,14 +127,14 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics, model
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        params = body.sampling_params(DEFAULT_MAX_TOKENS)
+        params = body.sampling_params()
         stream = Completion(engine, metrics, model, body, "text_completion")
         return await stream.respond(body.single_prompt(), params, request)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         check_model(body.model)
-        params = body.sampling_params(DEFAULT_MAX_TOKENS)
+        params = body.sampling_params()
         prompt_ids = await asyncio.to_thread(_apply_chat_template, engine, body)
         stream = Completion(engine, metrics, model, body, "chat.completion")
         return await stream.respond(prompt_ids, params, request)

@@ -42,10 +42,11 @@ class SamplingFields(BaseModel):
     logprobs: Any = None
     user: str | None = None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self) -> SamplingParams:
+        """Without max_tokens a request may run to the end of the context, as in OpenAI."""
         self._refuse_unsupported()
         return SamplingParams(
-            max_tokens=self.max_tokens if self.max_tokens is not None else default_max_tokens,
+            max_tokens=self.max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
@@ -103,10 +104,10 @@ class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
 
-    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+    def sampling_params(self) -> SamplingParams:
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
-        return super().sampling_params(default_max_tokens)
+        return super().sampling_params()
 
 
 class GenerateRequest(BaseModel):
