@@ -134,3 +134,13 @@ def test_detokenizer_never_emits_half_a_character(llm):
         pieces.append(detok.delta(finished=i == len(ids) - 1))
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == text
+
+
+def test_detokenizer_shows_an_unfinished_character_at_the_end(llm):
+    tok = llm.tokenizer
+    ids = tok("你", add_special_tokens=False).input_ids
+    assert len(ids) > 1, "expected a character split over tokens"
+    detok = IncrementalDetokenizer(tok)
+    detok.add(ids[0])
+    assert detok.delta(finished=False) == ""
+    assert detok.delta(finished=True) == tok.decode(ids[:1])

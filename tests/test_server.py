@@ -359,3 +359,31 @@ def test_without_max_tokens_a_request_runs_to_the_context_end(client):
     assert got.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError, match="leaves no room"):
         client.completions.create(model="llama", prompt=[5] * 2048)
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}'),
+        ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": 10}}'),
+        ("/v1/completions", b'{"prompt": "hi", "seed": 1180591620717411303424}'),
+        ("/v1/completions", b'{"prompt": "hi", "top_k": 2.5}'),
+        ("/generate", b'{"input_ids": [5, 6], "sampling_params": {"top_k": 2.5}}'),
+        ("/generate", b'{"input_ids": [5, 6], "sampling_params": {"temperature": "hot"}}'),
+        ("/generate", b'{"input_ids": [5, 6], "sampling_params": {"stop": 5}}'),
+        ("/generate", b'{"input_ids": [5, 6], "sampling_params": {"nucleus": 0.9}}'),
+    ],
+)
+def test_bad_values_are_400_and_the_engine_keeps_serving(server, route, body):
+    reply = httpx.post(
+        f"{server.url}{route}", content=body, headers={"content-type": "application/json"}
+    )
+    assert reply.status_code == 400, reply.text
+    assert reply.json()["error"]["message"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_extreme_but_valid_values_do_not_break_a_batch(client):
+    for extra in ({"temperature": 1e-50}, {"top_p": 1e-50}):
+        got = client.completions.create(model="llama", prompt="hi", max_tokens=4, **extra)
+        assert got.usage.completion_tokens >= 1

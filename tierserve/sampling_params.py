@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tierserve.errors import TierserveError
+
+GREEDY_BELOW = 1e-5
 
 
 @dataclass(frozen=True)
@@ -25,11 +28,15 @@ class SamplingParams:
         # Accept lists and a single string the way OpenAI clients send them.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        object.__setattr__(self, "stop", tuple(self.stop or ()))
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name) or ()
+            if not isinstance(value, list | tuple):
+                raise TierserveError(f"{name} must be a list, got {value!r}", name)
+            object.__setattr__(self, name, tuple(value))
         self._validate()
 
     def _validate(self) -> None:
+        self._check_types()
         if self.max_tokens is not None and self.max_tokens <= 0:
             raise TierserveError(f"max_tokens must be >= 1, got {self.max_tokens}", "max_tokens")
         if self.temperature < 0:
@@ -42,7 +49,27 @@ class SamplingParams:
             raise TierserveError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if any(not s for s in self.stop):
             raise TierserveError("stop strings must be non-empty", "stop")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise TierserveError(f"seed must be in [0, 2**63), got {self.seed}", "seed")
+
+    def _check_types(self) -> None:
+        """Wrong types and NaN fail here, with the field's name, not deep inside a batch."""
+        ints = {"top_k": self.top_k, "max_tokens": self.max_tokens, "seed": self.seed}
+        for name, value in ints.items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise TierserveError(f"{name} must be an integer, got {value!r}", name)
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TierserveError(f"{name} must be a number, got {value!r}", name)
+            if not math.isfinite(value):
+                raise TierserveError(f"{name} must be finite, got {value}", name)
+        if not all(isinstance(s, str) for s in self.stop):
+            raise TierserveError("stop must be a string or a list of strings", "stop")
+        if not all(isinstance(t, int) for t in self.stop_token_ids):
+            raise TierserveError("stop_token_ids must be integers", "stop_token_ids")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        # Below this temperature float32 logits / temperature overflow: sample as greedy.
+        return self.temperature < GREEDY_BELOW or self.top_k == 1

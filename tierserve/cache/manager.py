@@ -70,7 +70,7 @@ class KVCacheManager:
         req.node = host_nodes[-1] if host_nodes else m.device_node
         self.radix.lock(req.node)  # host nodes too: making room must not evict any of it
         req.tree_tokens = req.num_computed = len(req.pages) * self.page_size
-        host_tokens = sum(n.num_pages for n in host_nodes) * self.page_size
+        host_tokens = (m.host_page_count if self.host else 0) * self.page_size
         return PrefixHit(req.tree_tokens, host_nodes, host_tokens)
 
     def load_back(self, req: Request, hit: PrefixHit) -> bool:
@@ -87,15 +87,20 @@ class KVCacheManager:
         hit.loaded = True
         return True
 
-    def commit(self, req: Request, hit: PrefixHit) -> None:
-        """The request was admitted with `hit`: count it (selective write-through uses it)."""
+    def commit(self, req: Request, hit: PrefixHit, first_admission: bool) -> None:
+        """The request was admitted with `hit`: count it (selective write-through uses it).
+
+        Hit statistics count first admissions only, as `cached_tokens` does: a preempted
+        request's return is not a new request."""
         if self.radix is None or req.node is None:
             return
         self.radix.record_hit_path(req.node)
-        if self.host is not None:
+        if self.host is None:
+            return
+        self.host.backup_hot(req.node)
+        if first_admission:
             self.host.stats.device_hit_tokens += hit.device_tokens
             self.host.stats.host_hit_tokens += hit.host_tokens if hit.loaded else 0
-            self.host.backup_hot(req.node)
 
     # --- growth and eviction ----------------------------------------------------------------
 

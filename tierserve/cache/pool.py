@@ -7,6 +7,7 @@ and the tiers speak only of pages and slots, never of tensor shapes.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 import torch
 
 from tierserve.errors import TierserveError
+
+logger = logging.getLogger("tierserve")
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,8 @@ class PoolShape:
 
 class KVPool(ABC):
     """Paged KV storage. Subclasses choose the per-token layout."""
+
+    device: torch.device
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         self.num_pages = num_pages
@@ -84,9 +89,11 @@ class MHAKVPool(KVPool):
         self.device = torch.device(device)
         dims = (shape.num_layers, 2, shape.num_kv_heads, num_pages * page_size, shape.head_dim)
         if host_tier:
-            # Only pages written are ever read: leave it untouched, so RAM is committed as the
-            # tier fills. Pinned on CUDA machines, for async copies.
-            self.kv = torch.empty(dims, dtype=shape.dtype, pin_memory=pin_memory)
+            # Only pages written are ever read, so it is not zeroed: on CPU, RAM is committed as
+            # the tier fills. Page-locked on CUDA machines, for async copies.
+            self.kv = torch.empty(dims, dtype=shape.dtype)
+            if pin_memory:
+                _page_lock(self.kv)
         else:
             # Padded attention reads unused pages with zero weight; 0 × stale NaN would not be 0.
             self.kv = torch.zeros(dims, dtype=shape.dtype, device=self.device)
@@ -129,6 +136,15 @@ class MHAKVPool(KVPool):
     @property
     def bytes_per_page(self) -> int:
         return self.shape.bytes_per_token * self.page_size
+
+
+def _page_lock(t: torch.Tensor) -> None:
+    """Pin an existing host tensor in place. torch's pinned allocator rounds a block up to a
+    power of two (a 300 GB tier would lock 512 GB), past what the start-up check approved."""
+    size = t.numel() * t.element_size()
+    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), size, 0)
+    if int(err) != 0:  # still correct, only the copies to and from the device are synchronous
+        logger.warning("could not page-lock the %d-byte host tier (cuda error %s)", size, err)
 
 
 POOLS: dict[str, Callable[..., KVPool]] = {"mha": MHAKVPool}

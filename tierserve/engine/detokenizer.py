@@ -41,6 +41,14 @@ class IncrementalDetokenizer:
             self.text = self.text[: min(hits)]
             self.stopped = True
 
+    def _flush(self) -> None:
+        """At the end, bytes that never completed a character are shown as U+FFFD."""
+        if self.stopped or self._read_offset == len(self._ids):
+            return
+        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        self.text += self._decode(self._ids[self._prefix_offset :])[len(prefix) :]
+        self._read_offset = len(self._ids)
+
     def _decode(self, ids: list[int]) -> str:
         if not ids:
             return ""
@@ -48,6 +56,8 @@ class IncrementalDetokenizer:
 
     def delta(self, finished: bool) -> str:
         """New text since the last call, holding back a possible stop-string start."""
+        if finished:
+            self._flush()
         end = len(self.text) if finished or not self.stop else len(self.text) - self._hold
         if end <= self._emitted:
             return ""

@@ -285,12 +285,13 @@ class Engine:
 
     def _output(self, req: Request) -> RequestOutput:
         finished = req.status is Status.FINISHED
+        delta = req.detokenizer.delta(finished)  # first: at the end it settles the text
         return RequestOutput(
             request_id=req.rid,
             prompt_token_ids=req.prompt_ids,
             token_ids=list(req.output_ids),
             text=req.detokenizer.text,
-            text_delta=req.detokenizer.delta(finished),
+            text_delta=delta,
             finished=finished,
             finish_reason=req.finish_reason,
             prompt_tokens=len(req.prompt_ids),

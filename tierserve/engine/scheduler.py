@@ -64,11 +64,12 @@ class Scheduler:
         for req in sorted(self.running, key=lambda r: r.arrival):
             if req.status is not Status.RUNNING:
                 continue  # preempted to make room for an older request
-            n = 1 if req.remaining == 1 else min(req.remaining, budget)
+            decoding = req.remaining == 1  # a prompt's last token counts against the budget
+            n = 1 if decoding else min(req.remaining, budget)
             if n == 0 or not self._make_room(req, req.num_computed + n):
                 continue
             chunks.append(ScheduledChunk(req, n))
-            budget -= n if n > 1 else 0
+            budget -= 0 if decoding else n
         chunks = [c for c in chunks if c.req.status is Status.RUNNING]
         chunks.extend(self._admit(budget, reserve=len(chunks)))
         # Decode tokens first: attention then treats them as one contiguous block of rows.
@@ -117,7 +118,7 @@ class Scheduler:
                 self.kv.release(req, keep_in_cache=False)
                 break
             self.waiting.popleft()
-            self.kv.commit(req, hit)
+            self.kv.commit(req, hit, first_admission=req.cached_tokens is None)
             self._start(req, hit.tokens)
             chunks.append(ScheduledChunk(req, n))
             budget -= n

@@ -63,6 +63,8 @@ class DecodeWorkspace:
 
     def __init__(self, pool: KVPool, num_layers: int) -> None:
         self.pool = pool
+        # On a GPU the gather is cheap and memory is not: there, no copy is kept between steps.
+        self.persist = pool.device.type == "cpu"
         self.key: tuple[int, ...] = ()
         self.lens = torch.zeros(0, dtype=torch.long)
         self.k: list[torch.Tensor | None] = [None] * num_layers
@@ -73,13 +75,15 @@ class DecodeWorkspace:
         key = tuple(s.seq_id for s in spans)
         lens = torch.tensor([s.kv_len for s in spans], device=device)
         self.appending = (
-            key == self.key
+            self.persist
+            and key == self.key
             and bool((lens == self.lens + 1).all())
             and int(lens.max()) <= self.capacity
         )
         if not self.appending:
             ps = self.pool.page_size
-            self.capacity = -(-(int(lens.max()) + self.SLACK) // ps) * ps
+            slack = self.SLACK if self.persist else 0
+            self.capacity = -(-(int(lens.max()) + slack) // ps) * ps
             self.pages = _page_table(spans, self.capacity // ps, device)
         self.key, self.lens = key, lens
         self.rows = torch.arange(len(spans), device=device)
@@ -95,9 +99,11 @@ class DecodeWorkspace:
         if self.appending:
             self.k[layer][:, self.rows, self.lens - 1] = k_new.transpose(0, 1)
             self.v[layer][:, self.rows, self.lens - 1] = v_new.transpose(0, 1)
-        else:  # the pool already holds this step's tokens
-            self.k[layer], self.v[layer] = self.pool.gather(layer, self.pages)
-        return self.k[layer], self.v[layer]
+            return self.k[layer], self.v[layer]
+        k, v = self.pool.gather(layer, self.pages)  # the pool already holds this step's tokens
+        if self.persist:
+            self.k[layer], self.v[layer] = k, v
+        return k, v
 
     def reset(self) -> None:
         self.key = ()

@@ -50,7 +50,9 @@ def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
 def _top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     cumulative = sorted_logits.softmax(-1).cumsum(-1)
-    # Drop a token when the tokens before it already reach top_p; the first token always stays.
+    # Drop a token when the tokens before it already reach top_p; the first token always stays
+    # (also when top_p rounds to 0 in float32).
     drop = (cumulative - sorted_logits.softmax(-1)) >= top_p[:, None]
+    drop[:, 0] = False
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

@@ -13,6 +13,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 
 from tierserve.engine.request import RequestOutput
 from tierserve.errors import TierserveError
@@ -150,7 +151,11 @@ def _apply_chat_template(engine: AsyncEngine, body: ChatCompletionRequest) -> li
     if not getattr(tok, "chat_template", None):
         raise TierserveError("this model has no chat template; use /v1/completions", "messages")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    try:
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except TemplateError as err:  # e.g. a template that requires alternating roles
+        message = f"the chat template rejected the messages: {err}"
+        raise TierserveError(message, "messages") from None
     ids = tok(text, add_special_tokens=False).input_ids
     if not ids:
         raise TierserveError("messages are empty", "messages")
@@ -222,7 +227,7 @@ class Completion:
 
     def _whole(self, out: RequestOutput) -> dict[str, Any]:
         if self.kind == "generate":
-            return _native(out, out.text)
+            return _native(out)
         if self.kind == "chat.completion":
             choice = {"index": 0, "message": {"role": "assistant", "content": out.text}}
         else:
@@ -236,18 +241,17 @@ class Completion:
 
     def _chunk(self, out: RequestOutput, first: bool) -> dict[str, Any]:
         if self.kind == "generate":
-            return _native(out, out.text)
+            return _native(out)
         if self.kind == "chat.completion":
             delta: dict[str, Any] = {"content": out.text_delta}
             if first:
                 delta["role"] = "assistant"
             choice = {"index": 0, "delta": delta}
-            obj = "chat.completion.chunk"
         else:
-            choice, obj = {"index": 0, "text": out.text_delta, "logprobs": None}, self.kind
+            choice = {"index": 0, "text": out.text_delta, "logprobs": None}
         choice["finish_reason"] = out.finish_reason if out.finished else None
         extra = {"usage": None} if self.include_usage else {}
-        return self._envelope(obj, [choice], **extra)
+        return self._envelope(self._chunk_object(), [choice], **extra)
 
     async def _sse(
         self, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
@@ -260,7 +264,12 @@ class Completion:
                     is_first = False
                 if out.finished:
                     break
-                out = await anext(outputs)
+                try:
+                    out = await anext(outputs)
+                except EngineDeadError as err:  # headers are sent: say so in the stream
+                    body = error_body(str(err), "service_unavailable", None, 503)
+                    yield f"data: {json.dumps(body)}\n\n"
+                    return
             if self.include_usage and self.kind != "generate":
                 tail = self._envelope(self._chunk_object(), [], usage=self._usage(out))
                 yield f"data: {json.dumps(tail)}\n\n"
@@ -272,9 +281,9 @@ class Completion:
         return "chat.completion.chunk" if self.kind == "chat.completion" else self.kind
 
 
-def _native(out: RequestOutput, text: str) -> dict[str, Any]:
+def _native(out: RequestOutput) -> dict[str, Any]:
     return {
-        "text": text,
+        "text": out.text,
         "output_ids": out.token_ids,
         "meta_info": {
             "id": out.request_id,

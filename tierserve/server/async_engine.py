@@ -43,10 +43,6 @@ class AsyncEngine:
         self._wake.set()
         self._thread.join(timeout=30)
 
-    @property
-    def num_streams(self) -> int:
-        return len(self._streams)
-
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
@@ -60,7 +56,12 @@ class AsyncEngine:
         finished = False
         try:
             while not finished:
-                out = await outputs.get()
+                try:
+                    out = await asyncio.wait_for(outputs.get(), timeout=1.0)
+                except TimeoutError:  # still waiting: make sure there is an engine to wait for
+                    if self.error is not None:
+                        raise EngineDeadError(f"engine loop failed: {self.error}") from None
+                    continue
                 if isinstance(out, BaseException):
                     raise EngineDeadError(f"engine loop failed: {out}")
                 finished = out.finished
@@ -83,20 +84,20 @@ class AsyncEngine:
     # --- the engine thread --------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            self._drain_inbox()
-            if not self.engine.has_unfinished():
-                self._wake.wait(timeout=0.1)
-                self._wake.clear()
-                continue
-            try:
-                outputs = self.engine.step()
-            except Exception as err:  # a bug, not bad input: fail every stream, keep serving
-                logger.exception("engine step failed")
-                self._fail_all(err)
-                continue
-            for out in outputs:
-                self._deliver(out.request_id, out)
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if not self.engine.has_unfinished():
+                    self._wake.wait(timeout=0.1)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as err:  # a bug, not bad input: say so everywhere, then stop
+            logger.exception("engine loop failed; the server now answers 503")
+            self.error = err
+            for rid in list(self._streams):
+                self._deliver(rid, err)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -132,8 +133,3 @@ class AsyncEngine:
             loop.call_soon_threadsafe(outputs.put_nowait, item)
         except RuntimeError:  # that event loop is closed
             self._streams.pop(rid, None)
-
-    def _fail_all(self, err: BaseException) -> None:
-        for rid in list(self._streams):
-            self.engine.abort(rid)
-            self._deliver(rid, err)

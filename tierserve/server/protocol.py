@@ -16,6 +16,26 @@ from pydantic import BaseModel, ConfigDict, Field
 from tierserve.errors import TierserveError
 from tierserve.sampling_params import SamplingParams
 
+# OpenAI fields tierserve does not implement: refused when set, never silently ignored. Other
+# unknown fields (metadata, store, extras) are ignored, as OpenAI-compatible servers do.
+UNSUPPORTED_FIELDS = frozenset(
+    {
+        "logit_bias",
+        "response_format",
+        "best_of",
+        "suffix",
+        "tools",
+        "tool_choice",
+        "functions",
+        "function_call",
+        "parallel_tool_calls",
+        "top_logprobs",
+        "audio",
+        "modalities",
+        "prediction",
+    }
+)
+
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
@@ -58,6 +78,9 @@ class SamplingFields(BaseModel):
         )
 
     def _refuse_unsupported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED_FIELDS and value not in (None, False, [], {}):
+                raise TierserveError(f"{name} is not supported", name)
         if self.n != 1:
             raise TierserveError(f"n must be 1 (got {self.n}); send n requests instead", "n")
         for name in ("presence_penalty", "frequency_penalty"):
@@ -110,12 +133,35 @@ class ChatCompletionRequest(SamplingFields):
         return super().sampling_params()
 
 
+class NativeSamplingParams(BaseModel):
+    """SGLang's /generate sampling parameters, typed so that bad values are a 400."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    max_new_tokens: int | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def to_params(self) -> SamplingParams:
+        fields = self.model_dump(exclude={"max_new_tokens", "max_tokens"})
+        fields["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
+        limit = self.max_new_tokens if self.max_new_tokens is not None else self.max_tokens
+        return SamplingParams(max_tokens=limit if limit is not None else 128, **fields)
+
+
 class GenerateRequest(BaseModel):
     """SGLang's native /generate: text or token ids, sampling parameters in one object."""
 
     text: str | None = None
     input_ids: list[int] | None = None
-    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
 
     def prompt(self) -> str | list[int]:
@@ -124,14 +170,7 @@ class GenerateRequest(BaseModel):
         return self.text if self.text is not None else self.input_ids
 
     def params(self) -> SamplingParams:
-        fields = dict(self.sampling_params)
-        if "max_new_tokens" in fields:  # SGLang's name
-            fields["max_tokens"] = fields.pop("max_new_tokens")
-        known = set(SamplingParams.__dataclass_fields__)
-        unknown = sorted(set(fields) - known)
-        if unknown:
-            raise TierserveError(f"unknown sampling parameter(s) {unknown}", unknown[0])
-        return SamplingParams(**fields)
+        return self.sampling_params.to_params()
 
 
 def new_id(prefix: str) -> str:
