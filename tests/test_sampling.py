@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -70,13 +72,20 @@ def test_max_tokens_and_stop_token_ids(llm):
 
 
 def test_eos_stops_unless_ignored(llm):
+    # 80 × 40 tokens at a high temperature over a 320-token vocabulary: EOS comes up ~10 times.
     eos = llm.tokenizer.eos_token_id
-    prompts = random_prompts(40, [6, 11, 23], seed=10)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=30, temperature=1.5, seed=1))
+    prompts = random_prompts(80, [6, 11, 23], seed=10)
+    params = SamplingParams(max_tokens=40, temperature=1.5, seed=1)
+    outs = llm.generate(prompts, params)
     stopped = [o for o in outs if o.finish_reason == "stop"]
     assert stopped, "no sample hit EOS; pick another seed"
     assert all(o.token_ids[-1] == eos for o in stopped)
     assert all(eos not in o.token_ids[:-1] for o in outs)
+    ignoring = llm.generate(prompts, dataclasses.replace(params, ignore_eos=True))
+    assert all(len(o.token_ids) == 40 and o.finish_reason == "length" for o in ignoring)
+    # Same seed, same samples: each stopped output continues past its EOS when EOS is ignored.
+    for kept, cut in zip(ignoring, outs, strict=True):
+        assert kept.token_ids[: len(cut.token_ids)] == cut.token_ids
 
 
 def _boundary_stop(llm: LLM, ids: list[int], text: str) -> tuple[str, int]:
