@@ -302,7 +302,9 @@ def test_bounded_in_flight_and_poisson_gaps():
     opts = LoadOptions(request_rate=400.0)
     recs = asyncio.run(bench_client._run_requests(sender, wl.requests, opts, np_rng()))
     span = max(r.send for r in recs) - min(r.send for r in recs)
-    assert 0.05 < span < 2.0  # 39 exponential gaps of mean 2.5 ms: ~0.1 s
+    # 39 exponential gaps of mean 2.5 ms (~0.1 s): sends wait for their arrival times. Only a
+    # lower bound: a busy machine may be late, never early.
+    assert span > 0.05
 
 
 def np_rng():
