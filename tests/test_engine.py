@@ -181,3 +181,18 @@ def test_engine_flags_are_llm_kwargs(llama_dir):
     assert err.value.field == "page_size"
     with pytest.raises(TierserveError, match="max_position_embeddings 2048"):
         LLM(str(llama_dir), context_length=4096)
+
+
+def test_cli_flags_and_llm_kwargs_are_one_config():
+    import argparse
+
+    from tierserve.config import EngineArgs
+
+    parser = argparse.ArgumentParser()
+    EngineArgs.add_cli_args(parser)
+    ns = parser.parse_args(
+        ["--model-path", "m", "--page-size", "8", "--disable-radix-cache", "--hicache-size", "4GB"]
+    )
+    assert EngineArgs.from_cli(ns) == EngineArgs.from_kwargs(
+        "m", page_size=8, disable_radix_cache=True, hicache_size="4GB"
+    )

@@ -1,4 +1,5 @@
-"""`tierserve serve | plan`: one entry point; each subcommand lives in the module that owns it."""
+"""`tierserve serve | plan | batch | bench`: one entry point; each subcommand lives in the module
+that owns it."""
 
 from __future__ import annotations
 

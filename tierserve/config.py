@@ -32,7 +32,10 @@ def _flag(help: str, **kw: Any) -> Any:
 class EngineArgs:
     model: str | None = field(
         default=None,
-        metadata=_flag("local Hugging Face checkpoint directory (default: the bundled demo model)"),
+        metadata=_flag(
+            "local Hugging Face checkpoint directory (default: the bundled demo model)",
+            aliases=["--model-path"],  # SGLang's name
+        ),
     )
     tokenizer: str | None = field(
         default=None, metadata=_flag("tokenizer directory (default: the model directory)")
@@ -151,13 +154,13 @@ class EngineArgs:
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         for f in fields(EngineArgs):
-            flag = "--" + f.name.replace("_", "-")
             meta = dict(f.metadata)
+            flags = ["--" + f.name.replace("_", "-"), *meta.pop("aliases", [])]
             if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", help=meta["help"])
+                parser.add_argument(*flags, action="store_true", help=meta["help"])
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
-            parser.add_argument(flag, type=kind, default=f.default, **meta)
+            parser.add_argument(*flags, type=kind, default=f.default, dest=f.name, **meta)
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:

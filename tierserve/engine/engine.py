@@ -10,6 +10,7 @@ import itertools
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
     return DTYPES.get(cfg.torch_dtype or "", torch.bfloat16)
 
 
-def load_tokenizer(path: str):  # -> transformers.PreTrainedTokenizerBase
+def load_tokenizer(path: str) -> Any:  # a transformers PreTrainedTokenizerBase
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
     from transformers import AutoTokenizer
 
