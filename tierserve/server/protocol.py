@@ -41,10 +41,9 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingFields(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class SamplingKnobs(BaseModel):
+    """The sampling fields the OpenAI routes and the native /generate share."""
 
-    model: str | None = None
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
@@ -54,6 +53,25 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+
+    def _params(self, max_tokens: int | None) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+        )
+
+
+class SamplingFields(SamplingKnobs):
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -65,17 +83,7 @@ class SamplingFields(BaseModel):
     def sampling_params(self) -> SamplingParams:
         """Without max_tokens a request may run to the end of the context, as in OpenAI."""
         self._refuse_unsupported()
-        return SamplingParams(
-            max_tokens=self.max_tokens,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
-            min_p=self.min_p,
-            seed=self.seed,
-            stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()),
-            stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos,
-        )
+        return self._params(self.max_tokens)
 
     def _refuse_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -133,27 +141,16 @@ class ChatCompletionRequest(SamplingFields):
         return super().sampling_params()
 
 
-class NativeSamplingParams(BaseModel):
+class NativeSamplingParams(SamplingKnobs):
     """SGLang's /generate sampling parameters, typed so that bad values are a 400."""
 
     model_config = ConfigDict(extra="forbid")
 
-    max_new_tokens: int | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
+    max_new_tokens: int | None = None  # SGLang's name for max_tokens; default 128 as SGLang
 
     def to_params(self) -> SamplingParams:
-        fields = self.model_dump(exclude={"max_new_tokens", "max_tokens"})
-        fields["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         limit = self.max_new_tokens if self.max_new_tokens is not None else self.max_tokens
-        return SamplingParams(max_tokens=limit if limit is not None else 128, **fields)
+        return self._params(limit if limit is not None else 128)
 
 
 class GenerateRequest(BaseModel):
