@@ -11,6 +11,8 @@ import pytest
 
 from tests.conftest import random_prompts
 from tierserve import LLM, SamplingParams, TierserveError
+from tierserve.cache.host_sizing import startup_table
+from tierserve.units import format_bytes
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 POLICIES = ["write_through", "write_through_selective", "write_back"]
@@ -180,14 +182,52 @@ def test_bad_host_flags_are_user_errors(llama_dir, kwargs, field):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_planner_bytes_per_token_is_what_the_pools_allocate(checkpoints, family):
-    """`tierserve plan` and the running server must agree on the arithmetic."""
-    import json
-
-    from tierserve.planner import KVShape, kv_bytes_per_token
-
+def test_one_kv_spec_for_planner_pools_and_startup_table(checkpoints, family, caplog):
+    """`tierserve plan`, the start-up table and every pool read one spec object."""
     llm = LLM(str(checkpoints[family]), max_total_tokens=256, enable_hierarchical_cache=True)
-    raw = json.loads((checkpoints[family] / "config.json").read_text())
-    planned = kv_bytes_per_token(KVShape.from_hf_config(raw), "fp32", tp=1).per_rank
-    for pool in (llm.engine.kv.pool, llm.engine.kv.host.host_pool):
-        assert pool.kv.nbytes == planned * pool.num_slots
+    engine = llm.engine
+    spec = engine.kv_plan.spec
+    assert engine.kv.pool.spec is spec and engine.kv.host.host_pool.spec is spec
+    for pool in (engine.kv.pool, engine.kv.host.host_pool):
+        assert pool.nbytes == spec.bytes_per_page * pool.num_pages
+        assert pool.data[0].numel() * pool.data.element_size() == spec.bytes_per_page
+    # The planner's figure for this model and dtype is the same spec's.
+    from tierserve.planner import kv_spec
+
+    planned = kv_spec(engine.model_config, "fp32", tp=1, page_size=spec.page_size)
+    assert planned == spec
+    assert startup_table(engine.kv_plan).count(format_bytes(spec.bytes_per_token)) == 1
+
+
+def test_nothing_else_computes_kv_bytes_per_token():
+    """Sizes come from cache/spec.py only: no other product of layers and KV widths."""
+    import ast
+    from pathlib import Path
+
+    import tierserve
+
+    layers = {"num_layers", "num_hidden_layers"}
+    widths = {"head_dim", "kv_lora_rank", "qk_rope_head_dim", "num_kv_heads", "itemsize", "dim"}
+
+    def names(node: ast.AST) -> set[str]:
+        found = set()
+        for n in ast.walk(node):
+            if isinstance(n, ast.Name):
+                found.add(n.id)
+            elif isinstance(n, ast.Attribute):
+                found.add(n.attr)
+            elif isinstance(n, ast.Constant) and isinstance(n.value, str):
+                found.add(n.value)
+        return found
+
+    root = Path(tierserve.__file__).parent
+    offenders = []
+    for path in root.rglob("*.py"):
+        if path.name == "spec.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+                used = names(node)
+                if used & layers and used & widths:
+                    offenders.append(f"{path.name}:{node.lineno}")
+    assert offenders == []

@@ -8,7 +8,8 @@ import transformers
 
 from tests.conftest import random_prompts
 from tierserve import LLM, SamplingParams
-from tierserve.cache.pool import MHAKVPool, PoolShape
+from tierserve.cache.pool import PagedKV
+from tierserve.cache.spec import KVSpec
 from tierserve.config import ModelConfig
 from tierserve.layers.attention import ForwardBatch, SeqSpan, TorchAttention
 from tierserve.models.loader import load_model
@@ -45,12 +46,7 @@ def test_prefill_logits_match_transformers(checkpoints, family):
     path = checkpoints[family]
     cfg = ModelConfig.from_dir(path)
     model = load_model(path, cfg, torch.float32, torch.device("cpu"))
-    pool = MHAKVPool(
-        PoolShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32),
-        num_pages=64,
-        page_size=8,
-        device=torch.device("cpu"),
-    )
+    pool = PagedKV(KVSpec.from_model(cfg, "float32", page_size=8), 64, torch.device("cpu"))
     attn = TorchAttention(pool, cfg.num_layers)
     prompt = random_prompts(1, [200], seed=2)[0]
     slots = torch.arange(len(prompt))
@@ -71,8 +67,7 @@ def test_chunked_prefill_logits_use_the_cached_prefix(checkpoints):
     path = checkpoints["llama"]
     cfg = ModelConfig.from_dir(path)
     model = load_model(path, cfg, torch.float32, torch.device("cpu"))
-    shape = PoolShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.float32)
-    pool = MHAKVPool(shape, num_pages=32, page_size=4, device=torch.device("cpu"))
+    pool = PagedKV(KVSpec.from_model(cfg, "float32", page_size=4), 32, torch.device("cpu"))
     attn = TorchAttention(pool, cfg.num_layers)
     prompt = random_prompts(1, [90], seed=3)[0]
     pages = torch.randperm(32)[:23]  # scattered pages: the gather must follow the table

@@ -8,15 +8,16 @@ from types import SimpleNamespace
 import pytest
 
 from tierserve import cli, planner
+from tierserve.config import ModelConfig
 from tierserve.errors import TierserveError
 from tierserve.planner import (
     HostBudget,
     HostRequest,
-    KVShape,
     Machine,
     PlanInputs,
     check_sglang,
-    kv_bytes_per_token,
+    kv_bytes,
+    kv_spec,
     make_plan,
     size_host_cache,
 )
@@ -47,8 +48,12 @@ SEED_FLAGS = [
 ]
 
 
-def shape(name: str) -> KVShape:
-    return KVShape.from_hf_config(model_preset(name).config)
+def shape(name: str) -> ModelConfig:
+    return ModelConfig.from_dict(model_preset(name).config)
+
+
+def kv_bytes_per_token(model: ModelConfig, kv_dtype: str, tp: int = 1) -> planner.KVBytes:
+    return kv_bytes(kv_spec(model, kv_dtype, tp))
 
 
 def seed_inputs() -> PlanInputs:
@@ -93,18 +98,21 @@ def test_mla_fp8_halves_the_latent() -> None:
 
 
 def test_copies_of_replicated_kv() -> None:
-    assert planner.kv_copies(shape("deepseek-v3"), 8) == 8
-    assert planner.kv_copies(shape("qwen2.5-7b"), 8) == 2
-    assert planner.kv_copies(shape("llama-3-8b"), 8) == 1
-    assert planner.kv_copies(shape("llama-3-8b"), 1) == 1
+    assert kv_spec(shape("deepseek-v3"), "bf16", 8).copies == 8
+    assert kv_spec(shape("qwen2.5-7b"), "bf16", 8).copies == 2
+    assert kv_spec(shape("llama-3-8b"), "bf16", 8).copies == 1
+    assert kv_spec(shape("llama-3-8b"), "bf16", 1).copies == 1
 
 
 def test_attention_kinds_and_mla_detection() -> None:
     assert shape("kimi-k2").attention == "MLA"
     assert shape("llama-3-70b").attention == "GQA"
     mha = {"num_hidden_layers": 2, "num_attention_heads": 4, "hidden_size": 64}
-    assert KVShape.from_hf_config(mha).attention == "MHA"
-    assert KVShape.from_hf_config(mha).head_dim == 16
+    assert ModelConfig.from_dict(mha).attention == "MHA"
+    assert ModelConfig.from_dict(mha).head_dim == 16
+    # A Kimi-K2.5-style config nests the language model: the one reader unwraps it.
+    nested = {"architectures": ["KimiK25"], "text_config": model_preset("kimi-k2").config}
+    assert ModelConfig.from_dict(nested).attention == "MLA"
 
 
 def test_measured_override_keeps_the_split() -> None:

@@ -110,8 +110,10 @@ def check_invariants(tree: RadixCache, alloc: PageAllocator) -> None:
 
 import torch  # noqa: E402
 
-from tierserve.cache.pool import MHAKVPool, PoolShape  # noqa: E402
+from tierserve.cache.pool import PagedKV  # noqa: E402
+from tierserve.cache.spec import KVSpec  # noqa: E402
 from tierserve.cache.tiers import HostTier  # noqa: E402
+from tierserve.cache.transfer import ImmediateTransfer  # noqa: E402
 
 
 class TwoTiers:
@@ -119,20 +121,29 @@ class TwoTiers:
     its position, so any page that lands in the wrong place is caught."""
 
     def __init__(self, page_size: int, policy: str, device_pages: int = 24, host_pages: int = 40):
-        shape = PoolShape(num_layers=2, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+        spec = KVSpec("kv", num_layers=2, heads=1, dim=1, dtype="float32", page_size=page_size)
         cpu = torch.device("cpu")
-        self.device = MHAKVPool(shape, device_pages, page_size, cpu)
-        host_pool = MHAKVPool(shape, host_pages, page_size, cpu, host_tier=True)
-        self.host = HostTier(self.device, host_pool, policy, num_layers=2)
+        self.device = PagedKV(spec, device_pages, cpu)
+        host_pool = PagedKV(spec, host_pages, cpu, host_tier=True)
+        transfer = ImmediateTransfer(self.device, host_pool)
+        self.host = HostTier(host_pool, policy, transfer)
         self.alloc = PageAllocator(device_pages)
         self.tree = RadixCache(page_size, self.alloc.free, self.host.allocator.free)
         self.host.radix = self.tree
         self.ps = page_size
 
     def device_alloc(self, n: int) -> list[int] | None:
-        if self.alloc.num_free < n:
-            self.tree.evict(n - self.alloc.num_free, before_drop=self.host.before_device_drop)
+        for _ in range(2):  # a second pass once copies in flight have landed
+            if self.alloc.num_free < n:
+                self.tree.evict(n - self.alloc.num_free, before_drop=self.host.before_device_drop)
+            if self.alloc.num_free >= n or not self.host.has_pending():
+                break
+            self.host.drain()
         return self.alloc.alloc(n)
+
+    def values(self, slots: torch.Tensor) -> torch.Tensor:
+        """Layer 1's V of `slots`, the one head's one element."""
+        return self.device.data[slots // self.ps, 1, 1, slots % self.ps, 0, 0]
 
     def insert(self, tokens: list[int]) -> None:
         pages = self.device_alloc(len(tokens) // self.ps)
@@ -140,10 +151,11 @@ class TwoTiers:
             return
         slots = (torch.tensor(pages)[:, None] * self.ps + torch.arange(self.ps)).flatten()
         values = torch.tensor([t * 1000.0 + p for p, t in enumerate(tokens)])
-        self.device.kv[:, :, 0, slots, 0] = values
+        self.device.data[slots // self.ps, :, :, slots % self.ps, 0, 0] = values[:, None, None]
         present, node = self.tree.insert(tokens, pages)
         self.alloc.free(pages[: present // self.ps])
         self.host.after_insert(node)
+        self.host.issue()
 
     def match_and_load(self, tokens: list[int]) -> None:
         m = self.tree.match_prefix(tokens)
@@ -153,9 +165,10 @@ class TwoTiers:
         loaded = self.device_alloc(m.host_page_count) if m.host_nodes else None
         if loaded is not None:
             self.host.load_back(m.host_nodes, loaded)
+            self.host.issue()
             pages += loaded
         slots = torch.tensor(pages, dtype=torch.long)[:, None] * self.ps + torch.arange(self.ps)
-        got = self.device.kv[1, 1, 0, slots.flatten(), 0]
+        got = self.values(slots.flatten())
         want = torch.tensor([t * 1000.0 + p for p, t in enumerate(tokens[: len(got)])])
         assert torch.equal(got, want), "KV came back from the wrong pages"
         self.tree.record_hit_path(deepest)
@@ -198,9 +211,11 @@ def test_two_tier_tree_properties(page_size, policy, steps):
             held.append(m.device_node)
         elif held:
             t.tree.unlock(held.pop(n % len(held)))
+        t.host.poll()
         check_two_tiers(t)
     for node in held:
         t.tree.unlock(node)
+    t.host.drain()
     t.tree.reset()
     assert t.alloc.num_free == t.alloc.num_pages
     assert t.host.allocator.num_free == t.host.allocator.num_pages

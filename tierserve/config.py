@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -170,9 +171,43 @@ class EngineArgs:
         return dataclasses.replace(self, **changes)
 
 
+def text_config(raw: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Multimodal checkpoints (Kimi-K2.5, Qwen-VL…) nest the language model's config."""
+    nested = raw.get("text_config")
+    return nested if isinstance(nested, Mapping) else raw
+
+
+def read_hf_config(path: str | Path) -> dict[str, Any]:
+    """config.json of a checkpoint directory (or the file itself), as a dict."""
+    path = Path(path)
+    config_path = path / "config.json" if path.is_dir() else path
+    if not config_path.exists():
+        raise TierserveError(f"no config.json in {path!s}", field="model")
+    try:
+        raw = json.loads(config_path.read_text())
+    except (OSError, ValueError) as err:
+        raise TierserveError(f"cannot read {config_path}: {err}", field="model") from err
+    if not isinstance(raw, dict):
+        raise TierserveError(f"{config_path} is not a JSON object", field="model")
+    return raw
+
+
+def _int(raw: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    value = raw.get(key)
+    if value is None:
+        if default is None:
+            raise TierserveError(f"model config lacks {key!r}", field=key)
+        return default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TierserveError(f"model config {key!r} must be an int >= 0, got {value!r}", key)
+    return value
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """What a Hugging Face config.json says, reduced to what the model code needs."""
+    """What a Hugging Face config.json says, reduced to what the engine and the planner need.
+
+    The one reader of config.json: nested `text_config` is unwrapped here, for both."""
 
     architecture: str
     vocab_size: int
@@ -191,40 +226,53 @@ class ModelConfig:
     qk_norm: bool
     torch_dtype: str | None
     eos_token_ids: tuple[int, ...]
+    # MLA (DeepSeek-V2/V3, Kimi-K2): one latent of kv_lora_rank + qk_rope_head_dim per token.
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+
+    @property
+    def attention(self) -> str:
+        if self.kv_lora_rank:
+            return "MLA"
+        if self.num_kv_heads == self.num_heads:
+            return "MHA"
+        return "MQA" if self.num_kv_heads == 1 else "GQA"
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
-        config_path = Path(path) / "config.json"
-        if not config_path.exists():
-            raise TierserveError(f"no config.json in {path!s}", field="model")
-        raw = json.loads(config_path.read_text())
-        return cls.from_dict(raw)
+        return cls.from_dict(read_hf_config(path))
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
-        archs = raw.get("architectures") or [""]
-        heads = raw["num_attention_heads"]
+    def from_dict(cls, config: Mapping[str, Any]) -> ModelConfig:
+        raw = text_config(config)
+        archs = raw.get("architectures") or config.get("architectures") or [""]
+        heads = _int(raw, "num_attention_heads")
+        if heads == 0:
+            raise TierserveError("model config 'num_attention_heads' must be > 0", "model")
+        hidden = _int(raw, "hidden_size")
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
-        eos = raw.get("eos_token_id")
+        eos = raw.get("eos_token_id", config.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         return cls(
             architecture=archs[0],
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
+            vocab_size=_int(raw, "vocab_size", 0),
+            hidden_size=hidden,
+            intermediate_size=_int(raw, "intermediate_size", 0),
+            num_layers=_int(raw, "num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            num_kv_heads=_int(raw, "num_key_value_heads", 0) or heads,
+            head_dim=_int(raw, "head_dim", 0) or hidden // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            max_position_embeddings=_int(raw, "max_position_embeddings", 2048),
             rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             # Qwen2 has biases on q/k/v but says so only through its model type.
             attention_bias=raw.get("attention_bias", raw.get("model_type") == "qwen2"),
             qk_norm=raw.get("model_type") == "qwen3",
-            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            torch_dtype=raw.get("dtype") or raw.get("torch_dtype") or config.get("torch_dtype"),
             eos_token_ids=eos_ids,
+            kv_lora_rank=_int(raw, "kv_lora_rank", 0),
+            qk_rope_head_dim=_int(raw, "qk_rope_head_dim", 0),
         )

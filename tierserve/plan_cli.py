@@ -55,7 +55,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--kv-dtype",
         default="bf16",
-        choices=sorted(planner.KV_DTYPE_BYTES),
+        choices=planner.KV_DTYPE_CHOICES,
         help="KV cache dtype (bf16)",
     )
     add(
@@ -288,8 +288,8 @@ def _table(sections: list[tuple[str, list[Row]]]) -> list[str]:
 
 
 def _kv_note(plan: Plan) -> str:
-    kv, tp = plan.inputs.model.kv, plan.inputs.tp
-    if kv.is_mla:
+    kv, tp = plan.inputs.model.config, plan.inputs.tp
+    if plan.spec.kind == "latent":
         return f"MLA latent: not split, identical on all {tp} ranks" if tp > 1 else "MLA latent"
     if plan.kv.replicated:
         return (
@@ -370,7 +370,8 @@ def _header(plan: Plan) -> str:
     gpus = f"{plan.local_ranks} × {machine.gpu_name} ({format_gb(machine.gpu_memory)} each)"
     nodes = f" on {plan.nodes} nodes" if plan.nodes > 1 else ""
     return (
-        f"tierserve plan: {inputs.model.name} ({inputs.model.kv.attention}), KV {inputs.kv_dtype}, "
+        f"tierserve plan: {inputs.model.name} ({inputs.model.config.attention}), "
+        f"KV {inputs.kv_dtype}, "
         f"TP {inputs.tp}{nodes}, {gpus}, mem-fraction-static {inputs.mem_fraction_static:g}\n"
         f"host RAM: {format_gb(machine.host_available)} available ({machine.host_source})\n"
     )

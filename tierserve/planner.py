@@ -28,10 +28,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
+from tierserve.cache.spec import KVSpec, kv_dtype_name
+from tierserve.config import ModelConfig, text_config
 from tierserve.errors import TierserveError
 from tierserve.units import GB, GiB, format_bytes, format_count, format_gb
 
-KV_DTYPE_BYTES: dict[str, int] = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+# The planner speaks SGLang/vLLM-style short names for KV dtypes; the spec knows their widths.
+KV_DTYPE_CHOICES = ("fp32", "bf16", "fp16", "fp8")
 WEIGHT_DTYPE_BYTES: dict[str, float] = {
     "fp32": 4.0,
     "bf16": 2.0,
@@ -51,68 +54,8 @@ SGLANG_HOST_RESERVE = 10 * GiB  # SGLang: each rank requires requested <= availa
 SGLANG_DEFAULT_RATIO = 2.0
 
 
-def dtype_bytes(kv_dtype: str) -> int:
-    if kv_dtype not in KV_DTYPE_BYTES:
-        known = ", ".join(KV_DTYPE_BYTES)
-        raise TierserveError(f"unknown KV dtype {kv_dtype!r}; known: {known}", field="kv_dtype")
-    return KV_DTYPE_BYTES[kv_dtype]
-
-
 # ---------------------------------------------------------------------------------------------
-# Model shape and KV bytes per token
-
-
-def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """Multimodal checkpoints (Kimi-K2.5, Qwen-VL…) nest the language model's config."""
-    return config.get("text_config") or config
-
-
-def _require(config: Mapping[str, Any], key: str) -> Any:
-    if config.get(key) is None:
-        raise TierserveError(f"model config lacks {key!r}", field="model")
-    return config[key]
-
-
-@dataclass(frozen=True)
-class KVShape:
-    """What the KV cache of one token looks like; MLA when `kv_lora_rank` > 0."""
-
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    kv_lora_rank: int = 0
-    qk_rope_head_dim: int = 0
-
-    def __post_init__(self) -> None:
-        for name in ("num_layers", "num_heads", "num_kv_heads", "head_dim"):
-            if getattr(self, name) <= 0:
-                raise TierserveError(f"{name} must be > 0, got {getattr(self, name)}", "model")
-
-    @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any]) -> KVShape:
-        raw = text_config(config)
-        heads = _require(raw, "num_attention_heads")
-        return cls(
-            num_layers=_require(raw, "num_hidden_layers"),
-            num_heads=heads,
-            num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or _require(raw, "hidden_size") // heads,
-            kv_lora_rank=raw.get("kv_lora_rank") or 0,
-            qk_rope_head_dim=raw.get("qk_rope_head_dim") or 0,
-        )
-
-    @property
-    def is_mla(self) -> bool:
-        return self.kv_lora_rank > 0
-
-    @property
-    def attention(self) -> str:
-        if self.is_mla:
-            return "MLA"
-        if self.num_kv_heads == self.num_heads:
-            return "MHA"
-        return "MQA" if self.num_kv_heads == 1 else "GQA"
+# KV bytes per token: one KVSpec, the same object the engine's pools are built from
 
 
 class KVBytes(NamedTuple):
@@ -121,23 +64,18 @@ class KVBytes(NamedTuple):
     replicated: bool  # some ranks hold identical copies of the same KV
 
 
-def kv_bytes_per_token(shape: KVShape, kv_dtype: str, tp: int = 1) -> KVBytes:
-    """Bytes per token of KV, in total and per TP rank (see the module docstring)."""
-    width = dtype_bytes(kv_dtype)
-    if shape.is_mla:
-        latent = shape.num_layers * (shape.kv_lora_rank + shape.qk_rope_head_dim) * width
-        return KVBytes(latent, latent, tp > 1)
-    per_head = 2 * shape.num_layers * shape.head_dim * width
-    heads_per_rank = max(1, math.ceil(shape.num_kv_heads / tp))
-    total, per_rank = per_head * shape.num_kv_heads, per_head * heads_per_rank
-    return KVBytes(total, per_rank, tp > shape.num_kv_heads)
+def kv_spec(model: ModelConfig, kv_dtype: str, tp: int = 1, page_size: int = 1) -> KVSpec:
+    return KVSpec.from_model(model, kv_dtype, page_size, tp)
 
 
-def kv_copies(shape: KVShape, tp: int) -> int:
-    """How many ranks hold each byte of KV: tp for MLA, tp / kv_heads when heads are replicated."""
-    if shape.is_mla:
-        return tp
-    return max(1, tp // shape.num_kv_heads)
+def kv_bytes(spec: KVSpec) -> KVBytes:
+    return KVBytes(spec.total_bytes_per_token, spec.bytes_per_token, spec.replicated)
+
+
+def _require(config: Mapping[str, Any], key: str) -> Any:
+    if config.get(key) is None:
+        raise TierserveError(f"model config lacks {key!r}", field="model")
+    return config[key]
 
 
 def override_per_rank(kv: KVBytes, per_rank: int) -> KVBytes:
@@ -232,7 +170,7 @@ class ModelSpec:
     """A model as sizing sees it: KV shape and the bytes of its weights (all ranks together)."""
 
     name: str
-    kv: KVShape
+    config: ModelConfig
     weight_bytes: int
     weight_note: str  # where weight_bytes came from, for the reader of the plan
     path: str = ""  # what a server's --model flag should say (HF id or local directory)
@@ -246,7 +184,7 @@ def model_spec(
     weights: int | None = None,
 ) -> ModelSpec:
     """ModelSpec from config.json; `weights` (bytes, e.g. the checkpoint's size) wins."""
-    kv = KVShape.from_hf_config(config)
+    kv = ModelConfig.from_dict(config)
     if weights is not None:
         return ModelSpec(name, kv, weights, f"{format_gb(weights)} as given")
     params = num_parameters or estimate_parameters(config)
@@ -455,7 +393,7 @@ class PlanInputs:
     device_tokens_per_rank: int | None = None  # e.g. --max-total-tokens
 
     def __post_init__(self) -> None:
-        dtype_bytes(self.kv_dtype)
+        kv_dtype_name(self.kv_dtype)
         positive = {"tp": self.tp, "page_size": self.page_size, "gpus": self.gpus_per_node}
         positive["avg_seq_len"] = self.workload.avg_seq_len
         positive["gpu_memory"] = self.machine.gpu_memory
@@ -489,6 +427,7 @@ class LaunchFlags:
 @dataclass(frozen=True)
 class Plan:
     inputs: PlanInputs
+    spec: KVSpec
     kv: KVBytes
     kv_copies: int
     local_ranks: int
@@ -525,7 +464,7 @@ class Plan:
 def _inputs_dict(inputs: PlanInputs) -> dict[str, Any]:
     return {
         "model": inputs.model.name,
-        "attention": inputs.model.kv.attention,
+        "attention": inputs.model.config.attention,
         "kv_dtype": inputs.kv_dtype,
         "tp": inputs.tp,
         "gpu": inputs.machine.gpu_name,
@@ -573,8 +512,8 @@ def _results_dict(plan: Plan) -> dict[str, Any]:
     }
 
 
-def _kv_for(inputs: PlanInputs) -> KVBytes:
-    kv = kv_bytes_per_token(inputs.model.kv, inputs.kv_dtype, inputs.tp)
+def _kv_for(inputs: PlanInputs, spec: KVSpec) -> KVBytes:
+    kv = kv_bytes(spec)
     if inputs.kv_bytes_per_token_per_rank is None:
         return kv
     return override_per_rank(kv, inputs.kv_bytes_per_token_per_rank)
@@ -599,7 +538,8 @@ def _device_side(inputs: PlanInputs, bytes_per_token: int) -> tuple[int, int, in
 
 def make_plan(inputs: PlanInputs) -> Plan:
     """Everything `tierserve plan` prints, computed once."""
-    kv = _kv_for(inputs)
+    spec = kv_spec(inputs.model.config, inputs.kv_dtype, inputs.tp, inputs.page_size)
+    kv = _kv_for(inputs, spec)
     ranks = local_ranks(inputs.tp, inputs.gpus_per_node)
     rank_weights, pool, device = _device_side(inputs, kv.per_rank)
     budget = host_budget(inputs.machine, ranks)
@@ -607,8 +547,9 @@ def make_plan(inputs: PlanInputs) -> Plan:
     best = size_host_cache(kv.per_rank, device, HostRequest.auto(), budget, inputs.page_size)
     plan = Plan(
         inputs=inputs,
+        spec=spec,
         kv=kv,
-        kv_copies=kv_copies(inputs.model.kv, inputs.tp),
+        kv_copies=spec.copies,
         local_ranks=ranks,
         nodes=math.ceil(inputs.tp / inputs.gpus_per_node),
         weights_bytes_per_rank=rank_weights,
@@ -668,8 +609,8 @@ def _replication_warning(plan: Plan) -> list[str]:
     distinct = per_node // plan.kv_copies
     why = (
         "the MLA latent is identical on every rank"
-        if plan.inputs.model.kv.is_mla
-        else f"{plan.inputs.model.kv.num_kv_heads} KV heads < tp {plan.inputs.tp}, heads are "
+        if plan.spec.kind == "latent"
+        else f"{plan.inputs.model.config.num_kv_heads} KV heads < tp {plan.inputs.tp}, heads are "
         "replicated"
     )
     return [

@@ -8,9 +8,11 @@ hook through which tensor parallelism will sum the ranks' requests; one process 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import psutil
 
+from tierserve.cache.spec import KVSpec
 from tierserve.config import EngineArgs
 from tierserve.errors import TierserveError
 from tierserve.planner import DEFAULT_MARGIN, HostBudget, HostRequest, HostSizing, size_host_cache
@@ -33,7 +35,7 @@ def single_rank_total(bytes_per_rank: int) -> list[int]:
 
 def size_host_tier(
     args: EngineArgs,
-    bytes_per_token: int,
+    spec: KVSpec,
     device_tokens: int,
     overhead: int,
     available: int | None = None,
@@ -47,7 +49,7 @@ def size_host_tier(
         local_ranks=1,
     )
     request = host_request(args)
-    sizing = size_host_cache(bytes_per_token, device_tokens, request, budget, args.page_size)
+    sizing = size_host_cache(spec.bytes_per_token, device_tokens, request, budget, spec.page_size)
     requested = sum(node_total(sizing.bytes_per_rank))
     if requested > budget.usable or sizing.tokens_per_rank < args.page_size:
         raise TierserveError(refusal(sizing, budget, requested), field="hicache_size")
@@ -66,21 +68,40 @@ def refusal(sizing: HostSizing, budget: HostBudget, requested: int) -> str:
     )
 
 
-def startup_table(
-    bytes_per_token: int, device_tokens: int, sizing: HostSizing | None, policy: str
-) -> str:
+@dataclass(frozen=True)
+class KVPlan:
+    """What the engine allocates for KV, decided before anything is: the one spec every pool is
+    built from, the pool sizes, and the memory beside them that the plan counts."""
+
+    spec: KVSpec
+    device_tokens: int
+    host: HostSizing | None
+    write_policy: str
+    workspace_bytes: int = 0  # CPU decode workspace, at most (layers/attention.py)
+
+    @property
+    def device_bytes(self) -> int:
+        return self.device_tokens * self.spec.bytes_per_token
+
+
+def startup_table(plan: KVPlan) -> str:
+    spec = plan.spec
     rows = [
-        ("KV bytes per token per rank", format_bytes(bytes_per_token)),
-        ("device pool tokens per rank", format_count(device_tokens)),
-        ("device pool bytes per rank", format_gb(device_tokens * bytes_per_token, 3)),
+        ("KV bytes per token per rank", format_bytes(spec.bytes_per_token)),
+        ("KV page", f"{spec.page_size} tokens, {format_bytes(spec.bytes_per_page)}"),
+        ("device pool tokens per rank", format_count(plan.device_tokens)),
+        ("device pool bytes per rank", format_gb(plan.device_bytes, 3)),
     ]
+    if plan.workspace_bytes:
+        rows.append(("decode workspace, at most", format_gb(plan.workspace_bytes, 3)))
+    sizing = plan.host
     if sizing is not None:
         rows += [
             ("host tier tokens per rank", format_count(sizing.tokens_per_rank)),
             ("host tier bytes per rank", format_gb(sizing.bytes_per_rank, 3)),
             ("host tier bytes per node", format_gb(sizing.bytes_per_node, 3)),
             ("host budget", sizing.formula),
-            ("write policy", policy),
+            ("write policy", plan.write_policy),
         ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -1,41 +1,51 @@
-"""Request-level KV bookkeeping: match a prefix, load its host part back, grow a request's
-pages, hand computed pages to the tree, offload a preempted request.
+"""Per-request KV bookkeeping: match a prefix, load its host part back, grow a request's pages,
+hand computed pages to the tree, offload a preempted request.
 
-A request's page table is `pages`; its first `tree_tokens / page_size` pages belong to the radix
-tree (locked through `node` while the request runs), the rest are the request's own.
+A request holds one `KVHandle`, which only this manager creates and updates. Its page table is
+`pages`; the first `tree_tokens / page_size` pages belong to the radix tree (locked through
+`node`), the rest are the request's own. The cache knows token ids, never the engine's types.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-from tierserve.cache.pool import KVPool, PageAllocator, pages_for
+from tierserve.cache.pool import PageAllocator, PagedKV, pages_for
 from tierserve.cache.radix import RadixCache, RadixNode
 from tierserve.cache.tiers import HostTier
-
-if TYPE_CHECKING:
-    from tierserve.engine.request import Request
+from tierserve.cache.transfer import CopyOp
 
 
-@dataclass
-class PrefixHit:
-    """A request's cached prefix: a device part, then a host part not yet loaded back."""
+@dataclass(eq=False)
+class KVHandle:
+    """A request's hold on the cache."""
 
-    device_tokens: int
-    host_nodes: list[RadixNode] = field(default_factory=list)
-    host_tokens: int = 0
-    loaded: bool = False  # whether the host part made it back to the device
+    pages: list[int] = field(default_factory=list)
+    node: RadixNode | None = None  # deepest locked tree node
+    tree_tokens: int = 0  # leading tokens whose pages the tree owns
+    computed: int = 0  # leading tokens whose KV is in the device pool
+    device_hit: int = 0  # prefix found on the device at admission
+    host_nodes: list[RadixNode] = field(default_factory=list)  # prefix found on the host only
+    host_hit: int = 0  # tokens of host_nodes
+    loaded: bool = False  # the host part is (being) loaded back
+    waiting: list[CopyOp] = field(default_factory=list)  # loads its pages still wait for
 
     @property
-    def tokens(self) -> int:
-        return self.device_tokens + (self.host_tokens if self.loaded else 0)
+    def cached(self) -> int:
+        """Prefix tokens the cache supplied at admission (device + loaded host part)."""
+        return self.device_hit + (self.host_hit if self.loaded else 0)
+
+    @property
+    def ready(self) -> bool:
+        """True when every page it reads holds its KV (no load still on the way)."""
+        if self.waiting:
+            self.waiting = [op for op in self.waiting if not op.readable]
+        return not self.waiting
 
 
 class KVCacheManager:
-    def __init__(
-        self, pool: KVPool, enable_radix_cache: bool, host: HostTier | None = None
-    ) -> None:
+    def __init__(self, pool: PagedKV, enable_radix_cache: bool, host: HostTier | None = None):
         self.pool = pool
         self.page_size = pool.page_size
         self.allocator = PageAllocator(pool.num_pages)
@@ -52,128 +62,156 @@ class KVCacheManager:
         return self.pool.num_pages
 
     def available_pages(self) -> int:
-        """Pages free now or after evicting every unlocked tree node."""
+        """Pages free now or after evicting every unlocked tree node (waiting for copies)."""
         evictable = self.radix.evictable_pages if self.radix else 0
         return self.allocator.num_free + evictable
 
+    # --- the step's copies ------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Observe copies that landed: the one point in a step where completion is seen."""
+        if self.host is not None:
+            self.host.poll()
+
+    def issue(self) -> None:
+        """Start the step's batched backup and load."""
+        if self.host is not None:
+            self.host.issue()
+
     # --- admission --------------------------------------------------------------------------
 
-    def match(self, req: Request) -> PrefixHit:
-        """Attach the longest cached prefix to a request being admitted and lock all of it;
-        its host part stays on the host until `load_back`."""
+    def match(self, tokens: Sequence[int]) -> KVHandle:
+        """A handle on the longest cached prefix of `tokens`, all of it locked; its host part
+        stays on the host until `load_back`."""
         if self.radix is None:
-            return PrefixHit(0)
+            return KVHandle()
         # The last token is always recomputed: its logits give the next token.
-        m = self.radix.match_prefix(req.all_ids[: len(req.all_ids) - 1])
+        m = self.radix.match_prefix(tokens[: len(tokens) - 1])
         host_nodes = m.host_nodes if self.host else []
-        req.pages = list(m.device_pages)
-        req.node = host_nodes[-1] if host_nodes else m.device_node
-        self.radix.lock(req.node)  # host nodes too: making room must not evict any of it
-        req.tree_tokens = req.num_computed = len(req.pages) * self.page_size
-        host_tokens = (m.host_page_count if self.host else 0) * self.page_size
-        return PrefixHit(req.tree_tokens, host_nodes, host_tokens)
+        h = KVHandle(pages=list(m.device_pages), waiting=list(m.loading))
+        h.node = host_nodes[-1] if host_nodes else m.device_node
+        self.radix.lock(h.node)  # host nodes too: making room must not evict any of it
+        h.tree_tokens = h.computed = h.device_hit = len(h.pages) * self.page_size
+        h.host_nodes = host_nodes
+        h.host_hit = (m.host_page_count if self.host else 0) * self.page_size
+        return h
 
-    def load_back(self, req: Request, hit: PrefixHit) -> bool:
-        """Copy the host part of `hit` to the device; False (and it stays behind) if no room."""
-        pages = self._alloc(hit.host_tokens // self.page_size)
+    def load_back(self, h: KVHandle) -> bool:
+        """Queue the host part's copy to the device; False (it stays behind) if no room."""
+        pages = self._alloc(h.host_hit // self.page_size)
         if pages is None:
-            self.radix.unlock(req.node)
-            req.node = hit.host_nodes[0].parent
-            self.radix.lock(req.node)
+            self.radix.unlock(h.node)
+            h.node = h.host_nodes[0].parent
+            self.radix.lock(h.node)
             return False
-        self.host.load_back(hit.host_nodes, pages)
-        req.pages += pages
-        req.tree_tokens = req.num_computed = len(req.pages) * self.page_size
-        hit.loaded = True
+        h.waiting.append(self.host.load_back(h.host_nodes, pages))
+        h.pages += pages
+        h.tree_tokens = h.computed = len(h.pages) * self.page_size
+        h.loaded = True
         return True
 
-    def commit(self, req: Request, hit: PrefixHit, first_admission: bool) -> None:
-        """The request was admitted with `hit`: count it (selective write-through uses it).
+    def commit(self, h: KVHandle, first_admission: bool) -> None:
+        """The request was admitted with `h`: count it (selective write-through uses it).
 
         Hit statistics count first admissions only, as `cached_tokens` does: a preempted
         request's return is not a new request."""
-        if self.radix is None or req.node is None:
+        if self.radix is None or h.node is None:
             return
-        self.radix.record_hit_path(req.node)
+        self.radix.record_hit_path(h.node)
         if self.host is None:
             return
-        self.host.backup_hot(req.node)
+        self.host.backup_hot(h.node)
         if first_admission:
-            self.host.stats.device_hit_tokens += hit.device_tokens
-            self.host.stats.host_hit_tokens += hit.host_tokens if hit.loaded else 0
+            self.host.stats.device_hit_tokens += h.device_hit
+            self.host.stats.host_hit_tokens += h.host_hit if h.loaded else 0
 
     # --- growth and eviction ----------------------------------------------------------------
 
-    def grow(self, req: Request, num_tokens: int) -> bool:
-        """Give `req` pages for its first `num_tokens` tokens; False when memory is short."""
-        need = pages_for(num_tokens, self.page_size) - len(req.pages)
+    def grow(self, h: KVHandle, num_tokens: int) -> bool:
+        """Give `h` pages for its first `num_tokens` tokens; False when memory is short."""
+        need = pages_for(num_tokens, self.page_size) - len(h.pages)
         if need <= 0:
             return True
         pages = self._alloc(need)
         if pages is None:
             return False
-        req.pages.extend(pages)
+        h.pages.extend(pages)
         return True
+
+    def advance(self, h: KVHandle, num_tokens: int) -> None:
+        """`num_tokens` more of the sequence have their KV in the pool."""
+        h.computed += num_tokens
 
     def _alloc(self, n: int) -> list[int] | None:
         if self.allocator.num_free < n and self.radix is not None:
-            hook = self.host.before_device_drop if self.host else None
-            freed = self.radix.evict(n - self.allocator.num_free, before_drop=hook)
-            if self.host:
-                self.host.stats.device_evicted_tokens += freed * self.page_size
+            self._evict(n - self.allocator.num_free)
+            if self.allocator.num_free < n and self.host is not None and self.host.has_pending():
+                # Pages whose copies are still on the way are needed now: wait for them.
+                self.host.drain()
+                self._evict(n - self.allocator.num_free)
         return self.allocator.alloc(n)
+
+    def _evict(self, n: int) -> None:
+        hook = self.host.before_device_drop if self.host else None
+        freed = self.radix.evict(n, before_drop=hook)
+        if self.host:
+            self.host.stats.device_evicted_tokens += freed * self.page_size
 
     # --- handing pages to the tree ----------------------------------------------------------
 
-    def cache_prefix(self, req: Request) -> None:
-        """Move the request's computed whole pages into the tree so others can share them."""
-        n = req.num_computed // self.page_size * self.page_size
-        if self.radix is None or n <= req.tree_tokens:
+    def cache_prefix(self, h: KVHandle, tokens: Sequence[int]) -> None:
+        """Move the handle's computed whole pages into the tree so others can share them."""
+        n = h.computed // self.page_size * self.page_size
+        if self.radix is None or n <= h.tree_tokens:
             return
         ps = self.page_size
-        tokens = req.all_ids[:n]
-        present, node = self.radix.insert(tokens, req.pages[: n // ps])
+        tokens = tokens[:n]
+        present, node = self.radix.insert(tokens, h.pages[: n // ps])
         # Another request inserted [tree_tokens, present) first: keep its pages, free ours.
-        self.allocator.free(req.pages[req.tree_tokens // ps : present // ps])
+        self.allocator.free(h.pages[h.tree_tokens // ps : present // ps])
         m = self.radix.match_prefix(tokens)
         assert m.device_node is node and not m.host_nodes
-        req.pages[: len(m.device_pages)] = m.device_pages
+        h.pages[: len(m.device_pages)] = m.device_pages
+        h.waiting += m.loading  # those pages may still be arriving from the host
         self.radix.lock(node)
-        self._unlock(req)
-        req.node, req.tree_tokens = node, n
+        self._unlock(h)
+        h.node, h.tree_tokens = node, n
         if self.host is not None:
             self.host.after_insert(node)
 
-    def offload(self, req: Request) -> bool:
+    def offload(self, h: KVHandle, tokens: Sequence[int]) -> bool:
         """Preemption by offload: keep a preempted request's KV on the host; True if it is."""
         if self.host is None or self.radix is None:
             return False
-        self.cache_prefix(req)
-        return req.node is not None and self.host.backup(req.node)
+        self.cache_prefix(h, tokens)
+        return h.node is not None and self.host.backup(h.node)
 
-    def release(self, req: Request, keep_in_cache: bool) -> None:
-        """Free a finished (kept in cache) or preempted (dropped) request's KV."""
+    def release(self, h: KVHandle, tokens: Sequence[int], keep_in_cache: bool) -> KVHandle:
+        """Free a finished (kept in cache) or preempted (dropped) request's KV; returns the
+        empty handle it holds from now on."""
         if keep_in_cache:
-            self.cache_prefix(req)
-        self.allocator.free(req.pages[req.tree_tokens // self.page_size :])
-        self._unlock(req)
-        req.pages, req.node, req.tree_tokens, req.num_computed = [], None, 0, 0
+            self.cache_prefix(h, tokens)
+        self.allocator.free(h.pages[h.tree_tokens // self.page_size :])
+        self._unlock(h)
+        return KVHandle()
 
-    def _unlock(self, req: Request) -> None:
-        if req.node is not None and self.radix is not None:
-            self.radix.unlock(req.node)
+    def _unlock(self, h: KVHandle) -> None:
+        if h.node is not None and self.radix is not None:
+            self.radix.unlock(h.node)
 
     # --- inspection -------------------------------------------------------------------------
 
     def flush(self) -> int:
+        if self.host is not None:
+            self.host.drain()  # nothing may be dropped while a copy of it is on the way
         return self.radix.reset() if self.radix else 0
 
     def cached_pages(self) -> int:
         return self.radix.num_pages if self.radix else 0
 
-    def check_accounting(self, live: list[Request]) -> None:
+    def check_accounting(self, live: list[KVHandle]) -> None:
         """Every page is free, in the tree, or owned by exactly one live request."""
-        owned = sum(len(r.pages) - r.tree_tokens // self.page_size for r in live)
+        owned = sum(len(h.pages) - h.tree_tokens // self.page_size for h in live)
         total = self.allocator.num_free + self.cached_pages() + owned
         if total != self.num_pages:
             raise AssertionError(

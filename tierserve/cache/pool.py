@@ -1,141 +1,86 @@
-"""Device KV pool: a fixed number of pages, and the allocator that hands them out.
+"""Paged KV buffers (one per tier) and the allocator that hands out their pages.
 
-A token's KV lives at slot `page * page_size + offset`. The pool owns the layout (K and V per
-layer for MHA/GQA; an MLA latent pool can be registered beside it): the scheduler, the radix cache
-and the tiers speak only of pages and slots, never of tensor shapes.
+Layout, the same in every tier and stable for kernels and stores to rely on:
+
+    buffer = [num_pages, layers, parts, page_size, heads, dim], C-contiguous, spec.torch_dtype()
+
+Page p is the contiguous block `buffer[p]` of `spec.bytes_per_page` bytes: layer by layer; in a
+layer K before V (parts = 2) or the one MLA latent (parts = 1); then token offset, head, dim
+(token-major, as vLLM's and SGLang's per-layer caches: one token's heads are one row).
+A token's slot is `page * page_size + offset`. Moving a page to another tier, process, file or
+store is one contiguous copy of its block; attention reads per-layer views of the same memory.
 """
 
 from __future__ import annotations
 
 import logging
-from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
+from tierserve.cache.spec import KVSpec
 from tierserve.errors import TierserveError
 
 logger = logging.getLogger("tierserve")
 
 
-@dataclass(frozen=True)
-class PoolShape:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: torch.dtype
+class PagedKV:
+    """`num_pages` pages of `spec` on one device."""
 
-    @property
-    def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
-
-
-class KVPool(ABC):
-    """Paged KV storage. Subclasses choose the per-token layout."""
-
-    device: torch.device
-
-    def __init__(self, num_pages: int, page_size: int) -> None:
+    def __init__(
+        self,
+        spec: KVSpec,
+        num_pages: int,
+        device: torch.device,
+        host_tier: bool = False,
+        pin_memory: bool = False,
+    ) -> None:
+        self.spec = spec
         self.num_pages = num_pages
-        self.page_size = page_size
-        self.layer_waiter: Callable[[int], None] | None = None
+        self.page_size = spec.page_size
+        self.device = torch.device(device)
+        dims = (num_pages, *spec.page_shape)
+        if host_tier:
+            # Only pages written are ever read, so it is not zeroed: on CPU, RAM is committed as
+            # the tier fills. Page-locked on CUDA machines, for async copies.
+            self.data = torch.empty(dims, dtype=spec.torch_dtype())
+            if pin_memory:
+                _page_lock(self.data)
+        else:
+            # Padded attention reads unused pages with zero weight; 0 × stale NaN would not be 0.
+            self.data = torch.zeros(dims, dtype=spec.torch_dtype(), device=self.device)
 
     @property
     def num_slots(self) -> int:
         return self.num_pages * self.page_size
 
-    @abstractmethod
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the new tokens' K/V of one layer at `slots`."""
-
-    @abstractmethod
-    def gather(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of one layer in `pages` ([..., P]), as [kv_heads, ..., P * page_size, head_dim]."""
-
-    @abstractmethod
-    def read_pages(self, pages: torch.Tensor, layer: int | None = None) -> torch.Tensor:
-        """KV of `pages` (all layers, or one), as one tensor `write_pages` takes back."""
-
-    @abstractmethod
-    def write_pages(
-        self, pages: torch.Tensor, data: torch.Tensor, layer: int | None = None
-    ) -> None: ...
-
-    def wait_layer(self, layer: int) -> None:
-        """Block compute on `layer` until a pending load-back into it has landed."""
-        if self.layer_waiter is not None:
-            self.layer_waiter(layer)
-
-
-class MHAKVPool(KVPool):
-    """K and V for every layer: [layers, 2, kv_heads, slots, head_dim].
-
-    Heads outside slots: a gather yields [kv_heads, tokens, dim] blocks that attention's matmuls
-    take as they are, without a transposing copy.
-    """
-
-    def __init__(
-        self,
-        shape: PoolShape,
-        num_pages: int,
-        page_size: int,
-        device: torch.device,
-        host_tier: bool = False,
-        pin_memory: bool = False,
-    ) -> None:
-        super().__init__(num_pages, page_size)
-        self.shape = shape
-        self.device = torch.device(device)
-        dims = (shape.num_layers, 2, shape.num_kv_heads, num_pages * page_size, shape.head_dim)
-        if host_tier:
-            # Only pages written are ever read, so it is not zeroed: on CPU, RAM is committed as
-            # the tier fills. Page-locked on CUDA machines, for async copies.
-            self.kv = torch.empty(dims, dtype=shape.dtype)
-            if pin_memory:
-                _page_lock(self.kv)
-        else:
-            # Padded attention reads unused pages with zero weight; 0 × stale NaN would not be 0.
-            self.kv = torch.zeros(dims, dtype=shape.dtype, device=self.device)
-
-    # index_copy_/index_select: several times faster than advanced indexing on CPU.
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.kv[layer, 0].index_copy_(1, slots, k.transpose(0, 1))
-        self.kv[layer, 1].index_copy_(1, slots, v.transpose(0, 1))
-
-    def gather(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # Whole pages are copied as blocks: far faster than a row per token.
-        heads, dim = self.shape.num_kv_heads, self.shape.head_dim
-        out_shape = (heads, *pages.shape[:-1], pages.shape[-1] * self.page_size, dim)
-        flat = pages.reshape(-1)
-        k, v = (
-            self.kv[layer, i]
-            .view(heads, self.num_pages, self.page_size * dim)
-            .index_select(1, flat)
-            .view(out_shape)
-            for i in (0, 1)
-        )
-        return k, v
-
-    def _by_page(self, layer: int | None) -> torch.Tensor:
-        """A view with one row per page ([..., pages, page_size * dim]): copies move blocks."""
-        kv = self.kv if layer is None else self.kv[layer]
-        return kv.view(*kv.shape[:-2], self.num_pages, self.page_size * self.shape.head_dim)
-
-    def read_pages(self, pages: torch.Tensor, layer: int | None = None) -> torch.Tensor:
-        view = self._by_page(layer)
-        return view.index_select(view.dim() - 2, pages.to(self.kv.device))
-
-    def write_pages(
-        self, pages: torch.Tensor, data: torch.Tensor, layer: int | None = None
-    ) -> None:
-        view = self._by_page(layer)
-        data = data.to(self.kv.device, non_blocking=True)
-        view.index_copy_(view.dim() - 2, pages.to(self.kv.device), data)
-
     @property
-    def bytes_per_page(self) -> int:
-        return self.shape.bytes_per_token * self.page_size
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    # --- layout-neutral page I/O ------------------------------------------------------------
+
+    def read_pages(self, pages: torch.Tensor) -> torch.Tensor:
+        """Whole pages as `[len(pages), *spec.page_shape]`, a copy `write_pages` takes back."""
+        return self.data.index_select(0, pages.to(self.data.device))
+
+    def write_pages(self, pages: torch.Tensor, data: torch.Tensor) -> None:
+        self.data.index_copy_(0, pages.to(self.data.device), data.to(self.data.device))
+
+    # --- per-layer views for attention ------------------------------------------------------
+
+    def write(self, layer: int, slots: torch.Tensor, *parts: torch.Tensor) -> None:
+        """Store new tokens of one layer: one `[tokens, heads, dim]` tensor per part (K, V; or
+        the latent as `[tokens, 1, dim]`)."""
+        page, offset = slots // self.page_size, slots % self.page_size
+        view = self.data[:, layer]
+        for i, x in enumerate(parts):
+            view[:, i][page, offset] = x.to(view.dtype)
+
+    def gather(self, layer: int, pages: torch.Tensor) -> list[torch.Tensor]:
+        """One layer of `pages` ([..., P]): per part, `[..., P * page_size, heads, dim]`."""
+        flat, spec = pages.reshape(-1), self.spec
+        shape = (*pages.shape[:-1], pages.shape[-1] * self.page_size, spec.heads, spec.dim)
+        return [self.data[:, layer, i].index_select(0, flat).view(shape) for i in range(spec.parts)]
 
 
 def _page_lock(t: torch.Tensor) -> None:
@@ -147,11 +92,9 @@ def _page_lock(t: torch.Tensor) -> None:
         logger.warning("could not page-lock the %d-byte host tier (cuda error %s)", size, err)
 
 
-POOLS: dict[str, Callable[..., KVPool]] = {"mha": MHAKVPool}
-
-
 class PageAllocator:
-    """Free list of page ids. Page 0.. num_pages-1; order of reuse is LIFO for cache locality."""
+    """Free list of page ids 0..num_pages-1, reused LIFO for cache locality; a batch comes out
+    in ascending order, so a run of pages freed together is one contiguous copy later."""
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
@@ -166,12 +109,13 @@ class PageAllocator:
             return None
         taken = self._free[len(self._free) - n :]
         del self._free[len(self._free) - n :]
+        taken.reverse()
         return taken
 
     def free(self, pages: list[int]) -> None:
         if len(self._free) + len(pages) > self.num_pages:
             raise RuntimeError("page freed twice: allocator holds more pages than exist")
-        self._free.extend(pages)
+        self._free.extend(reversed(pages))
 
 
 def pages_for(num_tokens: int, page_size: int) -> int:

@@ -8,6 +8,11 @@ only if its parent has one, so a match is a device part followed by a host part.
 Requests lock the path from their deepest device node to the root; locked device pages are never
 evicted. Device eviction takes unlocked nodes with no child on the device, least recently used
 first; host eviction takes host-only leaves.
+
+A node whose pages are being copied between tiers points at that `CopyOp` (`node.copy`). While
+the op has not landed the node is *busy*: its device pages are not freed (eviction is deferred
+and counted) and its host pages are not reused. A pending load also makes its device pages
+unreadable: `match_prefix` returns such ops so the caller waits for them.
 """
 
 from __future__ import annotations
@@ -16,11 +21,16 @@ import heapq
 import itertools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tierserve.cache.transfer import CopyOp
 
 
 class RadixNode:
     __slots__ = (
         "children",
+        "copy",
         "hit_count",
         "host_pages",
         "key",
@@ -39,10 +49,24 @@ class RadixNode:
         self.lock_ref = 0
         self.last_access = 0
         self.hit_count = 0
+        self.copy: CopyOp | None = None  # the tier copy of this node's pages, until it lands
 
     @property
     def on_device(self) -> bool:
         return self.pages is not None
+
+    @property
+    def busy(self) -> bool:
+        """A copy of this node's pages is queued or in flight."""
+        if self.copy is not None and self.copy.landed:
+            self.copy = None
+        return self.copy is not None
+
+    @property
+    def loading(self) -> CopyOp | None:
+        """The load whose data has not reached this node's device pages yet."""
+        op = self.copy
+        return op if op is not None and op.kind == "load" and not op.readable else None
 
     @property
     def num_pages(self) -> int:
@@ -60,6 +84,7 @@ class PrefixMatch:
     device_pages: list[int]
     device_node: RadixNode
     host_nodes: list[RadixNode] = field(default_factory=list)
+    loading: list[CopyOp] = field(default_factory=list)  # device part still arriving
 
     @property
     def host_page_count(self) -> int:
@@ -83,6 +108,7 @@ class RadixCache:
         self.evictable_pages = 0  # device pages of unlocked nodes
         self.locked_pages = 0  # device pages of locked nodes
         self.host_pages = 0  # host pages held by nodes
+        self.deferred_evictions = 0  # nodes eviction skipped because a copy was in flight
 
     @property
     def num_pages(self) -> int:
@@ -98,6 +124,8 @@ class RadixCache:
             if node.on_device:
                 match.device_pages.extend(node.pages)
                 match.device_node = node
+                if node.loading is not None:
+                    match.loading.append(node.loading)
             else:
                 match.host_nodes.append(node)
         return match
@@ -177,10 +205,11 @@ class RadixCache:
         upper = RadixNode(node.key[:n], node.pages[:cut] if node.on_device else None, parent)
         if node.host_pages is not None:
             upper.host_pages, node.host_pages = node.host_pages[:cut], node.host_pages[cut:]
-        upper.lock_ref, upper.last_access, upper.hit_count = (
+        upper.lock_ref, upper.last_access, upper.hit_count, upper.copy = (
             node.lock_ref,
             node.last_access,
             node.hit_count,
+            node.copy,
         )
         parent.children[upper.key[: self.page_size]] = upper
         node.key, node.parent = node.key[n:], upper
@@ -227,17 +256,22 @@ class RadixCache:
         return heap
 
     def evict(self, num_pages: int, before_drop: Callable[[RadixNode], None] | None = None) -> int:
-        """Free at least `num_pages` device pages, least recently used first.
+        """Free up to `num_pages` device pages, least recently used first.
 
-        `before_drop` may back a node up to the host first (write-back); a node with a host copy
-        keeps its place in the tree, one without is removed.
+        `before_drop` may queue a backup of a node to the host first (write-back); a node with a
+        host copy keeps its place in the tree, one without is removed. A node whose copy is in
+        flight is skipped (counted in `deferred_evictions`): its pages are freed only once the
+        copy has landed, by a later call.
         """
         heap = self.device_candidates()
         freed = 0
         while heap and freed < num_pages:
             node = heapq.heappop(heap)
-            if before_drop is not None and node.host_pages is None:
+            if not node.busy and before_drop is not None and node.host_pages is None:
                 before_drop(node)
+            if node.busy:
+                self.deferred_evictions += 1
+                continue
             freed += self._drop_device(node)
             parent = node.parent
             if (
@@ -259,7 +293,11 @@ class RadixCache:
 
     def evict_host(self, num_pages: int) -> int:
         """Free at least `num_pages` host pages from unlocked host-only leaves, LRU first."""
-        heap = [n for n in self.nodes() if not n.children and not n.on_device and n.lock_ref == 0]
+        heap = [
+            n
+            for n in self.nodes()
+            if not n.children and not n.on_device and n.lock_ref == 0 and not n.busy
+        ]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < num_pages:

@@ -1,21 +1,24 @@
-"""The host tier: a host KV pool under the radix tree, its write policy and its statistics.
+"""The host tier: a host page buffer under the radix tree, its write policy, its copies and stats.
 
 Write policies, as in SGLang HiCache:
 - write_through: a node is copied to the host as soon as it enters the tree;
 - write_through_selective: once it has been hit `selective_threshold` times;
-- write_back: only when it is evicted from the device (the copy finishes before the free).
+- write_back: only when it is evicted from the device (the device pages are freed once the copy
+  has landed).
 A node is copied together with any ancestors that lack a host copy, so host copies always form
 a prefix of the tree.
+
+Copies are batched: everything queued during a step becomes one backup op and one load op,
+issued by `issue()`; `poll()` observes what landed (see cache/transfer.py).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
-from tierserve.cache.pool import KVPool, PageAllocator
+from tierserve.cache.pool import PageAllocator, PagedKV
 from tierserve.cache.radix import RadixCache, RadixNode
-from tierserve.cache.transfer import KVTransfer
+from tierserve.cache.transfer import CopyOp, TransferBackend
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 
@@ -28,36 +31,41 @@ class TierStats:
     load_backs: int = 0
     load_back_tokens: int = 0
     load_back_bytes: int = 0
-    load_back_seconds: float = 0.0
+    load_back_seconds: float = 0.0  # the copies' own time (CUDA: between events on the stream)
+    backup_bytes: int = 0
+    backup_seconds: float = 0.0
     device_evicted_tokens: int = 0
     host_evicted_tokens: int = 0
-    host_write_failures: int = (
-        0  # no host room even after host eviction: the node stays device-only
-    )
+    # No host room even after host eviction: the node stays device-only.
+    host_write_failures: int = 0
+    backup_batches: int = 0
+    load_batches: int = 0
+    forced_waits: int = 0  # device pages were needed before their copies landed
 
 
 class HostTier:
     def __init__(
         self,
-        device_pool: KVPool,
-        host_pool: KVPool,
+        host_pool: PagedKV,
         write_policy: str,
-        num_layers: int,
+        transfer: TransferBackend,
         selective_threshold: int = 2,
     ) -> None:
         self.host_pool = host_pool
         self.page_size = host_pool.page_size
         self.allocator = PageAllocator(host_pool.num_pages)
-        self.transfer = KVTransfer(device_pool, host_pool, num_layers)
+        self.transfer = transfer
         self.write_policy = write_policy
         self.selective_threshold = selective_threshold
         self.stats = TierStats()
         self.radix: RadixCache | None = None  # set by the manager that owns both
+        self._backups: CopyOp | None = None  # this step's batch, until issued
+        self._loads: CopyOp | None = None
 
     # --- device -> host ---------------------------------------------------------------------
 
     def backup(self, node: RadixNode) -> bool:
-        """Copy `node` and its ancestors without a host copy to the host; False if no room."""
+        """Queue a copy of `node` and its ancestors without a host copy; False if no room."""
         assert self.radix is not None
         path = []
         while node is not self.radix.root and node.host_pages is None:
@@ -74,11 +82,13 @@ class HostTier:
         if host_pages is None:
             self.stats.host_write_failures += 1
             return False
-        device_pages = [p for n in path for p in n.pages]
-        self.transfer.to_host(device_pages, host_pages)
+        if self._backups is None:
+            self._backups = CopyOp("backup")
+        self._backups.add([p for n in path for p in n.pages], host_pages)
         for n in path:
             self.radix.set_host_pages(n, host_pages[: len(n.pages)])
             host_pages = host_pages[len(n.pages) :]
+            n.copy = self._backups
         self.stats.host_written_tokens += need * self.page_size
         return True
 
@@ -104,22 +114,61 @@ class HostTier:
 
     # --- host -> device ---------------------------------------------------------------------
 
-    def load_back(self, nodes: list[RadixNode], device_pages: list[int]) -> None:
-        """Copy host-only `nodes` (in prefix order) into `device_pages` and put them back on
-        the device in the tree."""
+    def load_back(self, nodes: list[RadixNode], device_pages: list[int]) -> CopyOp:
+        """Queue a copy of host-only `nodes` (in prefix order) into `device_pages`; they are on
+        the device in the tree at once, readable when the returned op is."""
         assert self.radix is not None
-        start = time.perf_counter()
+        if self._loads is None:
+            self._loads = CopyOp("load")
         host_pages = [p for n in nodes for p in n.host_pages]
-        self.transfer.to_device(host_pages, device_pages)
+        self._loads.add(host_pages, device_pages)
         for n in nodes:
             size = len(n.host_pages)
             self.radix.set_device_pages(n, device_pages[:size])
             device_pages = device_pages[size:]
-        tokens = len(host_pages) * self.page_size
+            n.copy = self._loads
         self.stats.load_backs += 1
-        self.stats.load_back_tokens += tokens
-        self.stats.load_back_bytes += len(host_pages) * self.host_pool.bytes_per_page
-        self.stats.load_back_seconds += time.perf_counter() - start
+        self.stats.load_back_tokens += len(host_pages) * self.page_size
+        return self._loads
+
+    # --- the copies' life -------------------------------------------------------------------
+
+    def issue(self) -> None:
+        """Start this step's backup batch, then its load batch."""
+        for op in (self._backups, self._loads):
+            if op is not None:
+                self.transfer.issue(op)
+        self.stats.backup_batches += self._backups is not None
+        self.stats.load_batches += self._loads is not None
+        self._backups = self._loads = None
+
+    def poll(self) -> None:
+        self._account(self.transfer.poll())
+
+    def drain(self) -> None:
+        """Issue what is queued and wait for every copy to land (device pages needed now)."""
+        self.issue()
+        self.stats.forced_waits += 1
+        self._account(self.transfer.wait_all())
+
+    def has_pending(self) -> bool:
+        """Copies queued or not landed: waiting for them may free device pages."""
+        return self._backups is not None or self._loads is not None or self.in_flight > 0
+
+    @property
+    def in_flight(self) -> int:
+        """Copies issued and not landed yet."""
+        return sum(not op.landed for op in self.transfer.in_flight)
+
+    def _account(self, landed: list[CopyOp]) -> None:
+        nbytes = self.host_pool.spec.bytes_per_page
+        for op in landed:
+            if op.kind == "load":
+                self.stats.load_back_bytes += op.pages * nbytes
+                self.stats.load_back_seconds += op.seconds
+            else:
+                self.stats.backup_bytes += op.pages * nbytes
+                self.stats.backup_seconds += op.seconds
 
     @property
     def used_pages(self) -> int:

@@ -1,61 +1,178 @@
-"""The one path by which KV pages cross tiers. CPU and CUDA differ only inside it.
+"""Copies between tiers, as operations with a life, and the backends that carry them out.
 
-On CUDA the host pool is pinned, copies are non_blocking on a side stream, and a load-back
-records one event per layer, so layer i's attention waits only for layer i's pages. On CPU the
-same calls are plain vectorised copies and the waits are no-ops.
+A `CopyOp` is one batch of whole pages, device → host (a backup) or host → device (a load). It is
+queued while the engine step decides, issued once per step (one backup batch, one load batch),
+and lands some time later. Until it has landed:
+- a backup's device pages are not freed (eviction of its nodes is deferred), and its host pages
+  are not a valid copy yet;
+- a load's host pages are not evicted or reused, and its device pages are not evicted; requests
+  that need them run only once the op is `readable`.
+Completion is observed at one point: `poll()` at the start of each scheduling step.
+
+Backends differ only in when an op becomes readable and landed:
+- `ImmediateTransfer` (CPU): the copy runs when issued; readable and landed at once.
+- `StreamTransfer` (CUDA): copies run on a side stream straight between the page-locked host
+  pool and the device pool, page runs at a time (no staging buffer, nothing allocated on the
+  device). A load is readable when issued, because the compute stream waits on its event; it
+  lands when the event completes.
+- tests add one that lands ops steps later, in random order.
 """
 
 from __future__ import annotations
 
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
 import torch
 
-from tierserve.cache.pool import KVPool
+from tierserve.cache.pool import PagedKV
 
 
-class KVTransfer:
-    def __init__(self, device_pool: KVPool, host_pool: KVPool, num_layers: int) -> None:
+@dataclass(eq=False)
+class CopyOp:
+    kind: Literal["backup", "load"]
+    src: list[int] = field(default_factory=list)
+    dst: list[int] = field(default_factory=list)
+    issued: bool = False
+    readable: bool = False  # the destination pages may be read by compute
+    landed: bool = False  # done: the source may be freed or reused, the destination evicted
+    issued_at: float = 0.0
+    seconds: float = 0.0  # issue → landed, as observed
+    handle: Any = None  # backend-private (a CUDA event)
+
+    def add(self, src: list[int], dst: list[int]) -> None:
+        self.src += src
+        self.dst += dst
+
+    @property
+    def pages(self) -> int:
+        return len(self.src)
+
+
+def page_runs(src: list[int], dst: list[int]) -> Iterator[tuple[int, int, int]]:
+    """(src_start, dst_start, length) runs where both sides are consecutive page ids."""
+    i = 0
+    while i < len(src):
+        n = 1
+        while i + n < len(src) and src[i + n] == src[i] + n and dst[i + n] == dst[i] + n:
+            n += 1
+        yield src[i], dst[i], n
+        i += n
+
+
+def copy_pages(
+    src: PagedKV, src_pages: list[int], dst: PagedKV, dst_pages: list[int], non_blocking: bool
+) -> None:
+    """One contiguous copy per run of pages, straight from buffer to buffer."""
+    for s, d, n in page_runs(src_pages, dst_pages):
+        dst.data[d : d + n].copy_(src.data[s : s + n], non_blocking=non_blocking)
+
+
+class TransferBackend(ABC):
+    def __init__(self, device_pool: PagedKV, host_pool: PagedKV) -> None:
         self.device_pool = device_pool
         self.host_pool = host_pool
-        self.num_layers = num_layers
-        self.cuda = torch.cuda.is_available() and device_pool.device.type == "cuda"
-        self.stream = torch.cuda.Stream(device_pool.device) if self.cuda else None
-        self._layer_ready: list[torch.cuda.Event] = []
-        device_pool.layer_waiter = self.wait_layer
+        self.in_flight: list[CopyOp] = []
 
-    def to_host(self, device_pages: list[int], host_pages: list[int]) -> None:
-        """Back pages up; returns once the copy is done, so the device pages may be freed."""
-        src, dst = _index(device_pages), _index(host_pages)
-        if self.stream is None:
-            self.host_pool.write_pages(dst, self.device_pool.read_pages(src))
-            return
-        self.stream.wait_stream(torch.cuda.current_stream())  # the KV must be computed first
+    def issue(self, op: CopyOp) -> None:
+        op.issued, op.issued_at = True, time.perf_counter()
+        self.in_flight.append(op)
+        self._start(op)
+
+    def poll(self) -> list[CopyOp]:
+        """Ops that landed since the last poll (never blocks)."""
+        done = [op for op in self.in_flight if self._landed(op)]
+        return self._retire(done)
+
+    def wait_all(self) -> list[CopyOp]:
+        """Block until every issued op has landed."""
+        for op in self.in_flight:
+            self._wait(op)
+        return self._retire(list(self.in_flight))
+
+    def _retire(self, done: list[CopyOp]) -> list[CopyOp]:
+        now = time.perf_counter()
+        for op in done:
+            op.readable = op.landed = True
+            op.seconds = op.seconds or self._seconds(op) or now - op.issued_at
+        self.in_flight = [op for op in self.in_flight if not op.landed]
+        return done
+
+    def _endpoints(self, op: CopyOp) -> tuple[PagedKV, PagedKV]:
+        if op.kind == "backup":
+            return self.device_pool, self.host_pool
+        return self.host_pool, self.device_pool
+
+    def _seconds(self, op: CopyOp) -> float:
+        """The copy's own duration when the backend can measure it; else issue → observed."""
+        return 0.0
+
+    @abstractmethod
+    def _start(self, op: CopyOp) -> None: ...
+
+    @abstractmethod
+    def _landed(self, op: CopyOp) -> bool: ...
+
+    @abstractmethod
+    def _wait(self, op: CopyOp) -> None: ...
+
+
+class ImmediateTransfer(TransferBackend):
+    """CPU: the copy is done when issued, through the same bookkeeping as an async one."""
+
+    def _start(self, op: CopyOp) -> None:
+        src, dst = self._endpoints(op)
+        copy_pages(src, op.src, dst, op.dst, non_blocking=False)
+        op.readable = op.landed = True
+        op.seconds = time.perf_counter() - op.issued_at
+
+    def _landed(self, op: CopyOp) -> bool:
+        return True
+
+    def _wait(self, op: CopyOp) -> None:
+        pass
+
+
+class StreamTransfer(TransferBackend):
+    """CUDA: a side stream, one event per op; compute waits on loads, never on backups."""
+
+    def __init__(self, device_pool: PagedKV, host_pool: PagedKV) -> None:
+        super().__init__(device_pool, host_pool)
+        self.stream = torch.cuda.Stream(device_pool.device)
+
+    def _start(self, op: CopyOp) -> None:
+        src, dst = self._endpoints(op)
+        compute = torch.cuda.current_stream(self.device_pool.device)
+        # A backup reads KV the compute stream wrote; a load writes pages it may have read.
+        self.stream.wait_stream(compute)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.stream):
-            staged = self.device_pool.read_pages(src).to("cpu", non_blocking=True)
-        self.stream.synchronize()
-        self.host_pool.write_pages(dst, staged)
+            start.record(self.stream)
+            copy_pages(src, op.src, dst, op.dst, non_blocking=True)
+            end.record(self.stream)
+        op.handle = (start, end)
+        if op.kind == "load":
+            compute.wait_event(end)
+            op.readable = True
 
-    def to_device(self, host_pages: list[int], device_pages: list[int]) -> None:
-        """Load pages back layer by layer; compute on a layer waits for its own event."""
-        src, dst = _index(host_pages), _index(device_pages)
-        if self.stream is None:
-            self.device_pool.write_pages(dst, self.host_pool.read_pages(src))
-            return
-        self.stream.wait_stream(torch.cuda.current_stream())  # target pages may still be read
-        self._layer_ready = []
-        with torch.cuda.stream(self.stream):
-            for layer in range(self.num_layers):
-                staged = self.host_pool.read_pages(src, layer).pin_memory()
-                self.device_pool.write_pages(dst, staged, layer)
-                event = torch.cuda.Event()
-                event.record(self.stream)
-                self._layer_ready.append(event)
+    def _landed(self, op: CopyOp) -> bool:
+        return bool(op.handle[1].query())
 
-    def wait_layer(self, layer: int) -> None:
-        if layer < len(self._layer_ready):
-            torch.cuda.current_stream().wait_event(self._layer_ready[layer])
-            if layer == self.num_layers - 1:
-                self._layer_ready = []
+    def _wait(self, op: CopyOp) -> None:
+        op.handle[1].synchronize()
+
+    def _seconds(self, op: CopyOp) -> float:
+        start, end = op.handle
+        return start.elapsed_time(end) / 1000
 
 
-def _index(pages: list[int]) -> torch.Tensor:
-    return torch.tensor(pages, dtype=torch.long)
+TransferFactory = Callable[[PagedKV, PagedKV], TransferBackend]
+
+
+def default_transfer(device_pool: PagedKV, host_pool: PagedKV) -> TransferBackend:
+    if device_pool.device.type == "cuda":
+        return StreamTransfer(device_pool, host_pool)
+    return ImmediateTransfer(device_pool, host_pool)

@@ -14,19 +14,20 @@ from typing import Any
 
 import torch
 
-from tierserve.cache.host_sizing import size_host_tier, startup_table
+from tierserve.cache.host_sizing import KVPlan, size_host_tier, startup_table
 from tierserve.cache.manager import KVCacheManager
-from tierserve.cache.pool import POOLS, KVPool, PoolShape, check_pool_size, pages_for
+from tierserve.cache.pool import PagedKV, check_pool_size, pages_for
+from tierserve.cache.spec import KVSpec
 from tierserve.cache.tiers import HostTier
+from tierserve.cache.transfer import TransferFactory, default_transfer
 from tierserve.config import EngineArgs, ModelConfig, default_model
 from tierserve.engine.detokenizer import IncrementalDetokenizer
 from tierserve.engine.request import Request, RequestOutput, Status
 from tierserve.engine.runner import ModelRunner
 from tierserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from tierserve.errors import TierserveError
-from tierserve.layers.attention import ATTENTION_BACKENDS
+from tierserve.layers.attention import ATTENTION_BACKENDS, DecodeWorkspace
 from tierserve.models.loader import checkpoint_numel, load_model
-from tierserve.planner import HostSizing
 from tierserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("tierserve")
@@ -59,7 +60,7 @@ def load_tokenizer(path: str) -> Any:  # a transformers PreTrainedTokenizerBase
 
 
 class Engine:
-    def __init__(self, args: EngineArgs) -> None:
+    def __init__(self, args: EngineArgs, transfer: TransferFactory = default_transfer) -> None:
         model_path = args.model or default_model()
         if model_path is None or not Path(model_path).is_dir():
             raise TierserveError(f"model directory not found: {model_path}", field="model")
@@ -72,23 +73,14 @@ class Engine:
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        shape = PoolShape(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        spec = KVSpec.from_model(cfg, str(self.dtype).removeprefix("torch."), args.page_size)
         weight_bytes = checkpoint_numel(model_path) * self.dtype.itemsize
         # Every size is decided, and checked, before weights or KV take any memory.
-        num_pages = check_pool_size(self._pool_tokens(shape, weight_bytes), args.page_size)
-        host_sizing = self._size_host_tier(shape, num_pages, weight_bytes)
-        logger.info(
-            "KV cache plan:\n%s",
-            startup_table(
-                shape.bytes_per_token,
-                num_pages * args.page_size,
-                host_sizing,
-                args.hicache_write_policy,
-            ),
-        )
+        self.kv_plan = plan = self._plan(spec, weight_bytes)
+        logger.info("KV cache plan:\n%s", startup_table(plan))
         model = load_model(model_path, cfg, self.dtype, self.device)
-        pool = POOLS["mha"](shape, num_pages, args.page_size, self.device)
-        host = self._host_tier(pool, shape, host_sizing) if host_sizing else None
+        pool = PagedKV(spec, plan.device_tokens // spec.page_size, self.device)
+        host = self._host_tier(pool, plan, transfer) if plan.host else None
         self.kv = KVCacheManager(pool, not args.disable_radix_cache, host)
         sched_cfg = SchedulerConfig(
             args.max_running_requests, args.chunked_prefill_size, self.context_length
@@ -105,32 +97,34 @@ class Engine:
     def vocab_size_of(model_path: str) -> int:
         return ModelConfig.from_dir(model_path).vocab_size
 
-    def _size_host_tier(
-        self, shape: PoolShape, num_pages: int, weight_bytes: int
-    ) -> HostSizing | None:
-        if not self.args.enable_hierarchical_cache:
-            return None
-        if self.args.disable_radix_cache:
-            raise TierserveError(
-                "the hierarchical cache needs the radix cache; drop --disable-radix-cache",
-                field="enable_hierarchical_cache",
-            )
-        device_tokens = num_pages * self.args.page_size
-        # On CPU the weights and the "device" pool are host RAM too: part of what must fit.
+    def _plan(self, spec: KVSpec, weight_bytes: int) -> KVPlan:
+        num_pages = check_pool_size(self._pool_tokens(spec, weight_bytes), spec.page_size)
+        device_tokens = num_pages * spec.page_size
         on_cpu = self.device.type == "cpu"
-        overhead = device_tokens * shape.bytes_per_token + weight_bytes if on_cpu else 0
-        return size_host_tier(self.args, shape.bytes_per_token, device_tokens, overhead)
+        # On CPU the decode workspace keeps a padded copy of the decode batch's KV (bounded).
+        workspace = DecodeWorkspace.MAX_PADDING * device_tokens * spec.bytes_per_token
+        workspace = workspace if on_cpu else 0
+        host = None
+        if self.args.enable_hierarchical_cache:
+            if self.args.disable_radix_cache:
+                raise TierserveError(
+                    "the hierarchical cache needs the radix cache; drop --disable-radix-cache",
+                    field="enable_hierarchical_cache",
+                )
+            # On CPU the weights, the "device" pool and the workspace are host RAM too.
+            overhead = device_tokens * spec.bytes_per_token + weight_bytes + workspace
+            host = size_host_tier(self.args, spec, device_tokens, overhead if on_cpu else 0)
+        return KVPlan(spec, device_tokens, host, self.args.hicache_write_policy, workspace)
 
-    def _host_tier(self, pool: KVPool, shape: PoolShape, sizing: HostSizing) -> HostTier:
-        host_pool = POOLS["mha"](
-            shape,
-            sizing.tokens_per_rank // self.args.page_size,
-            self.args.page_size,
+    def _host_tier(self, pool: PagedKV, plan: KVPlan, transfer: TransferFactory) -> HostTier:
+        host_pool = PagedKV(
+            plan.spec,
+            plan.host.tokens_per_rank // plan.spec.page_size,
             torch.device("cpu"),
             host_tier=True,
             pin_memory=self.device.type == "cuda",
         )
-        return HostTier(pool, host_pool, self.args.hicache_write_policy, shape.num_layers)
+        return HostTier(host_pool, self.args.hicache_write_policy, transfer(pool, host_pool))
 
     def _context_length(self, cfg: ModelConfig) -> int:
         limit = self.args.context_length or cfg.max_position_embeddings
@@ -142,7 +136,7 @@ class Engine:
             )
         return limit
 
-    def _pool_tokens(self, shape: PoolShape, weight_bytes: int) -> int:
+    def _pool_tokens(self, spec: KVSpec, weight_bytes: int) -> int:
         if self.args.max_total_tokens is not None:
             return self.args.max_total_tokens
         if self.device.type != "cuda":
@@ -151,14 +145,14 @@ class Engine:
         # As SGLang: weights + KV pool may use this fraction of the card.
         frac = self.args.mem_fraction_static
         budget = total * frac - (total - free) - weight_bytes
-        if budget < shape.bytes_per_token * self.args.page_size:
+        if budget < spec.bytes_per_page:
             raise TierserveError(
                 f"no room for a KV pool: {total / 1e9:.1f} GB × {frac} − "
                 f"{(total - free) / 1e9:.1f} GB in use − {weight_bytes / 1e9:.1f} GB of weights;"
                 " raise --mem-fraction-static",
                 field="mem_fraction_static",
             )
-        return int(budget // shape.bytes_per_token)
+        return int(budget // spec.bytes_per_token)
 
     # --- requests --------------------------------------------------------------------------
 
@@ -249,7 +243,7 @@ class Engine:
         """Run one batch; returns an output for every request that advanced."""
         chunks = self.scheduler.schedule()
         if not chunks:
-            if self.scheduler.waiting and not self.scheduler.running:
+            if self.scheduler.waiting and not self.scheduler.loading():
                 # Admission with nothing running always fits (requests are checked against the
                 # pool at submission); reaching here is a bug, and a loud one beats a hang.
                 raise RuntimeError("scheduler admitted nothing with an idle engine")
@@ -261,8 +255,8 @@ class Engine:
     def _advance(self, chunk: ScheduledChunk, token: int | None) -> RequestOutput | None:
         req = chunk.req
         self.scheduler.record_computed(req, chunk.num_tokens)
-        if chunk.num_tokens > 1:
-            self.kv.cache_prefix(req)  # share the prompt with requests that arrive meanwhile
+        if chunk.num_tokens > 1:  # share the prompt with requests that arrive meanwhile
+            self.kv.cache_prefix(req.kv, req.all_ids)
         if token is not None:
             req.output_ids.append(token)
             self.scheduler.stats.num_generated_tokens += 1
@@ -301,7 +295,7 @@ class Engine:
         )
 
     def check_accounting(self) -> None:
-        self.kv.check_accounting(self.scheduler.running)
+        self.kv.check_accounting([r.kv for r in self.scheduler.running])
 
     def flush_cache(self) -> int:
         return self.kv.flush()

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from tierserve.cache.manager import KVHandle
 from tierserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from tierserve.cache.radix import RadixNode
     from tierserve.engine.detokenizer import IncrementalDetokenizer
 
 
@@ -32,12 +32,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     finish_reason: str | None = None
-    # KV state (see cache/manager.py): page table, locked tree node, tokens owned by the tree,
-    # tokens whose KV is in the pool.
-    pages: list[int] = field(default_factory=list)
-    node: RadixNode | None = None
-    tree_tokens: int = 0
-    num_computed: int = 0
+    kv: KVHandle = field(default_factory=KVHandle)  # owned and updated by the KV cache
     max_computed: int = 0  # most tokens ever computed; more after a preemption is recompute
     cached_tokens: int | None = None  # prefix hit at first admission, as OpenAI reports it
     num_preemptions: int = 0
@@ -45,6 +40,11 @@ class Request:
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens whose KV is in the pool."""
+        return self.kv.computed
 
     @property
     def num_tokens(self) -> int:

@@ -43,7 +43,7 @@ class ModelRunner:
         positions, out_slots, spans = [], [], []
         for c in chunks:
             start, end = c.req.num_computed, c.req.num_computed + c.num_tokens
-            pages = torch.tensor(c.req.pages[: -(-end // self.page_size)], device=self.device)
+            pages = torch.tensor(c.req.kv.pages[: -(-end // self.page_size)], device=self.device)
             spans.append(SeqSpan(c.req.arrival, len(ids), c.num_tokens, end, pages))
             ids.extend(c.req.all_ids[start:end])
             positions.append(torch.arange(start, end))

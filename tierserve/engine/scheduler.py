@@ -4,6 +4,10 @@ token budget with (chunks of) prompts, admitted first come, first served while K
 When decode runs out of pages the newest running request is preempted and waits at the front of
 the queue. With a host tier its KV is offloaded there and loaded back when it resumes; without
 one its own pages are freed and recomputed later (its cached prefix survives in the tree).
+
+A step observes landed tier copies first, then decides, then issues the step's batched copies.
+A request admitted with a host hit runs once its load is readable (at once on CPU and CUDA; some
+steps later with a slow transfer backend); others keep running meanwhile.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from tierserve.cache.manager import KVCacheManager, PrefixHit
+from tierserve.cache.manager import KVCacheManager
 from tierserve.cache.pool import pages_for
 from tierserve.engine.request import Request, Status
 
@@ -42,6 +46,8 @@ class SchedulerStats:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
+    steps_with_copies_in_flight: int = 0
+    steps_waiting_on_load: int = 0  # a request waited for its load-back while others ran
 
 
 class Scheduler:
@@ -59,11 +65,12 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledChunk]:
+        self.kv.poll()
         chunks = []
         budget = self._prefill_budget()
         for req in sorted(self.running, key=lambda r: r.arrival):
-            if req.status is not Status.RUNNING:
-                continue  # preempted to make room for an older request
+            if req.status is not Status.RUNNING or not req.kv.ready:
+                continue  # preempted to make room for an older request, or still loading
             decoding = req.remaining == 1  # a prompt's last token counts against the budget
             n = 1 if decoding else min(req.remaining, budget)
             if n == 0 or not self._make_room(req, req.num_computed + n):
@@ -72,8 +79,18 @@ class Scheduler:
             budget -= 0 if decoding else n
         chunks = [c for c in chunks if c.req.status is Status.RUNNING]
         chunks.extend(self._admit(budget, reserve=len(chunks)))
+        self.kv.issue()
+        ready = [c for c in chunks if c.req.kv.ready]
+        if len(ready) < len(chunks) and ready:
+            self.stats.steps_waiting_on_load += 1
+        if self.kv.host is not None and self.kv.host.in_flight:
+            self.stats.steps_with_copies_in_flight += 1
         # Decode tokens first: attention then treats them as one contiguous block of rows.
-        return sorted(chunks, key=lambda c: c.num_tokens > 1)
+        return sorted(ready, key=lambda c: c.num_tokens > 1)
+
+    def loading(self) -> bool:
+        """Some running request waits for a load-back: a step with nothing to run is no stall."""
+        return any(not r.kv.ready for r in self.running)
 
     def _prefill_budget(self) -> int:
         size = self.cfg.chunked_prefill_size
@@ -81,7 +98,7 @@ class Scheduler:
 
     def _make_room(self, req: Request, num_tokens: int) -> bool:
         """Pages for `num_tokens` of `req`, preempting the newest requests until they fit."""
-        while not self.kv.grow(req, num_tokens):
+        while not self.kv.grow(req.kv, num_tokens):
             victim = max(self.running, key=lambda r: r.arrival)
             self.preempt(victim)
             if victim is req:
@@ -91,9 +108,9 @@ class Scheduler:
     def preempt(self, req: Request) -> None:
         self.stats.num_preemptions += 1
         req.num_preemptions += 1
-        if self.kv.offload(req):
+        if self.kv.offload(req.kv, req.all_ids):
             self.stats.num_offload_preemptions += 1
-        self.kv.release(req, keep_in_cache=False)
+        req.kv = self.kv.release(req.kv, req.all_ids, keep_in_cache=False)
         self.running.remove(req)
         req.status = Status.WAITING
         # Back in arrival order, so a preempted request is the first to return.
@@ -104,32 +121,32 @@ class Scheduler:
         chunks = []
         while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
             req = self.waiting[0]
-            hit = self.kv.match(req)
-            cached = req.num_computed + hit.host_tokens
+            req.kv = h = self.kv.match(req.all_ids)
+            cached = h.computed + h.host_hit
             n = min(req.num_tokens - cached, budget)
-            need = pages_for(cached + n, self.kv.page_size) - len(req.pages)
+            need = pages_for(cached + n, self.kv.page_size) - len(h.pages)
             # Keep a page per running request in hand so admission does not force preemption;
             # and wait, rather than recompute, while the host part cannot be loaded back.
-            if need + reserve > self.kv.available_pages() or not self._load_back(req, hit):
-                self.kv.release(req, keep_in_cache=False)
+            if need + reserve > self.kv.available_pages() or not self._load_back(req):
+                req.kv = self.kv.release(h, req.all_ids, keep_in_cache=False)
                 break
             n = min(req.remaining, budget)  # more to compute if the host part stayed behind
-            if not self.kv.grow(req, req.num_computed + n):
-                self.kv.release(req, keep_in_cache=False)
+            if not self.kv.grow(h, req.num_computed + n):
+                req.kv = self.kv.release(h, req.all_ids, keep_in_cache=False)
                 break
             self.waiting.popleft()
-            self.kv.commit(req, hit, first_admission=req.cached_tokens is None)
-            self._start(req, hit.tokens)
+            self.kv.commit(h, first_admission=req.cached_tokens is None)
+            self._start(req, h.cached)
             chunks.append(ScheduledChunk(req, n))
             budget -= n
             reserve += 1
         return chunks
 
-    def _load_back(self, req: Request, hit: PrefixHit) -> bool:
+    def _load_back(self, req: Request) -> bool:
         """Load the host part; on failure go ahead without it only when nothing else runs."""
-        if not hit.host_tokens:
+        if not req.kv.host_hit:
             return True
-        return self.kv.load_back(req, hit) or not self.running
+        return self.kv.load_back(req.kv) or not self.running
 
     def _start(self, req: Request, cached: int) -> None:
         if req.cached_tokens is None:
@@ -143,11 +160,12 @@ class Scheduler:
         """Advance `req` by a computed chunk; count tokens it had computed before a preemption."""
         start, end = req.num_computed, req.num_computed + num_tokens
         self.stats.num_recomputed_tokens += max(0, min(end, req.max_computed) - start)
-        req.num_computed, req.max_computed = end, max(req.max_computed, end)
+        self.kv.advance(req.kv, num_tokens)
+        req.max_computed = max(req.max_computed, end)
 
     def finish(self, req: Request, reason: str) -> None:
         req.status, req.finish_reason = Status.FINISHED, reason
-        self.kv.release(req, keep_in_cache=True)
+        req.kv = self.kv.release(req.kv, req.all_ids, keep_in_cache=True)
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:

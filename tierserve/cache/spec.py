@@ -1,0 +1,133 @@
+"""KVSpec: what one token's KV looks like on one rank, derived once from the model config.
+
+Every fact about KV sizes comes from here: the pools allocate `spec.page_shape` blocks, the
+start-up table prints `spec.bytes_per_token`, and `tierserve plan` sizes tiers with the same
+object. Nothing else multiplies layers by heads by bytes.
+
+Two kinds:
+- `kv`: per-head K and V (MHA, GQA, MQA). A rank stores `max(1, ceil(kv_heads / tp))` heads, so
+  when tp > kv_heads each head is replicated on tp / kv_heads ranks.
+- `latent`: one compressed vector per token and layer (MLA: kv_lora_rank + qk_rope_head_dim
+  values), the same on every rank: TP cannot split it.
+
+A page holds `page_size` tokens of every layer as one contiguous block of
+`[layers, parts, page_size, heads, dim]` elements (parts = 2 for K and V, 1 for a latent); see
+`cache/pool.py` for the buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from tierserve.errors import TierserveError
+
+if TYPE_CHECKING:
+    import torch
+
+    from tierserve.config import ModelConfig
+
+# Storage dtypes of the KV pools, by canonical name, and their width in bytes.
+KV_DTYPE_BYTES: dict[str, int] = {
+    "float32": 4,
+    "bfloat16": 2,
+    "float16": 2,
+    "fp8_e4m3": 1,
+    "fp8_e5m2": 1,
+}
+# Other spellings users bring from the planner, SGLang and vLLM.
+KV_DTYPE_ALIASES: dict[str, str] = {
+    "fp32": "float32",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp8": "fp8_e4m3",
+}
+
+
+def kv_dtype_name(name: str) -> str:
+    """The canonical name of a KV dtype, or a user error listing the known ones."""
+    canonical = KV_DTYPE_ALIASES.get(name, name)
+    if canonical not in KV_DTYPE_BYTES:
+        known = ", ".join([*KV_DTYPE_BYTES, *KV_DTYPE_ALIASES])
+        raise TierserveError(f"unknown KV dtype {name!r}; known: {known}", field="kv_dtype")
+    return canonical
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    kind: Literal["kv", "latent"]
+    num_layers: int
+    heads: int  # heads this rank stores (1 for a latent)
+    dim: int  # head_dim for K/V; kv_lora_rank + qk_rope_head_dim for a latent
+    dtype: str  # canonical storage dtype (KV_DTYPE_BYTES)
+    page_size: int
+    model_heads: int = 1  # the model's KV heads (one copy), for totals and replication
+    tp: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "heads", "dim", "page_size", "model_heads", "tp"):
+            if getattr(self, name) <= 0:
+                raise TierserveError(f"{name} must be > 0, got {getattr(self, name)}", "model")
+        kv_dtype_name(self.dtype)
+
+    @classmethod
+    def from_model(cls, cfg: ModelConfig, dtype: str, page_size: int = 1, tp: int = 1) -> KVSpec:
+        dtype = kv_dtype_name(dtype)
+        if cfg.kv_lora_rank:
+            width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+            return cls("latent", cfg.num_layers, 1, width, dtype, page_size, 1, tp)
+        heads = max(1, math.ceil(cfg.num_kv_heads / tp))
+        return cls(
+            "kv", cfg.num_layers, heads, cfg.head_dim, dtype, page_size, cfg.num_kv_heads, tp
+        )
+
+    # --- sizes ----------------------------------------------------------------------------
+
+    @property
+    def parts(self) -> int:
+        """K and V, or the one latent."""
+        return 2 if self.kind == "kv" else 1
+
+    @property
+    def dtype_bytes(self) -> int:
+        return KV_DTYPE_BYTES[self.dtype]
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        """One page as one contiguous block: [layers, parts, page_size, heads, dim]."""
+        return (self.num_layers, self.parts, self.page_size, self.heads, self.dim)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """What this rank's pools hold for one token (all layers)."""
+        return self.num_layers * self.parts * self.heads * self.dim * self.dtype_bytes
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.bytes_per_token * self.page_size
+
+    @property
+    def total_bytes_per_token(self) -> int:
+        """One copy of the whole model's KV for one token (all ranks' distinct bytes)."""
+        return self.bytes_per_token // self.heads * self.model_heads
+
+    @property
+    def copies(self) -> int:
+        """How many ranks hold each byte: tp for a latent, tp / kv_heads for replicated heads."""
+        if self.kind == "latent":
+            return self.tp
+        return max(1, self.tp // self.model_heads)
+
+    @property
+    def replicated(self) -> bool:
+        return self.copies > 1
+
+    def torch_dtype(self) -> torch.dtype:
+        """The element type pools store. fp8 is kept as bytes and viewed (torch's CPU
+        index_copy_ has no float8 kernel)."""
+        import torch
+
+        names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        return names.get(self.dtype, torch.uint8)
