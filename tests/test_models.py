@@ -108,3 +108,30 @@ def test_long_decode_matches_transformers(checkpoints):
     llm = LLM(str(path), page_size=16, max_total_tokens=4096)
     outs = llm.generate(prompts, SamplingParams(max_tokens=150, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 150)
+
+
+def test_decode_workspace_stays_within_twice_the_live_kv(checkpoints):
+    """One long and several short sequences decode together: padding every row to the longest
+    would hold ~5x their KV; the workspace groups rows and stays within 2x, with equal output."""
+    path = checkpoints["llama"]
+    prompts = random_prompts(6, [600, 4, 9, 30, 3, 12], seed=13)
+    llm = LLM(str(path), page_size=16, max_total_tokens=4096)
+    ws = llm.engine.runner.attn.workspace
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    for p in prompts:
+        llm.engine.add_request(p, params)
+    outs: dict[str, list[int]] = {}
+    ratios, padded_to_longest = [], []
+    while llm.engine.has_unfinished():
+        for o in llm.engine.step():
+            outs[o.request_id] = o.token_ids
+        lens = torch.cat([g.lens for g in ws.groups]) if ws.groups else torch.zeros(0)
+        if len(lens) < 2:
+            continue
+        live = int(sum(-(-int(n) // 16) * 16 for n in lens))
+        ratios.append(ws.tokens / live)
+        padded_to_longest.append(len(lens) * int(lens.max()) / live)
+    assert ratios and max(ratios) <= ws.MAX_PADDING, max(ratios)
+    assert max(padded_to_longest) > 3  # the case the bound is for did occur
+    got = [outs[f"req-{i}"] for i in range(len(prompts))]
+    assert got == hf_greedy(path, prompts, 40)

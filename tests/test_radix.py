@@ -143,7 +143,7 @@ class TwoTiers:
 
     def values(self, slots: torch.Tensor) -> torch.Tensor:
         """Layer 1's V of `slots`, the one head's one element."""
-        return self.device.data[slots // self.ps, 1, 1, slots % self.ps, 0, 0]
+        return self.device.data[slots // self.ps, 1, 1, 0, slots % self.ps, 0]
 
     def insert(self, tokens: list[int]) -> None:
         pages = self.device_alloc(len(tokens) // self.ps)
@@ -151,7 +151,7 @@ class TwoTiers:
             return
         slots = (torch.tensor(pages)[:, None] * self.ps + torch.arange(self.ps)).flatten()
         values = torch.tensor([t * 1000.0 + p for p, t in enumerate(tokens)])
-        self.device.data[slots // self.ps, :, :, slots % self.ps, 0, 0] = values[:, None, None]
+        self.device.data[slots // self.ps, :, :, 0, slots % self.ps, 0] = values[:, None, None]
         present, node = self.tree.insert(tokens, pages)
         self.alloc.free(pages[: present // self.ps])
         self.host.after_insert(node)

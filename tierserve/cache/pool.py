@@ -2,11 +2,12 @@
 
 Layout, the same in every tier and stable for kernels and stores to rely on:
 
-    buffer = [num_pages, layers, parts, page_size, heads, dim], C-contiguous, spec.torch_dtype()
+    buffer = [num_pages, layers, parts, heads, page_size, dim], C-contiguous, spec.torch_dtype()
 
 Page p is the contiguous block `buffer[p]` of `spec.bytes_per_page` bytes: layer by layer; in a
-layer K before V (parts = 2) or the one MLA latent (parts = 1); then token offset, head, dim
-(token-major, as vLLM's and SGLang's per-layer caches: one token's heads are one row).
+layer K before V (parts = 2) or the one MLA latent (parts = 1); then head, token offset, dim.
+Heads before tokens: one head's tokens of a page are one `page_size × dim` run, so a gather
+yields `[heads, tokens, dim]` blocks that attention's matmuls take without a transposing copy.
 A token's slot is `page * page_size + offset`. Moving a page to another tier, process, file or
 store is one contiguous copy of its block; attention reads per-layer views of the same memory.
 """
@@ -74,13 +75,15 @@ class PagedKV:
         page, offset = slots // self.page_size, slots % self.page_size
         view = self.data[:, layer]
         for i, x in enumerate(parts):
-            view[:, i][page, offset] = x.to(view.dtype)
+            view[:, i][page, :, offset] = x.to(view.dtype)
 
-    def gather(self, layer: int, pages: torch.Tensor) -> list[torch.Tensor]:
-        """One layer of `pages` ([..., P]): per part, `[..., P * page_size, heads, dim]`."""
-        flat, spec = pages.reshape(-1), self.spec
-        shape = (*pages.shape[:-1], pages.shape[-1] * self.page_size, spec.heads, spec.dim)
-        return [self.data[:, layer, i].index_select(0, flat).view(shape) for i in range(spec.parts)]
+    def gather(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
+        """One layer of `pages` ([..., P]) as `[parts, heads, ..., P * page_size, dim]`."""
+        spec = self.spec
+        rows = self.data[:, layer].view(self.num_pages, spec.parts, spec.heads, -1)
+        out = rows.permute(1, 2, 0, 3).index_select(2, pages.reshape(-1))
+        tokens = (*pages.shape[:-1], pages.shape[-1] * self.page_size)
+        return out.view(spec.parts, spec.heads, *tokens, spec.dim)
 
 
 def _page_lock(t: torch.Tensor) -> None:

@@ -11,7 +11,7 @@ Two kinds:
   values), the same on every rank: TP cannot split it.
 
 A page holds `page_size` tokens of every layer as one contiguous block of
-`[layers, parts, page_size, heads, dim]` elements (parts = 2 for K and V, 1 for a latent); see
+`[layers, parts, heads, page_size, dim]` elements (parts = 2 for K and V, 1 for a latent); see
 `cache/pool.py` for the buffer.
 """
 
@@ -96,8 +96,8 @@ class KVSpec:
 
     @property
     def page_shape(self) -> tuple[int, int, int, int, int]:
-        """One page as one contiguous block: [layers, parts, page_size, heads, dim]."""
-        return (self.num_layers, self.parts, self.page_size, self.heads, self.dim)
+        """One page as one contiguous block: [layers, parts, heads, page_size, dim]."""
+        return (self.num_layers, self.parts, self.heads, self.page_size, self.dim)
 
     @property
     def bytes_per_token(self) -> int:

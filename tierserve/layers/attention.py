@@ -79,12 +79,14 @@ class DecodeWorkspace:
 
     Bounded: rows are grouped by length so that each group's padded size is at most
     `MAX_PADDING` × the pool pages its sequences occupy (their live KV at page granularity);
-    a row gets `length / 4` tokens of room to grow. So the workspace never holds more than
-    `MAX_PADDING` × the batch's live KV, and the start-up plan counts it as that × the device
-    pool (CPU only: on a GPU nothing is kept between steps).
+    a row gets room to grow of a quarter of its length (at least 64 tokens, at most its
+    length). So the workspace never holds more than `MAX_PADDING` × the batch's live KV, and
+    the start-up plan counts it as that × the device pool (CPU only: on a GPU nothing is kept
+    between steps).
     """
 
     MAX_PADDING = 2
+    MIN_ROOM = 64
 
     def __init__(self, pool: PagedKV, num_layers: int) -> None:
         self.pool = pool
@@ -148,7 +150,9 @@ class DecodeWorkspace:
 
     def _capacity(self, length: int) -> int:
         ps = self.pool.page_size
-        room = length // 4 if self.persist else 0
+        # Room to grow before the next gather: a quarter of the row, at least MIN_ROOM tokens,
+        # never more than the row itself (so one row stays within MAX_PADDING x its pages).
+        room = min(length, max(length // 4, self.MIN_ROOM)) if self.persist else 0
         return -(-(length + room) // ps) * ps
 
     def _reset_group(self, g: _Group, spans: list[SeqSpan], capacity: int | None = None) -> None:
@@ -167,8 +171,7 @@ class DecodeWorkspace:
             g.k[layer][:, g.arange, g.lens - 1] = k_new.transpose(0, 1)
             g.v[layer][:, g.arange, g.lens - 1] = v_new.transpose(0, 1)
             return g.k[layer], g.v[layer]
-        # The pool already holds this step's tokens. [B, cap, heads, dim] -> [heads, B, cap, dim]
-        k, v = (x.permute(2, 0, 1, 3).contiguous() for x in self.pool.gather(layer, g.pages))
+        k, v = self.pool.gather(layer, g.pages)  # the pool already holds this step's tokens
         if self.persist:
             g.k[layer], g.v[layer] = k, v
         return k, v
@@ -253,9 +256,10 @@ class TorchAttention(AttentionBackend):
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         if span.kv_len > span.q_len:  # a cached prefix or earlier chunks: read it from the pool
-            k, v = self.pool.gather(layer, span.pages)  # [pages * page_size, kv_heads, dim]
-            k, v = k[: span.kv_len], v[: span.kv_len]
-        k, v = k.transpose(0, 1), v.transpose(0, 1)
+            k, v = self.pool.gather(layer, span.pages)  # [kv_heads, pages * page_size, dim]
+            k, v = k[:, : span.kv_len], v[:, : span.kv_len]
+        else:
+            k, v = k.transpose(0, 1), v.transpose(0, 1)
         o = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             k.unsqueeze(0),
