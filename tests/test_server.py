@@ -291,6 +291,9 @@ def test_server_with_hierarchical_cache_reports_host_tier(llama_dir):
         assert m["tierserve_cached_tokens_total{tier=host}"] > 0
         assert m["tierserve_kv_pages_total{tier=host}"] > 0
         assert m["tierserve_load_back_tokens_total"] > 0
+        assert m["tierserve_backup_bytes_total"] > 0 and m["tierserve_load_back_bytes_total"] > 0
+        assert m["tierserve_copies_in_flight"] == 0  # the CPU copy path lands what it issues
+        assert "tierserve_deferred_evictions_total" in m
     finally:
         s.stop()
 

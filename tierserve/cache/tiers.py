@@ -43,6 +43,16 @@ class TierStats:
     forced_waits: int = 0  # device pages were needed before their copies landed
 
 
+def matched_runs(src: list[int], fresh: list[int]) -> list[int]:
+    """Assign freshly allocated pages to `src` in the same rank order, so that wherever both
+    sides hold consecutive ids the copy is one run (fewer, larger copies)."""
+    order = sorted(range(len(src)), key=src.__getitem__)
+    out = [0] * len(src)
+    for i, page in zip(order, sorted(fresh), strict=True):
+        out[i] = page
+    return out
+
+
 class HostTier:
     def __init__(
         self,
@@ -84,7 +94,9 @@ class HostTier:
             return False
         if self._backups is None:
             self._backups = CopyOp("backup")
-        self._backups.add([p for n in path for p in n.pages], host_pages)
+        device_pages = [p for n in path for p in n.pages]
+        host_pages = matched_runs(device_pages, host_pages)
+        self._backups.add(device_pages, host_pages)
         for n in path:
             self.radix.set_host_pages(n, host_pages[: len(n.pages)])
             host_pages = host_pages[len(n.pages) :]
@@ -121,6 +133,7 @@ class HostTier:
         if self._loads is None:
             self._loads = CopyOp("load")
         host_pages = [p for n in nodes for p in n.host_pages]
+        device_pages = matched_runs(host_pages, device_pages)
         self._loads.add(host_pages, device_pages)
         for n in nodes:
             size = len(n.host_pages)

@@ -88,6 +88,18 @@ class EngineCollector(Collector):
         evicted.add_metric(["device"], s.device_evicted_tokens)
         evicted.add_metric(["host"], s.host_evicted_tokens)
         yield evicted
+        yield _counter("tierserve_backup_bytes", "bytes copied to the host tier", s.backup_bytes)
+        yield _gauge("tierserve_copies_in_flight", "tier copies issued, not landed", host.in_flight)
+        yield _counter(
+            "tierserve_deferred_evictions",
+            "device evictions deferred because a copy of the node was in flight",
+            kv.radix.deferred_evictions if kv.radix else 0,
+        )
+        yield _counter(
+            "tierserve_copy_waits",
+            "times device pages were needed before copies landed",
+            s.forced_waits,
+        )
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
