@@ -11,7 +11,11 @@ if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1
 fi
 "$PY" -c 'import torch; print("gpu_check:", torch.cuda.get_device_name(0), "torch", torch.__version__)'
 # device=auto picks CUDA, so these run the engine, the pools and the tier copies on the GPU.
+# test_async_copies runs the copy bookkeeping with late-landing copies between CUDA and pinned
+# host pages; the others take the StreamTransfer path (side stream, events, no staging).
 "$PY" -m pytest -q -x tests/test_models.py tests/test_engine.py tests/test_hicache.py \
+  tests/test_async_copies.py tests/test_radix.py \
   -k "not serve_exits and not auto_size"
 "$PY" benchmarks/offline_throughput.py --num-prompts 64
 "$PY" benchmarks/hicache_multiturn.py --clients 16 --rounds 4
+"$PY" benchmarks/kv_copies.py --clients 16 --rounds 4 --repeats 1 --out "${OUT:-/tmp}/kv-copies"

@@ -164,7 +164,7 @@ class TwoTiers:
         pages = list(m.device_pages)
         loaded = self.device_alloc(m.host_page_count) if m.host_nodes else None
         if loaded is not None:
-            self.host.load_back(m.host_nodes, loaded)
+            _, loaded = self.host.load_back(m.host_nodes, loaded)
             self.host.issue()
             pages += loaded
         slots = torch.tensor(pages, dtype=torch.long)[:, None] * self.ps + torch.arange(self.ps)
@@ -238,3 +238,23 @@ def check_two_tiers(t: TwoTiers) -> None:
             assert n.parent.lock_ref >= n.lock_ref
         if n.host_pages is not None and n.on_device:
             assert len(n.host_pages) == len(n.pages)
+
+
+def test_load_back_page_table_follows_the_tree_whatever_order_pages_come_in():
+    """The copy may pair pages in any order for longer runs; the page table it returns must be
+    the tree's, in prefix order, or a request would read another position's KV."""
+    t = TwoTiers(page_size=2, policy="write_through", device_pages=24, host_pages=40)
+    tokens = [5, 6, 7, 8, 9, 10, 11, 12]
+    t.insert(tokens)
+    t.host.poll()
+    t.tree.evict(t.tree.evictable_pages)  # only the host copy is left
+    m = t.tree.match_prefix(tokens)
+    assert m.device_pages == [] and m.host_page_count == 4
+    fresh = t.alloc.alloc(4)[::-1]  # descending: the copy will reorder them
+    op, pages = t.host.load_back(m.host_nodes, fresh)
+    t.host.issue()
+    assert op.landed and sorted(pages) == sorted(fresh)
+    assert pages == [p for n in m.host_nodes for p in n.pages]
+    slots = torch.tensor(pages)[:, None] * 2 + torch.arange(2)
+    want = torch.tensor([tok * 1000.0 + pos for pos, tok in enumerate(tokens)])
+    assert torch.equal(t.values(slots.flatten()), want)

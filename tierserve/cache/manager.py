@@ -104,7 +104,8 @@ class KVCacheManager:
             h.node = h.host_nodes[0].parent
             self.radix.lock(h.node)
             return False
-        h.waiting.append(self.host.load_back(h.host_nodes, pages))
+        op, pages = self.host.load_back(h.host_nodes, pages)
+        h.waiting.append(op)
         h.pages += pages
         h.tree_tokens = h.computed = len(h.pages) * self.page_size
         h.loaded = True

@@ -126,23 +126,25 @@ class HostTier:
 
     # --- host -> device ---------------------------------------------------------------------
 
-    def load_back(self, nodes: list[RadixNode], device_pages: list[int]) -> CopyOp:
-        """Queue a copy of host-only `nodes` (in prefix order) into `device_pages`; they are on
-        the device in the tree at once, readable when the returned op is."""
+    def load_back(self, nodes: list[RadixNode], fresh_pages: list[int]) -> tuple[CopyOp, list[int]]:
+        """Queue a copy of host-only `nodes` (in prefix order) into the free device pages
+        `fresh_pages`; they are on the device in the tree at once, readable when the returned
+        op is. Returns the op and the device pages in prefix order (a page table's tail)."""
         assert self.radix is not None
         if self._loads is None:
             self._loads = CopyOp("load")
         host_pages = [p for n in nodes for p in n.host_pages]
-        device_pages = matched_runs(host_pages, device_pages)
+        device_pages = matched_runs(host_pages, fresh_pages)
         self._loads.add(host_pages, device_pages)
+        rest = device_pages
         for n in nodes:
             size = len(n.host_pages)
-            self.radix.set_device_pages(n, device_pages[:size])
-            device_pages = device_pages[size:]
+            self.radix.set_device_pages(n, rest[:size])
+            rest = rest[size:]
             n.copy = self._loads
         self.stats.load_backs += 1
         self.stats.load_back_tokens += len(host_pages) * self.page_size
-        return self._loads
+        return self._loads, device_pages
 
     # --- the copies' life -------------------------------------------------------------------
 

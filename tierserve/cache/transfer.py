@@ -66,15 +66,19 @@ def page_runs(src: list[int], dst: list[int]) -> Iterator[tuple[int, int, int]]:
 def copy_pages(
     src: PagedKV, src_pages: list[int], dst: PagedKV, dst_pages: list[int], non_blocking: bool
 ) -> None:
-    """One contiguous copy per run of pages, straight from buffer to buffer, all runs in one
-    call (per-call overhead dominates for short runs)."""
+    """One contiguous copy per run of pages, straight from buffer to buffer. Within a device
+    all runs go in one call (per-call overhead dominates short runs); across devices each run
+    is one async memcpy on the current stream."""
     runs = list(page_runs(src_pages, dst_pages))
-    if runs:
+    if not runs:
+        return
+    if src.data.device == dst.data.device:
         torch._foreach_copy_(
-            [dst.data[d : d + n] for _, d, n in runs],
-            [src.data[s : s + n] for s, _, n in runs],
-            non_blocking=non_blocking,
+            [dst.data[d : d + n] for _, d, n in runs], [src.data[s : s + n] for s, _, n in runs]
         )
+        return
+    for s, d, n in runs:
+        dst.data[d : d + n].copy_(src.data[s : s + n], non_blocking=non_blocking)
 
 
 class TransferBackend(ABC):

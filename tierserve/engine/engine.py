@@ -243,7 +243,7 @@ class Engine:
         """Run one batch; returns an output for every request that advanced."""
         chunks = self.scheduler.schedule()
         if not chunks:
-            if self.scheduler.waiting and not self.scheduler.loading():
+            if self.scheduler.waiting and not self.scheduler.running:
                 # Admission with nothing running always fits (requests are checked against the
                 # pool at submission); reaching here is a bug, and a loud one beats a hang.
                 raise RuntimeError("scheduler admitted nothing with an idle engine")

@@ -88,10 +88,6 @@ class Scheduler:
         # Decode tokens first: attention then treats them as one contiguous block of rows.
         return sorted(ready, key=lambda c: c.num_tokens > 1)
 
-    def loading(self) -> bool:
-        """Some running request waits for a load-back: a step with nothing to run is no stall."""
-        return any(not r.kv.ready for r in self.running)
-
     def _prefill_budget(self) -> int:
         size = self.cfg.chunked_prefill_size
         return size if size > 0 else self.cfg.context_length
