@@ -147,7 +147,7 @@ def report(mem: dict[str, float], lb: dict, rss: dict, ns: argparse.Namespace) -
             "",
             "## Load-back bandwidth vs memcpy",
             "",
-            "| copy | GB/s | vs load-back |",
+            "| copy | GB/s | load-back ÷ this |",
             "| --- | ---: | ---: |",
             f"| memcpy, {mem['large_bytes'] / gb:.2f} GB buffer, "
             f"{torch.get_num_threads()} threads | {mem['large']:.2f} | {ratio_big:.2f}× |",

@@ -43,13 +43,37 @@ class TierStats:
     forced_waits: int = 0  # device pages were needed before their copies landed
 
 
+def _runs(pages: list[int]) -> list[list[int]]:
+    """[start index, length] of each stretch of consecutive page ids in `pages`."""
+    runs: list[list[int]] = []
+    for i, page in enumerate(pages):
+        if runs and page == pages[i - 1] + 1:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, 1])
+    return runs
+
+
 def matched_runs(src: list[int], fresh: list[int]) -> list[int]:
-    """Assign freshly allocated pages to `src` in the same rank order, so that wherever both
-    sides hold consecutive ids the copy is one run (fewer, larger copies)."""
-    order = sorted(range(len(src)), key=src.__getitem__)
+    """Assign the freshly allocated pages `fresh` to the pages `src` so that each run of
+    consecutive source pages lands, where possible, on a run of consecutive fresh pages: a copy
+    is one call per run, and short runs cost the most. Longest source runs choose first, each
+    taking the smallest free run that holds it (or the longest, split)."""
+    free = sorted(fresh)
+    holes = [[free[i], n] for i, n in _runs(free)]  # [first page, length]
     out = [0] * len(src)
-    for i, page in zip(order, sorted(fresh), strict=True):
-        out[i] = page
+    for start, length in sorted(_runs(src), key=lambda r: -r[1]):
+        while length:
+            fits = [h for h in holes if h[1] >= length]
+            hole = min(fits, key=lambda h: h[1]) if fits else max(holes, key=lambda h: h[1])
+            take = min(length, hole[1])
+            out[start : start + take] = range(hole[0], hole[0] + take)
+            hole[0] += take
+            hole[1] -= take
+            if not hole[1]:
+                holes.remove(hole)
+            start += take
+            length -= take
     return out
 
 
