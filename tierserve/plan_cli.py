@@ -12,6 +12,7 @@ import json
 from pathlib import Path
 
 from tierserve import planner
+from tierserve.config import read_hf_config
 from tierserve.errors import TierserveError
 from tierserve.planner import HostRequest, Machine, ModelSpec, Plan, PlanInputs, SGLangCheck
 from tierserve.presets import GPU_PRESETS, MODEL_PRESETS, gpu_preset, model_preset
@@ -197,10 +198,7 @@ def load_model(text: str, weight_dtype: str | None, weights: int | None) -> Mode
         )
         return _with_path(spec, preset.hf_id)
     config_path = path / "config.json" if path.is_dir() else path
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as err:
-        raise TierserveError(f"cannot read {config_path}: {err}", field="model") from err
+    config = read_hf_config(path)
     if weights is None and weight_dtype is None:
         weights = _safetensors_bytes(config_path.parent)
     name = config_path.parent.name or str(config_path.parent)
