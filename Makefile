@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml
 	  $(BIN)/pip install -q torch==2.13.0 || \
 	  $(BIN)/pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; \
 	fi
-	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e '.[dev,bench]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -390,3 +390,100 @@ def test_extreme_but_valid_values_do_not_break_a_batch(client):
     for extra in ({"temperature": 1e-50}, {"top_p": 1e-50}):
         got = client.completions.create(model="llama", prompt="hi", max_tokens=4, **extra)
         assert got.usage.completion_tokens >= 1
+
+
+# --- hostile but fair input --------------------------------------------------------------------
+
+SURROGATE = '"\\ud800"'  # a lone UTF-16 surrogate, as JSON allows it
+
+
+@pytest.mark.parametrize(
+    ("route", "body"),
+    [
+        ("/v1/completions", '{"prompt": ' + SURROGATE + "}"),
+        ("/v1/completions", '{"prompt": "hi", "model": ' + SURROGATE + "}"),
+        ("/v1/completions", '{"prompt": "hi", "stop": [' + SURROGATE + "]}"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": ' + SURROGATE + "}]}"),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": [{"type": "text", "text": '
+            + SURROGATE
+            + "}]}]}",
+        ),
+        ("/generate", '{"text": ' + SURROGATE + "}"),
+        ("/v1/chat/completions", '{"messages": [{"role": "user", "content": [{"type": "text"}]}]}'),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}',
+        ),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": [{"type": "text", "text": ["a"]}]}]}',
+        ),
+        ("/v1/completions", '{"prompt": [5, true, 7]}'),
+        ("/v1/completions", '{"prompt": [5, 6.0, 7]}'),
+        ("/generate", '{"input_ids": [5, false]}'),
+        ("/v1/completions", '{"prompt": "hi", "stop_token_ids": [1.5]}'),
+    ],
+)
+def test_hostile_bodies_get_openai_400s(server, route, body):
+    reply = httpx.post(
+        f"{server.url}{route}",
+        content=body.encode(),
+        headers={"content-type": "application/json"},
+    )
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"), [("GET", "/nope", 404), ("GET", "/generate", 405)]
+)
+def test_unknown_routes_and_methods_get_openai_errors(server, method, path, status):
+    reply = httpx.request(method, f"{server.url}{path}")
+    assert reply.status_code == status
+    assert set(reply.json()) == {"error"} and reply.json()["error"]["code"] == status
+
+
+def test_chunked_bodies_are_held_to_the_limit(server):
+    def chunks() -> Iterator[bytes]:  # no Content-Length: the server must count
+        yield b'{"prompt": "'
+        for _ in range(17):
+            yield b"x" * (1024 * 1024)
+        yield b'"}'
+
+    reply = httpx.post(
+        f"{server.url}/v1/completions",
+        content=chunks(),
+        headers={"content-type": "application/json"},
+        timeout=60,
+    )
+    assert reply.status_code == 413
+    assert reply.json()["error"]["code"] == 413
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_a_non_streaming_client_that_leaves_aborts_its_request(server):
+    before = server.metrics()
+    body = {"prompt": [9] * 40, "max_tokens": 1500, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.0)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = server.metrics()
+        if m["tierserve_num_requests_running"] == 0 and m["tierserve_num_requests_waiting"] == 0:
+            break
+        time.sleep(0.2)
+    after = server.metrics()
+    assert after["tierserve_num_requests_running"] == 0
+    assert (
+        after["tierserve_requests_total{status=abort}"]
+        - before.get("tierserve_requests_total{status=abort}", 0)
+        == 1
+    )
+    generated = (
+        after["tierserve_generation_tokens_total"] - before["tierserve_generation_tokens_total"]
+    )
+    assert generated < 1500

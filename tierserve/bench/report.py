@@ -23,6 +23,7 @@ import numpy as np
 
 from tierserve.bench.client import RunResult
 from tierserve.bench.metrics import later_rounds_ttft
+from tierserve.errors import TierserveError
 
 PLOTS = ("ttft_per_round.png", "throughput.png", "hit_rate_by_tier.png")
 
@@ -293,7 +294,12 @@ def _repeats(runs: list[dict[str, Any]]) -> list[str]:
 
 
 def plot(runs: list[dict[str, Any]], out: Path) -> list[str]:
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        raise TierserveError(
+            "plots need matplotlib: pip install 'tierserve[bench]' (make installs it)", "out"
+        ) from None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -14,11 +14,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2 import TemplateError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierserve.engine.request import RequestOutput
 from tierserve.errors import TierserveError
 from tierserve.sampling_params import SamplingParams
 from tierserve.server.async_engine import AsyncEngine, EngineDeadError
+from tierserve.server.body_limit import BodyLimit
 from tierserve.server.metrics import ServerMetrics
 from tierserve.server.protocol import (
     ChatCompletionRequest,
@@ -52,7 +54,7 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     app.state.engine = engine
     app.state.metrics = metrics
     _add_error_handlers(app)
-    _add_body_limit(app)
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
     _add_routes(app, engine, metrics, model_name)
     return app
 
@@ -79,6 +81,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid request')}"
         return _error(400, message, "invalid_request_error", loc[0] if loc else None)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, err: StarletteHTTPException) -> JSONResponse:
+        # Unknown paths (404), wrong methods (405): OpenAI's error shape, not {"detail": ...}.
+        return _error(err.status_code, str(err.detail), "invalid_request_error")
+
     @app.exception_handler(ModelNotFound)
     async def unknown_model(_: Request, err: ModelNotFound) -> JSONResponse:
         return _error(404, f"The model `{err.name}` does not exist.", "NotFoundError", "model")
@@ -86,15 +93,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, err: EngineDeadError) -> JSONResponse:
         return _error(503, str(err), "service_unavailable")
-
-
-def _add_body_limit(app: FastAPI) -> None:
-    @app.middleware("http")
-    async def limit_body(request: Request, call_next: Callable) -> Response:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            return _error(413, f"request body over {MAX_BODY_BYTES} bytes", "invalid_request_error")
-        return await call_next(request)
 
 
 # --- routes -------------------------------------------------------------------------------

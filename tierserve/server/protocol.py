@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from tierserve.errors import TierserveError
 from tierserve.sampling_params import SamplingParams
@@ -37,11 +37,38 @@ UNSUPPORTED_FIELDS = frozenset(
 )
 
 
+def _lone_surrogate(value: Any) -> bool:
+    """Whether any string in `value` (nested lists and dicts too) cannot be UTF-8: JSON lets a
+    client send a lone UTF-16 surrogate ("\\ud800"), which no tokenizer or response can carry."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, dict):
+        return any(_lone_surrogate(k) or _lone_surrogate(v) for k, v in value.items())
+    if isinstance(value, list):
+        return any(_lone_surrogate(v) for v in value)
+    return False
+
+
+class TextBody(BaseModel):
+    """A request body whose strings are all valid Unicode, checked before anything reads them."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        if _lone_surrogate(data):
+            raise ValueError("strings must be valid Unicode (a lone UTF-16 surrogate was sent)")
+        return data
+
+
 class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class SamplingKnobs(BaseModel):
+class SamplingKnobs(TextBody):
     """The sampling fields the OpenAI routes and the native /generate share."""
 
     max_tokens: int | None = None
@@ -51,7 +78,7 @@ class SamplingKnobs(BaseModel):
     min_p: float = 0.0
     seed: int | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = False
 
     def _params(self, max_tokens: int | None) -> SamplingParams:
@@ -103,7 +130,7 @@ class SamplingFields(SamplingKnobs):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: bool = False
 
     def single_prompt(self) -> str | list[int]:
@@ -119,15 +146,30 @@ class CompletionRequest(SamplingFields):
         return p
 
 
+class ContentPart(BaseModel):
+    """An OpenAI content part; only text parts reach the model, and their text is a string."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: str
+    text: Any = None
+
+    @model_validator(mode="after")
+    def _text_is_a_string(self) -> ContentPart:
+        if self.type == "text" and not isinstance(self.text, str):
+            raise ValueError("a text content part needs a string 'text'")
+        return self
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[ContentPart] | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):  # OpenAI content parts: keep the text ones
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+            return "".join(p.text for p in self.content if p.type == "text")
         return self.content or ""
 
 
@@ -153,11 +195,11 @@ class NativeSamplingParams(SamplingKnobs):
         return self._params(limit if limit is not None else 128)
 
 
-class GenerateRequest(BaseModel):
+class GenerateRequest(TextBody):
     """SGLang's native /generate: text or token ids, sampling parameters in one object."""
 
     text: str | None = None
-    input_ids: list[int] | None = None
+    input_ids: list[StrictInt] | None = None
     sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
     stream: bool = False
 
@@ -188,4 +230,7 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def error_body(message: str, kind: str, param: str | None, code: int) -> dict[str, Any]:
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # never unencodable
+    if param is not None:
+        param = param.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
