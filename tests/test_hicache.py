@@ -231,3 +231,55 @@ def test_nothing_else_computes_kv_bytes_per_token():
                 if used & layers and used & widths:
                     offenders.append(f"{path.name}:{node.lineno}")
     assert offenders == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"enable_hierarchical_cache": True, "hicache_ratio": float("nan")}, "hicache_ratio"),
+        ({"enable_hierarchical_cache": True, "hicache_ratio": float("inf")}, "hicache_ratio"),
+        ({"enable_hierarchical_cache": True, "hicache_size": "1e400"}, "hicache_size"),
+        ({"enable_hierarchical_cache": True, "hicache_size": "0"}, "hicache_size"),
+        ({"enable_hierarchical_cache": True, "hicache_node_size": "0GB"}, "hicache_node_size"),
+        ({"hicache_size": "5"}, "hicache_size"),  # sized, but the tier is off
+        ({"hicache_write_policy": "write_back"}, "hicache_write_policy"),
+        ({"max_total_tokens": 10**10}, "max_total_tokens"),  # CPU: more than the RAM
+    ],
+)
+def test_start_up_flags_are_checked_before_anything_is_allocated(llama_dir, kwargs, field):
+    with pytest.raises(TierserveError) as err:
+        LLM(str(llama_dir), **kwargs)
+    assert err.value.field == field
+
+
+def test_a_pool_bigger_than_ram_is_refused_with_what_fits(llama_dir):
+    with pytest.raises(TierserveError) as err:
+        LLM(str(llama_dir), max_total_tokens=10**10)
+    message = str(err.value)
+    assert "does not fit in RAM" in message and "margin" in message
+    fits = int(message.rsplit("--max-total-tokens ", 1)[1].split()[0])
+    assert fits > 0
+    LLM(str(llama_dir), max_total_tokens=min(fits, 4096))  # what it suggests starts
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--enable-hierarchical-cache", "--hicache-ratio", "nan"],
+        ["--enable-hierarchical-cache", "--hicache-size", "1e400"],
+        ["--max-total-tokens", "10000000000"],
+    ],
+)
+def test_serve_refuses_bad_sizes_with_one_line_and_status_2(llama_dir, flags):
+    proc = subprocess.run(
+        [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(llama_dir), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error:" in line]
+    name = flags[-2]  # the flag, in its dashed or its field spelling
+    assert len(errors) == 1
+    assert name in errors[0] or name.lstrip("-").replace("-", "_") in errors[0]

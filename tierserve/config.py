@@ -132,9 +132,26 @@ class EngineArgs:
                 "give --hicache-size (per rank) or --hicache-node-size (per node), not both",
                 field="hicache_size",
             )
-        if self.hicache_ratio <= 0:
+        if not (0 < self.hicache_ratio < 1e6):  # also refuses nan and inf
             raise TierserveError(
-                f"hicache_ratio must be > 0, got {self.hicache_ratio}", field="hicache_ratio"
+                f"hicache_ratio must be a number in (0, 1e6), got {self.hicache_ratio}",
+                field="hicache_ratio",
+            )
+        host_flags = {
+            "hicache_size": self.hicache_size,
+            "hicache_node_size": self.hicache_node_size,
+            "hicache_ratio": None if self.hicache_ratio == 2.0 else self.hicache_ratio,
+            "hicache_write_policy": (
+                None if self.hicache_write_policy == "write_through" else self.hicache_write_policy
+            ),
+        }
+        given = [name for name, value in host_flags.items() if value is not None]
+        if given and not self.enable_hierarchical_cache:
+            # Refused rather than ignored: a user who sized a host tier believes they have one.
+            flag = "--" + given[0].replace("_", "-")
+            raise TierserveError(
+                f"{flag} sizes the host tier, which is off: add --enable-hierarchical-cache",
+                field=given[0],
             )
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise TierserveError(

@@ -32,6 +32,7 @@ UNITS: dict[str, int] = {
     "tib": TiB,
 }
 _SIZE = re.compile(r"^(?P<number>\d*\.?\d+(?:e[+-]?\d+)?)\s*(?P<unit>[a-z]*)$", re.IGNORECASE)
+MAX_SIZE = 10**18
 _EXAMPLES = "e.g. 48GB, 48GiB, 0.5TB, 300 MB (a bare number is decimal GB)"
 
 
@@ -48,9 +49,12 @@ def parse_size(text: str | int | float, field: str = "size") -> int:
         known = "B, KB, MB, GB, TB, KiB, MiB, GiB, TiB"
         raise TierserveError(f"unknown unit {unit!r} in {field} {text!r}; use {known}", field=field)
     try:  # Decimal keeps 0.1 TB an exact 100,000,000,000 bytes
-        return int(Decimal(match["number"]) * UNITS[unit.lower()])
+        size = int(Decimal(match["number"]) * UNITS[unit.lower()])
     except InvalidOperation as err:
         raise TierserveError(f"cannot read {field} {text!r}: {_EXAMPLES}", field=field) from err
+    if size > MAX_SIZE:  # past any machine; also keeps every later float division finite
+        raise TierserveError(f"{field} {text!r} is over 1 EB: {_EXAMPLES}", field=field)
+    return size
 
 
 def format_gb(n_bytes: float, digits: int = 1) -> str:

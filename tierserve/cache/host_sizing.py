@@ -21,12 +21,22 @@ from tierserve.units import format_bytes, format_count, format_gb, parse_size
 
 def host_request(args: EngineArgs) -> HostRequest:
     if args.hicache_node_size is not None:
-        return HostRequest.per_node(parse_size(args.hicache_node_size, "hicache_node_size"))
+        return HostRequest.per_node(_size(args.hicache_node_size, "hicache_node_size"))
     if args.hicache_size is None:
         return HostRequest.of_ratio(args.hicache_ratio)
     if args.hicache_size.strip().lower() == "auto":
         return HostRequest.auto()
-    return HostRequest.per_rank(parse_size(args.hicache_size, "hicache_size"))
+    return HostRequest.per_rank(_size(args.hicache_size, "hicache_size"))
+
+
+def _size(text: str, field: str) -> int:
+    size = parse_size(text, field)
+    if size == 0:  # SGLang reads 0 as "use the ratio"; here a size is a size
+        raise TierserveError(
+            f"{field} 0 holds nothing: give a size, 'auto', or leave it out to use --hicache-ratio",
+            field=field,
+        )
+    return size
 
 
 def single_rank_total(bytes_per_rank: int) -> list[int]:
@@ -54,6 +64,26 @@ def size_host_tier(
     if requested > budget.usable or sizing.tokens_per_rank < args.page_size:
         raise TierserveError(refusal(sizing, budget, requested), field="hicache_size")
     return sizing
+
+
+def check_cpu_ram(plan: KVPlan, weight_bytes: int, available: int | None = None) -> None:
+    """On CPU the "device" pool, its decode workspace and the weights are RAM: refuse, with the
+    arithmetic and the largest pool that fits, what would fail in an allocation later."""
+    available = psutil.virtual_memory().available if available is None else available
+    usable = available - DEFAULT_MARGIN
+    need = plan.device_bytes + plan.workspace_bytes + weight_bytes
+    if need <= usable:
+        return
+    per_token = (plan.device_bytes + plan.workspace_bytes) // plan.device_tokens
+    room = max(0, (usable - weight_bytes) // per_token // plan.spec.page_size * plan.spec.page_size)
+    raise TierserveError(
+        f"the device KV pool does not fit in RAM: {format_count(plan.device_tokens)} tokens × "
+        f"{format_bytes(per_token)} (pool + decode workspace) + {format_gb(weight_bytes)} "
+        f"weights = {format_gb(need)} > {format_gb(available)} available − "
+        f"{format_gb(DEFAULT_MARGIN)} margin = {format_gb(usable)}: use --max-total-tokens "
+        f"{room} or less",
+        field="max_total_tokens",
+    )
 
 
 def refusal(sizing: HostSizing, budget: HostBudget, requested: int) -> str:

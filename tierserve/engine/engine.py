@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from tierserve.cache.host_sizing import KVPlan, size_host_tier, startup_table
+from tierserve.cache.host_sizing import KVPlan, check_cpu_ram, size_host_tier, startup_table
 from tierserve.cache.manager import KVCacheManager
 from tierserve.cache.pool import PagedKV, check_pool_size, pages_for
 from tierserve.cache.spec import KVSpec
@@ -104,6 +104,9 @@ class Engine:
         # On CPU the decode workspace keeps a padded copy of the decode batch's KV (bounded).
         workspace = DecodeWorkspace.MAX_PADDING * device_tokens * spec.bytes_per_token
         workspace = workspace if on_cpu else 0
+        plan = KVPlan(spec, device_tokens, None, self.args.hicache_write_policy, workspace)
+        if on_cpu:
+            check_cpu_ram(plan, weight_bytes)
         host = None
         if self.args.enable_hierarchical_cache:
             if self.args.disable_radix_cache:
@@ -114,7 +117,7 @@ class Engine:
             # On CPU the weights, the "device" pool and the workspace are host RAM too.
             overhead = device_tokens * spec.bytes_per_token + weight_bytes + workspace
             host = size_host_tier(self.args, spec, device_tokens, overhead if on_cpu else 0)
-        return KVPlan(spec, device_tokens, host, self.args.hicache_write_policy, workspace)
+        return dataclasses.replace(plan, host=host)
 
     def _host_tier(self, pool: PagedKV, plan: KVPlan, transfer: TransferFactory) -> HostTier:
         host_pool = PagedKV(
