@@ -191,8 +191,9 @@ def test_cli_flags_and_llm_kwargs_are_one_config():
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)
     ns = parser.parse_args(
-        ["--model-path", "m", "--page-size", "8", "--disable-radix-cache", "--hicache-size", "4GB"]
+        ["--model-path", "m", "--page-size", "8", "--enable-hierarchical-cache"]
+        + ["--hicache-size", "4GB"]
     )
     assert EngineArgs.from_cli(ns) == EngineArgs.from_kwargs(
-        "m", page_size=8, disable_radix_cache=True, hicache_size="4GB"
+        "m", page_size=8, enable_hierarchical_cache=True, hicache_size="4GB"
     )

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 from tierserve.config import EngineArgs, default_model
+from tierserve.errors import TierserveError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,6 +23,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--served-model-name", default=None, help="model id in the API (default: directory name)"
     )
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("TIERSERVE_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/*, /generate and /flush_cache "
+        "(default: $TIERSERVE_API_KEY; /health and /metrics stay open)",
+    )
+    parser.add_argument(
+        "--max-queued-requests",
+        type=int,
+        default=None,
+        help="answer 503 to new requests while this many wait for admission (default: no bound)",
+    )
 
 
 def served_model_name(args: EngineArgs, override: str | None = None) -> str:
@@ -31,14 +45,20 @@ def run(ns: argparse.Namespace) -> int:
     import uvicorn
 
     from tierserve.engine.engine import Engine
-    from tierserve.server.api import create_app
+    from tierserve.server.api import ServerLimits, create_app
     from tierserve.server.async_engine import AsyncEngine
 
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     args = EngineArgs.from_cli(ns)
+    if ns.max_queued_requests is not None and ns.max_queued_requests < 1:
+        raise TierserveError(
+            f"max_queued_requests must be >= 1, got {ns.max_queued_requests}",
+            field="max_queued_requests",
+        )
     engine = Engine(args)  # raises TierserveError (exit 2) before anything listens
     name = served_model_name(args, ns.served_model_name)
-    app = create_app(AsyncEngine(engine), name)
+    limits = ServerLimits(ns.api_key or None, ns.max_queued_requests)
+    app = create_app(AsyncEngine(engine), name, limits)
     logging.getLogger("tierserve").info("serving %s on http://%s:%d/v1", name, ns.host, ns.port)
     uvicorn.run(
         app,

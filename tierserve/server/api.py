@@ -8,6 +8,7 @@ import json
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -20,7 +21,7 @@ from tierserve.engine.request import RequestOutput
 from tierserve.errors import TierserveError
 from tierserve.sampling_params import SamplingParams
 from tierserve.server.async_engine import AsyncEngine, EngineDeadError
-from tierserve.server.body_limit import BodyLimit
+from tierserve.server.guards import ApiKey, BodyLimit
 from tierserve.server.metrics import ServerMetrics
 from tierserve.server.protocol import (
     ChatCompletionRequest,
@@ -41,7 +42,22 @@ class ModelNotFound(Exception):
         self.name = name
 
 
-def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+@dataclass(frozen=True)
+class ServerLimits:
+    """Who may call, and how much may wait (vLLM's and SGLang's --api-key, SGLang's
+    --max-queued-requests)."""
+
+    api_key: str | None = None
+    max_queued_requests: int | None = None
+
+
+class QueueFull(Exception):
+    pass
+
+
+def create_app(
+    engine: AsyncEngine, model_name: str, limits: ServerLimits = ServerLimits()
+) -> FastAPI:
     metrics = ServerMetrics(engine.engine)
 
     @asynccontextmanager
@@ -55,7 +71,9 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     app.state.metrics = metrics
     _add_error_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
-    _add_routes(app, engine, metrics, model_name)
+    if limits.api_key is not None:
+        app.add_middleware(ApiKey, key=limits.api_key)
+    _add_routes(app, engine, metrics, model_name, limits)
     return app
 
 
@@ -90,6 +108,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def unknown_model(_: Request, err: ModelNotFound) -> JSONResponse:
         return _error(404, f"The model `{err.name}` does not exist.", "NotFoundError", "model")
 
+    @app.exception_handler(QueueFull)
+    async def queue_full(_: Request, err: QueueFull) -> JSONResponse:
+        return _error(503, str(err), "service_unavailable")
+
     @app.exception_handler(EngineDeadError)
     async def engine_dead(_: Request, err: EngineDeadError) -> JSONResponse:
         return _error(503, str(err), "service_unavailable")
@@ -98,10 +120,19 @@ def _add_error_handlers(app: FastAPI) -> None:
 # --- routes -------------------------------------------------------------------------------
 
 
-def _add_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics, model: str) -> None:
+def _add_routes(
+    app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics, model: str, limits: ServerLimits
+) -> None:
     def check_model(name: str | None) -> None:
         if name is not None and name != model:
             raise ModelNotFound(name)
+
+    def admit(request: Request) -> None:
+        """Room in the waiting queue, when it is bounded (the key is checked before the body
+        is read, by the middleware)."""
+        limit = limits.max_queued_requests
+        if limit is not None and len(engine.engine.scheduler.waiting) >= limit:
+            raise QueueFull(f"{limit} requests are already waiting (--max-queued-requests)")
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -125,6 +156,7 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics, model
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
+        admit(request)
         check_model(body.model)
         params = body.sampling_params()
         stream = Completion(engine, metrics, model, body, "text_completion")
@@ -132,6 +164,7 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics, model
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
+        admit(request)
         check_model(body.model)
         params = body.sampling_params()
         prompt_ids = await asyncio.to_thread(_apply_chat_template, engine, body)
@@ -140,6 +173,7 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics, model
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
+        admit(request)
         stream = Completion(engine, metrics, model, None, "generate")
         return await stream.respond(body.prompt(), body.params(), request, stream=body.stream)
 

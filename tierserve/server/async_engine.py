@@ -52,16 +52,18 @@ class AsyncEngine:
         req = await asyncio.to_thread(self.engine.make_request, prompt, params, request_id)
         outputs: asyncio.Queue = asyncio.Queue()
         self._streams[req.rid] = (asyncio.get_running_loop(), outputs)
+        # The loop sets `error` before it fails every registered stream: checked after
+        # registering, a request either is failed by the loop or sees the error here.
+        if self.error is not None:
+            self._streams.pop(req.rid, None)
+            raise EngineDeadError(f"engine loop failed: {self.error}")
         self._post("add", req)
         finished = False
         try:
             while not finished:
-                try:
-                    out = await asyncio.wait_for(outputs.get(), timeout=1.0)
-                except TimeoutError:  # still waiting: make sure there is an engine to wait for
-                    if self.error is not None:
-                        raise EngineDeadError(f"engine loop failed: {self.error}") from None
-                    continue
+                # No asyncio.wait_for here: before Python 3.12 it can swallow a cancellation
+                # that races with a result, and a client that left kept its request running.
+                out = await outputs.get()
                 if isinstance(out, BaseException):
                     raise EngineDeadError(f"engine loop failed: {out}")
                 finished = out.finished
