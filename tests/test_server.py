@@ -522,3 +522,29 @@ def test_api_key_and_a_bounded_waiting_queue(llama_dir):
         assert sorted(codes) == [200, 200, 503], codes
     finally:
         s.stop()
+
+
+def test_a_dead_engine_loop_fails_every_call_instead_of_hanging(llama_dir):
+    from tierserve.server.async_engine import AsyncEngine, EngineDeadError
+
+    engine = AsyncEngine(LLM(str(llama_dir), max_total_tokens=1024).engine)
+    engine.start()
+
+    class Bug(BaseException):  # escapes the loop's per-call handling, as a real bug would
+        pass
+
+    def crash(_):
+        raise Bug("boom")
+
+    async def run() -> None:
+        with pytest.raises(EngineDeadError):
+            await asyncio.wait_for(engine.call(crash), timeout=10)
+        for _ in range(2):  # later calls are answered at once, never left waiting
+            with pytest.raises(EngineDeadError):
+                await asyncio.wait_for(engine.call(lambda e: e.flush_cache()), timeout=10)
+        with pytest.raises(EngineDeadError):
+            params = SamplingParams(max_tokens=2)
+            await asyncio.wait_for(anext(engine.generate("hi", params, "r1")), timeout=10)
+
+    asyncio.run(run())
+    engine.stop()

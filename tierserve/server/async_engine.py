@@ -77,6 +77,8 @@ class AsyncEngine:
         """Run `fn(engine)` on the engine thread, between steps."""
         future: Future = Future()
         self._post("call", (fn, future))
+        if self.error is not None:  # posted after the loop failed: nobody will run it
+            self._fail_pending()
         return await asyncio.wrap_future(future)
 
     def _post(self, kind: str, payload: Any) -> None:
@@ -100,6 +102,17 @@ class AsyncEngine:
             self.error = err
             for rid in list(self._streams):
                 self._deliver(rid, err)
+            self._fail_pending()
+
+    def _fail_pending(self) -> None:
+        """Answer every call still in the inbox with the loop's failure."""
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "call":
+                payload[1].set_exception(EngineDeadError(f"engine loop failed: {self.error}"))
 
     def _drain_inbox(self) -> None:
         while True:
@@ -117,6 +130,9 @@ class AsyncEngine:
                     future.set_result(fn(self.engine))
                 except Exception as err:
                     future.set_exception(err)
+                except BaseException as err:  # the loop dies of it: say so to the caller too
+                    future.set_exception(EngineDeadError(f"engine loop failed: {err!r}"))
+                    raise
 
     def _add(self, req: Request) -> None:
         if req.rid not in self._streams:  # the client left before the request started
