@@ -258,3 +258,32 @@ def test_load_back_page_table_follows_the_tree_whatever_order_pages_come_in():
     slots = torch.tensor(pages)[:, None] * 2 + torch.arange(2)
     want = torch.tensor([tok * 1000.0 + pos for pos, tok in enumerate(tokens)])
     assert torch.equal(t.values(slots.flatten()), want)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    src=st.lists(st.integers(0, 60), min_size=1, max_size=40, unique=True),
+    seed=st.integers(0, 1000),
+    bounded=st.booleans(),
+)
+def test_matched_runs_is_a_pairing_that_keeps_runs(src, seed, bounded):
+    import random
+
+    from tierserve.cache import tiers
+
+    rng = random.Random(seed)
+    # Half the cases: one block of free pages, handed out shuffled.
+    fresh = list(range(100, 100 + len(src))) if seed % 2 else rng.sample(range(100, 200), len(src))
+    rng.shuffle(fresh)
+    old = tiers.MATCH_WORK
+    tiers.MATCH_WORK = 0 if bounded else old  # 0: the by-rank fallback
+    try:
+        out = tiers.matched_runs(src, fresh)
+    finally:
+        tiers.MATCH_WORK = old
+    assert sorted(out) == sorted(fresh)  # every fresh page used once
+    if not bounded and sorted(fresh) == list(range(100, 100 + len(fresh))):
+        # one free run: every consecutive source pair lands consecutively
+        for i in range(len(src) - 1):
+            if src[i + 1] == src[i] + 1:
+                assert out[i + 1] == out[i] + 1

@@ -21,6 +21,7 @@ from tierserve.cache.radix import RadixCache, RadixNode
 from tierserve.cache.transfer import CopyOp, TransferBackend
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+MATCH_WORK = 20_000  # source runs × free runs beyond which pages are paired by rank
 
 
 @dataclass
@@ -61,8 +62,13 @@ def matched_runs(src: list[int], fresh: list[int]) -> list[int]:
     taking the smallest free run that holds it (or the longest, split)."""
     free = sorted(fresh)
     holes = [[free[i], n] for i, n in _runs(free)]  # [first page, length]
+    runs = _runs(src)
     out = [0] * len(src)
-    for start, length in sorted(_runs(src), key=lambda r: -r[1]):
+    if len(runs) * len(holes) > MATCH_WORK:  # keep the step's Python time bounded: by rank
+        for page, i in zip(free, sorted(range(len(src)), key=src.__getitem__), strict=True):
+            out[i] = page
+        return out
+    for start, length in sorted(runs, key=lambda r: -r[1]):
         while length:
             fits = [h for h in holes if h[1] >= length]
             hole = min(fits, key=lambda h: h[1]) if fits else max(holes, key=lambda h: h[1])
