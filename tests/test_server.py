@@ -548,3 +548,29 @@ def test_a_dead_engine_loop_fails_every_call_instead_of_hanging(llama_dir):
 
     asyncio.run(run())
     engine.stop()
+
+
+def test_text_no_context_could_hold_is_refused_before_tokenizing(server):
+    huge = "word " * 200_000  # 1 MB: 2048 tokens of context could never hold it
+    for route, body in (
+        ("/v1/completions", {"prompt": huge, "max_tokens": 1}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
+        ("/generate", {"text": huge}),
+    ):
+        reply = httpx.post(f"{server.url}{route}", json=body, timeout=60)
+        assert reply.status_code == 400, reply.text
+        # This message comes from the length check that runs before the tokenizer.
+        assert "cannot fit in the context" in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"stop": [f"s{i}" for i in range(65)]},
+        {"stop": ["x" * 513]},
+        {"stop_token_ids": list(range(1025))},
+    ],
+)
+def test_per_request_lists_have_stated_limits(client, extra):
+    with pytest.raises(openai.BadRequestError, match="at most"):
+        client.completions.create(model="llama", prompt="hi", max_tokens=2, extra_body=extra)

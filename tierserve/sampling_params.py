@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 from tierserve.errors import TierserveError
 
 GREEDY_BELOW = 1e-5
+# Per-request list limits, so one request cannot make every step slow for all (stop strings are
+# matched on each new token). OpenAI allows 4 stop strings; vLLM and SGLang set no bound.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 512
+MAX_STOP_TOKEN_IDS = 1024
 
 
 @dataclass(frozen=True)
@@ -49,6 +54,16 @@ class SamplingParams:
             raise TierserveError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if any(not s for s in self.stop):
             raise TierserveError("stop strings must be non-empty", "stop")
+        if len(self.stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            raise TierserveError(
+                f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters",
+                "stop",
+            )
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise TierserveError(
+                f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}",
+                "stop_token_ids",
+            )
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise TierserveError(f"seed must be in [0, 2**63), got {self.seed}", "seed")
 

@@ -33,6 +33,7 @@ from tierserve.sampling_params import SamplingParams
 logger = logging.getLogger("tierserve")
 
 CPU_DEFAULT_POOL_TOKENS = 32768
+MAX_CHARS_PER_TOKEN = 32
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -196,6 +197,7 @@ class Engine:
         if isinstance(prompt, str):
             if not prompt:
                 raise TierserveError("prompt is empty", field="prompt")
+            self.check_text_length(len(prompt), "prompt")
             return self.tokenizer(prompt).input_ids
         ids = list(prompt)
         vocab = self.model_config.vocab_size
@@ -204,6 +206,17 @@ class Engine:
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise TierserveError(f"prompt token ids must be ints in [0, {vocab})", field="prompt")
         return ids
+
+    def check_text_length(self, chars: int, field: str) -> None:
+        """Refuse text no context could hold before tokenizing it (a 10 MB prompt took ~10 s
+        and gigabytes to learn that). A token is rarely longer than MAX_CHARS_PER_TOKEN."""
+        limit = self.context_length * MAX_CHARS_PER_TOKEN
+        if chars > limit:
+            raise TierserveError(
+                f"{field} of {chars:,} characters cannot fit in the context of "
+                f"{self.context_length:,} tokens (at most {limit:,} characters are read)",
+                field=field,
+            )
 
     def _room_after(self, prompt_ids: list[int]) -> int:
         """Tokens a request may generate when it does not say: up to the context or pool end."""

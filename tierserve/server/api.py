@@ -183,6 +183,7 @@ def _apply_chat_template(engine: AsyncEngine, body: ChatCompletionRequest) -> li
     if not getattr(tok, "chat_template", None):
         raise TierserveError("this model has no chat template; use /v1/completions", "messages")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    engine.engine.check_text_length(sum(len(m["content"]) for m in messages), "messages")
     try:
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except TemplateError as err:  # e.g. a template that requires alternating roles
