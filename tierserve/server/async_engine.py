@@ -10,7 +10,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -106,20 +106,20 @@ class AsyncEngine:
 
     def _fail_pending(self) -> None:
         """Answer every call still in the inbox with the loop's failure."""
-        while True:
-            try:
-                kind, payload = self._inbox.get_nowait()
-            except queue.Empty:
-                return
+        for kind, payload in self._taken():
             if kind == "call":
                 payload[1].set_exception(EngineDeadError(f"engine loop failed: {self.error}"))
 
-    def _drain_inbox(self) -> None:
+    def _taken(self) -> Iterator[tuple[str, Any]]:
+        """What the inbox holds now, taken out one by one."""
         while True:
             try:
-                kind, payload = self._inbox.get_nowait()
+                yield self._inbox.get_nowait()
             except queue.Empty:
                 return
+
+    def _drain_inbox(self) -> None:
+        for kind, payload in self._taken():
             if kind == "add":
                 self._add(payload)
             elif kind == "abort":
