@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from tierserve.cache.pool import PageAllocator, PagedKV
 from tierserve.cache.radix import RadixCache, RadixNode
-from tierserve.cache.transfer import CopyOp, TransferBackend
+from tierserve.cache.transfer import CopyOp, TransferBackend, page_runs
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 MATCH_WORK = 20_000  # source runs × free runs beyond which pages are paired by rank
@@ -44,25 +44,17 @@ class TierStats:
     forced_waits: int = 0  # device pages were needed before their copies landed
 
 
-def _runs(pages: list[int]) -> list[list[int]]:
-    """[start index, length] of each stretch of consecutive page ids in `pages`."""
-    runs: list[list[int]] = []
-    for i, page in enumerate(pages):
-        if runs and page == pages[i - 1] + 1:
-            runs[-1][1] += 1
-        else:
-            runs.append([i, 1])
-    return runs
-
-
 def matched_runs(src: list[int], fresh: list[int]) -> list[int]:
     """Assign the freshly allocated pages `fresh` to the pages `src` so that each run of
     consecutive source pages lands, where possible, on a run of consecutive fresh pages: a copy
     is one call per run, and short runs cost the most. Longest source runs choose first, each
     taking the smallest free run that holds it (or the longest, split)."""
     free = sorted(fresh)
-    holes = [[free[i], n] for i, n in _runs(free)]  # [first page, length]
-    runs = _runs(src)
+    holes = [[first, n] for first, _, n in page_runs(free, free)]  # [first page, length]
+    runs, start = [], 0  # [index into src, length]
+    for _, _, n in page_runs(src, src):
+        runs.append([start, n])
+        start += n
     out = [0] * len(src)
     if len(runs) * len(holes) > MATCH_WORK:  # keep the step's Python time bounded: by rank
         for page, i in zip(free, sorted(range(len(src)), key=src.__getitem__), strict=True):
