@@ -36,6 +36,7 @@ class Client:
     rid: str | None = None
     sent: float = 0.0
     first: float | None = None
+    answer: list[int] = field(default_factory=list)  # the current round's output ids
     ttfts: list[tuple[int, float]] = field(default_factory=list)
 
 
@@ -89,7 +90,7 @@ def run_once(name: str, engine: Engine, ns: argparse.Namespace, vocab: int) -> R
 
     def send(c: Client) -> None:
         c.rid = engine.add_request(c.history, params)
-        c.sent, c.first = time.perf_counter(), None
+        c.sent, c.first, c.answer = time.perf_counter(), None, []
         by_rid[c.rid] = c
 
     ready = deque(clients)
@@ -99,6 +100,7 @@ def run_once(name: str, engine: Engine, ns: argparse.Namespace, vocab: int) -> R
             send(ready.popleft())
         for out in engine.step():
             c = by_rid[out.request_id]
+            c.answer.append(out.token_id)
             if c.first is None:
                 c.first = time.perf_counter()
                 c.ttfts.append((c.round, c.first - c.sent))
@@ -108,7 +110,7 @@ def run_once(name: str, engine: Engine, ns: argparse.Namespace, vocab: int) -> R
             del by_rid[out.request_id]
             prompt_tokens += out.prompt_tokens
             cached_tokens += out.cached_tokens
-            c.history = c.history + out.token_ids + questions[clients.index(c)][c.round]
+            c.history = c.history + c.answer + questions[clients.index(c)][c.round]
             c.round += 1
             if c.round < ns.rounds:
                 ready.append(c)

@@ -114,7 +114,7 @@ def test_copies_in_flight_keep_outputs_and_accounting(llama_dir, reference):
 
         def step() -> None:
             for out in engine.step():
-                got[out.request_id] = out.token_ids
+                got.setdefault(out.request_id, []).append(out.token_id)
             engine.check_accounting()
 
         for i, (op, which, tail, n) in enumerate(script):

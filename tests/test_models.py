@@ -124,7 +124,7 @@ def test_decode_workspace_stays_within_twice_the_live_kv(checkpoints):
     ratios, padded_to_longest = [], []
     while llm.engine.has_unfinished():
         for o in llm.engine.step():
-            outs[o.request_id] = o.token_ids
+            outs.setdefault(o.request_id, []).append(o.token_id)
         lens = torch.cat([g.lens for g in ws.groups]) if ws.groups else torch.zeros(0)
         if len(lens) < 2:
             continue

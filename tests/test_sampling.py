@@ -3,19 +3,29 @@
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.conftest import random_prompts
 from tierserve import LLM, SamplingParams
-from tierserve.engine.detokenizer import IncrementalDetokenizer
+from tierserve.engine.detokenizer import MAX_UNSETTLED, IncrementalDetokenizer
+from tierserve.engine.output import OutputBuilder
+from tierserve.engine.request import StepOutput
 from tierserve.layers.sampler import sample
 
 
 @pytest.fixture(scope="module")
 def llm(llama_dir) -> LLM:
     return LLM(str(llama_dir), max_total_tokens=4096)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(llm):
+    return llm.tokenizer
 
 
 def test_filters_that_leave_one_token_are_greedy():
@@ -137,10 +147,7 @@ def test_detokenizer_never_emits_half_a_character(llm):
     ids = tok(text, add_special_tokens=False).input_ids
     assert any("\ufffd" in tok.decode([i]) for i in ids), "expected a split UTF-8 character"
     detok = IncrementalDetokenizer(tok)
-    pieces = []
-    for i, token in enumerate(ids):
-        detok.add(token)
-        pieces.append(detok.delta(finished=i == len(ids) - 1))
+    pieces = [detok.add(token) for token in ids] + [detok.flush()]
     assert all("\ufffd" not in p for p in pieces)
     assert "".join(pieces) == text
 
@@ -150,6 +157,101 @@ def test_detokenizer_shows_an_unfinished_character_at_the_end(llm):
     ids = tok("你", add_special_tokens=False).input_ids
     assert len(ids) > 1, "expected a character split over tokens"
     detok = IncrementalDetokenizer(tok)
-    detok.add(ids[0])
-    assert detok.delta(finished=False) == ""
-    assert detok.delta(finished=True) == tok.decode(ids[:1])
+    assert detok.add(ids[0]) == ""
+    assert detok.flush() == tok.decode(ids[:1])
+
+
+# --- the front end: token ids to text, outside the engine step ------------------------------
+
+ALPHABET = "ab c,.的日本語éü🙂\n"
+
+
+def _steps(ids: list[int]) -> list[StepOutput]:
+    """The engine's messages for `ids`, the last one finishing by length."""
+    last = len(ids) - 1
+    return [StepOutput("r", t, "length" if i == last else None, 3, 0, 0) for i, t in enumerate(ids)]
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    text=st.text(alphabet=ALPHABET, min_size=1, max_size=60),
+    picks=st.lists(st.tuples(st.integers(0, 59), st.integers(1, 6)), max_size=4),
+    absent=st.lists(st.text(alphabet="xyz", min_size=1, max_size=8), max_size=3),
+)
+def test_output_builder_matches_cutting_the_whole_text(tokenizer, text, picks, absent):
+    """Deltas joined are the whole text cut before its earliest stop string; no delta shows
+    text a later stop removes; the output ends at the token that completed the stop."""
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    full = tokenizer.decode(ids, skip_special_tokens=True)
+    stops = [full[i : i + n] for i, n in picks if full[i : i + n]] + absent
+    builder = OutputBuilder("r", tokenizer, SamplingParams(stop=stops))
+    outs = [o for o in map(builder.add, _steps(ids)) if o is not None]
+    hits = [i for i in (full.find(s) for s in stops) if i >= 0]
+    expected = full[: min(hits)] if hits else full
+    shown = ""
+    for out in outs:
+        shown += out.text_delta
+        assert expected.startswith(shown)
+    last = outs[-1]
+    assert last.finished and shown == last.text == expected
+    assert last.finish_reason == ("stop" if hits else "length")
+    assert last.token_ids == ids[: len(outs)] and last.num_output_tokens == len(outs)
+    if hits:  # the first token after which the settled text holds a stop string
+        settled = [tokenizer.decode(ids[:j]).rstrip("\ufffd") for j in range(1, len(ids) + 1)]
+        first = next(j for j, t in enumerate(settled, 1) if any(s in t for s in stops))
+        assert len(outs) == first
+        assert builder.stopped_here == (first < len(ids))
+
+
+def test_output_builder_drops_tokens_sampled_after_a_stop(tokenizer):
+    ids = tokenizer("one two three four", add_special_tokens=False).input_ids
+    builder = OutputBuilder("r", tokenizer, SamplingParams(stop=["two"]))
+    outs = [builder.add(s) for s in _steps(ids)]
+    done = [o for o in outs if o is not None]
+    assert done[-1].finish_reason == "stop" and done[-1].text == "one "
+    assert outs[len(done) :] == [None] * (len(ids) - len(done))  # the engine's late tokens
+
+
+def test_detokenizer_window_is_bounded_under_stray_bytes(tokenizer):
+    """A model emitting bytes that never complete a character must not make each token's
+    decode longer: they are released as U+FFFD after MAX_UNSETTLED tokens."""
+    ids = tokenizer("日", add_special_tokens=False).input_ids
+    stray = [ids[1]] * 50 + tokenizer(" fine", add_special_tokens=False).input_ids
+    detok = IncrementalDetokenizer(tokenizer)
+    pieces = []
+    for t in stray:
+        pieces.append(detok.add(t))
+        assert len(detok._unsettled) <= MAX_UNSETTLED
+    text = "".join(pieces) + detok.flush()
+    assert text == "\ufffd" * 50 + " fine" == tokenizer.decode(stray)
+
+
+def test_slow_tokenizers_detokenize_the_same_way(tokenizer):
+    """Without a Rust backend (`_tokenizer`), the decode-window path gives the same text."""
+    text = "naïve café 日本語 🙂 done"
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    slow = IncrementalDetokenizer(types.SimpleNamespace(decode=tokenizer.decode))
+    assert slow._stream is None
+    pieces = [slow.add(t) for t in ids]
+    assert all("\ufffd" not in p for p in pieces)
+    assert "".join(pieces) + slow.flush() == text
+
+
+def test_waiting_requests_go_in_arrival_order_not_submission_order(llm):
+    """A request that arrived first but finished tokenizing later is still admitted first."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=2, temperature=0)
+    first_arrival, second_arrival = engine.next_arrival(), engine.next_arrival()
+    late = engine.make_request([5, 6, 7], params, "came-second", second_arrival)
+    early = engine.make_request([5, 6, 8], params, "came-first", first_arrival)
+    engine.submit(late)
+    engine.submit(early)
+    assert [r.rid for r in engine.scheduler.waiting] == ["came-first", "came-second"]
+    while engine.has_unfinished():
+        engine.step()
+    llm.engine.check_accounting()

@@ -1,7 +1,11 @@
-"""Incremental detokenization with stop strings.
+"""Incremental detokenization, O(1) work per token.
 
-Text is emitted only once it is stable: never half a UTF-8 character (a byte-level token can end
-mid-character, which decodes to U+FFFD) and never the start of what may become a stop string.
+A byte-level token can end mid-character; text is released only once its bytes complete a
+character, so no piece shows half a character as U+FFFD. With a fast tokenizer, tokenizers'
+`DecodeStream` keeps that state in Rust; otherwise a window of the unsettled ids is decoded
+(the prefix/read-offset method of vLLM and TGI). Either way the unsettled window is bounded: after
+MAX_UNSETTLED ids that never completed a character (a model emitting stray bytes), they are
+released as U+FFFD and decoding restarts, so one odd request cannot make each step slower.
 """
 
 from __future__ import annotations
@@ -9,58 +13,58 @@ from __future__ import annotations
 from typing import Any
 
 REPLACEMENT = "\ufffd"
+MAX_UNSETTLED = 8  # a character is at most 4 bytes, so 4 byte tokens; twice that is stray bytes
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self.stop = stop
-        self._hold = max((len(s) for s in stop), default=1) - 1
-        self._ids: list[int] = []
-        self._prefix_offset = 0  # ids before this are settled text
-        self._read_offset = 0
-        self.text = ""  # all settled text (after stop-string truncation)
-        self._emitted = 0
-        self.stopped = False
+        self._backend = getattr(tokenizer, "_tokenizer", None)  # tokenizers.Tokenizer, if fast
+        self._unsettled: list[int] = []  # ids whose text has not been released yet
+        self._settled_tail: list[int] = []  # the window's context: the last released ids
+        self._stream = self._new_stream()
 
-    def add(self, token_id: int) -> None:
-        """Append one generated token; sets `stopped` when a stop string appears."""
-        self._ids.append(token_id)
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        full = self._decode(self._ids[self._prefix_offset :])
+    def _new_stream(self) -> Any:
+        if self._backend is None:
+            return None
+        from tokenizers.decoders import DecodeStream
+
+        return DecodeStream(skip_special_tokens=True)
+
+    def add(self, token_id: int) -> str:
+        """Append one generated token; returns the text it completes ("" while a character is
+        still unfinished)."""
+        self._unsettled.append(token_id)
+        if self._stream is not None:
+            piece = self._stream.step(self._backend, token_id)
+        else:
+            piece = self._window_step()
+        if piece is not None:
+            self._settled_tail = self._unsettled[-4:]
+            self._unsettled = []
+            return piece
+        if len(self._unsettled) > MAX_UNSETTLED:
+            return self._release_unsettled()
+        return ""
+
+    def flush(self) -> str:
+        """At the end: bytes that never completed a character, shown as U+FFFD."""
+        return self._release_unsettled() if self._unsettled else ""
+
+    def _release_unsettled(self) -> str:
+        text = self._decode(self._unsettled)
+        self._settled_tail, self._unsettled = [], []
+        self._stream = self._new_stream()
+        return text
+
+    def _window_step(self) -> str | None:
+        """Decode the settled context plus the unsettled ids; the difference is the new text,
+        unless it ends in a character still incomplete."""
+        prefix = self._decode(self._settled_tail)
+        full = self._decode(self._settled_tail + self._unsettled)
         if len(full) <= len(prefix) or full.endswith(REPLACEMENT):
-            return  # an incomplete character: wait for the next token
-        start = max(0, len(self.text) - self._hold)
-        self.text += full[len(prefix) :]
-        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
-        self._truncate_at_stop(start)
-
-    def _truncate_at_stop(self, start: int) -> None:
-        hits = [i for i in (self.text.find(s, start) for s in self.stop) if i >= 0]
-        if hits:
-            self.text = self.text[: min(hits)]
-            self.stopped = True
-
-    def _flush(self) -> None:
-        """At the end, bytes that never completed a character are shown as U+FFFD."""
-        if self.stopped or self._read_offset == len(self._ids):
-            return
-        prefix = self._decode(self._ids[self._prefix_offset : self._read_offset])
-        self.text += self._decode(self._ids[self._prefix_offset :])[len(prefix) :]
-        self._read_offset = len(self._ids)
+            return None
+        return full[len(prefix) :]
 
     def _decode(self, ids: list[int]) -> str:
-        if not ids:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def delta(self, finished: bool) -> str:
-        """New text since the last call, holding back a possible stop-string start."""
-        if finished:
-            self._flush()
-        end = len(self.text) if finished or not self.stop else len(self.text) - self._hold
-        if end <= self._emitted:
-            return ""
-        out = self.text[self._emitted : end]
-        self._emitted = end
-        return out
+        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""

@@ -21,8 +21,7 @@ from tierserve.cache.spec import KVSpec
 from tierserve.cache.tiers import HostTier
 from tierserve.cache.transfer import TransferFactory, default_transfer
 from tierserve.config import EngineArgs, ModelConfig, default_model
-from tierserve.engine.detokenizer import IncrementalDetokenizer
-from tierserve.engine.request import Request, RequestOutput, Status
+from tierserve.engine.request import Request, StepOutput
 from tierserve.engine.runner import ModelRunner
 from tierserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from tierserve.errors import TierserveError
@@ -163,12 +162,21 @@ class Engine:
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
-        req = self.make_request(prompt, params, request_id)
+        req = self.make_request(prompt, params, request_id, self.next_arrival())
         self.submit(req)
         return req.rid
 
+    def next_arrival(self) -> int:
+        """A place in line, taken when a request arrives: a long prompt still being tokenized
+        keeps its place ahead of a short one that came after it."""
+        return next(self._arrivals)
+
     def make_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        arrival: int,
     ) -> Request:
         """Tokenize and validate; touches no scheduler state, so another thread may call it."""
         prompt_ids = self._encode(prompt)
@@ -180,10 +188,11 @@ class Engine:
             generator = torch.Generator().manual_seed(params.seed)
         return Request(
             rid=request_id or f"req-{next(self._ids)}",
-            arrival=next(self._arrivals),
+            arrival=arrival,
             prompt_ids=prompt_ids,
             params=params,
-            detokenizer=IncrementalDetokenizer(self.tokenizer, params.stop),
+            stop_ids=frozenset(params.stop_token_ids)
+            | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)),
             generator=generator,
         )
 
@@ -255,8 +264,8 @@ class Engine:
 
     # --- the loop --------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one batch; returns an output for every request that advanced."""
+    def step(self) -> list[StepOutput]:
+        """Run one batch; returns the token of every request that sampled one."""
         chunks = self.scheduler.schedule()
         if not chunks:
             if self.scheduler.waiting and not self.scheduler.running:
@@ -268,47 +277,34 @@ class Engine:
         outputs = [self._advance(c, t) for c, t in zip(chunks, tokens, strict=True)]
         return [o for o in outputs if o is not None]
 
-    def _advance(self, chunk: ScheduledChunk, token: int | None) -> RequestOutput | None:
+    def _advance(self, chunk: ScheduledChunk, token: int | None) -> StepOutput | None:
         req = chunk.req
         self.scheduler.record_computed(req, chunk.num_tokens)
         if chunk.num_tokens > 1:  # share the prompt with requests that arrive meanwhile
             self.kv.cache_prefix(req.kv, req.all_ids)
-        if token is not None:
-            req.output_ids.append(token)
-            self.scheduler.stats.num_generated_tokens += 1
-            req.detokenizer.add(token)
-            reason = self._finish_reason(req, token)
-            if reason:
-                self.scheduler.finish(req, reason)
-                del self._requests[req.rid]
-            return self._output(req)
-        return None
-
-    def _finish_reason(self, req: Request, token: int) -> str | None:
-        p = req.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            return "stop"
-        if req.detokenizer.stopped:
-            return "stop"
-        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.context_length:
-            return "length"
-        return None
-
-    def _output(self, req: Request) -> RequestOutput:
-        finished = req.status is Status.FINISHED
-        delta = req.detokenizer.delta(finished)  # first: at the end it settles the text
-        return RequestOutput(
+        if token is None:
+            return None
+        req.output_ids.append(token)
+        self.scheduler.stats.num_generated_tokens += 1
+        reason = self._finish_reason(req, token)
+        if reason:
+            self.scheduler.finish(req, reason)
+            del self._requests[req.rid]
+        return StepOutput(
             request_id=req.rid,
-            prompt_token_ids=req.prompt_ids,
-            token_ids=list(req.output_ids),
-            text=req.detokenizer.text,
-            text_delta=delta,
-            finished=finished,
-            finish_reason=req.finish_reason,
+            token_id=token,
+            finish_reason=reason,
             prompt_tokens=len(req.prompt_ids),
             cached_tokens=req.cached_tokens or 0,
             num_preemptions=req.num_preemptions,
         )
+
+    def _finish_reason(self, req: Request, token: int) -> str | None:
+        if token in req.stop_ids:
+            return "stop"
+        if len(req.output_ids) >= req.params.max_tokens or req.num_tokens >= self.context_length:
+            return "length"
+        return None
 
     def check_accounting(self) -> None:
         self.kv.check_accounting([r.kv for r in self.scheduler.running])

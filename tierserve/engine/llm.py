@@ -7,6 +7,7 @@ from typing import Any
 
 from tierserve.config import EngineArgs
 from tierserve.engine.engine import Engine
+from tierserve.engine.output import OutputBuilder
 from tierserve.engine.request import RequestOutput
 from tierserve.sampling_params import SamplingParams
 
@@ -35,37 +36,52 @@ class LLM:
         prompts = _as_list(prompts)
         params_list = _broadcast(params, len(prompts))
         # Validate every prompt before queueing any, so a bad one leaves nothing half-submitted.
-        rids = []
+        builders: dict[str, OutputBuilder] = {}
         try:
             for prompt, p in zip(prompts, params_list, strict=True):
-                rids.append(self.engine.add_request(prompt, p))
+                rid = self.engine.add_request(prompt, p)
+                builders[rid] = OutputBuilder(rid, self.tokenizer, p)
         except Exception:
-            for rid in rids:
+            for rid in builders:
                 self.engine.abort(rid)
             raise
         finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(rids):
-            for out in self.engine.step():
+        while len(finished) < len(builders):
+            for out in self._step(builders):
                 if out.finished:
                     finished[out.request_id] = out
-        return [finished[rid] for rid in rids]
+        return [finished[rid] for rid in builders]
 
     def generate_stream(
         self, prompt: Prompt, params: SamplingParams | None = None
     ) -> Iterator[str]:
         """Yields text deltas of one prompt as its tokens are produced."""
-        rid = self.engine.add_request(prompt, params or SamplingParams())
+        params = params or SamplingParams()
+        rid = self.engine.add_request(prompt, params)
+        builders = {rid: OutputBuilder(rid, self.tokenizer, params)}
         try:
             while True:
-                for out in self.engine.step():
-                    if out.request_id != rid:
-                        continue
+                for out in self._step(builders):
                     if out.text_delta:
                         yield out.text_delta
                     if out.finished:
                         return
         finally:
             self.engine.abort(rid)  # a consumer that stops early frees the request's KV
+
+    def _step(self, builders: dict[str, OutputBuilder]) -> list[RequestOutput]:
+        """One engine step, as outputs of the requests in `builders`; a request a stop string
+        ended is aborted before the next step, so it samples nothing more."""
+        outputs = []
+        for step in self.engine.step():
+            builder = builders.get(step.request_id)
+            out = builder.add(step) if builder is not None else None
+            if out is None:
+                continue
+            if builder.stopped_here:
+                self.engine.abort(step.request_id)
+            outputs.append(out)
+        return outputs
 
 
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

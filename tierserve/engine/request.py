@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from tierserve.cache.manager import KVHandle
 from tierserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from tierserve.engine.detokenizer import IncrementalDetokenizer
 
 
 class Status(enum.Enum):
@@ -24,10 +20,10 @@ class Status(enum.Enum):
 @dataclass(eq=False)
 class Request:
     rid: str
-    arrival: int  # admission order; the newest running request is preempted first
+    arrival: int  # order of arrival; the newest running request is preempted first
     prompt_ids: list[int]
     params: SamplingParams
-    detokenizer: IncrementalDetokenizer
+    stop_ids: frozenset[int] = frozenset()  # stop_token_ids, and EOS unless ignored
     generator: torch.Generator | None = None
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
@@ -60,21 +56,42 @@ class Request:
         return self.status is Status.FINISHED
 
 
-@dataclass
-class RequestOutput:
-    """A request's result so far; `text_delta` is what was added by the latest step."""
+@dataclass(frozen=True, slots=True)
+class StepOutput:
+    """What the engine says about a request after a step: the one token it sampled, and why it
+    finished if it did. Token ids only; text and stop strings are the front end's
+    (`engine/output.py`), so the engine's work per token stays O(1) whatever the request asks."""
 
     request_id: str
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
+    token_id: int
+    finish_reason: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    num_preemptions: int
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's result as a user sees it. Streamed outputs carry what the latest step added
+    (`new_token_ids`, `text_delta`); the final one also carries the whole output (`token_ids`,
+    `text`), which is what `LLM.generate` returns."""
+
+    request_id: str
+    new_token_ids: list[int]
     text_delta: str
+    num_output_tokens: int
     finished: bool
     finish_reason: str | None
     prompt_tokens: int
     cached_tokens: int
     num_preemptions: int = 0
+    token_ids: list[int] = field(default_factory=list)  # the final output only
+    text: str = ""  # the final output only
 
     @property
     def completion_tokens(self) -> int:
-        return len(self.token_ids)
+        return self.num_output_tokens

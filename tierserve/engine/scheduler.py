@@ -12,6 +12,7 @@ steps later with a slow transfer backend); others keep running meanwhile.
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 
@@ -46,6 +47,7 @@ class SchedulerStats:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     num_generated_tokens: int = 0
+    num_steps: int = 0  # batches run
     steps_with_copies_in_flight: int = 0
     steps_waiting_on_load: int = 0  # a request waited for its load-back while others ran
 
@@ -59,7 +61,9 @@ class Scheduler:
         self.stats = SchedulerStats()
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        """Queue in arrival order: a request that arrived first but finished tokenizing later
+        still goes first (and a preempted one returns ahead of those that came after it)."""
+        bisect.insort(self.waiting, req, key=lambda r: r.arrival)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -81,6 +85,7 @@ class Scheduler:
         chunks.extend(self._admit(budget, reserve=len(chunks)))
         self.kv.issue()
         ready = [c for c in chunks if c.req.kv.ready]
+        self.stats.num_steps += bool(ready)
         if len(ready) < len(chunks) and ready:
             self.stats.steps_waiting_on_load += 1
         if self.kv.host is not None and self.kv.host.in_flight:
@@ -109,9 +114,7 @@ class Scheduler:
         req.kv = self.kv.release(req.kv, req.all_ids, keep_in_cache=False)
         self.running.remove(req)
         req.status = Status.WAITING
-        # Back in arrival order, so a preempted request is the first to return.
-        self.waiting.append(req)
-        self.waiting = deque(sorted(self.waiting, key=lambda r: r.arrival))
+        self.add(req)
 
     def _admit(self, budget: int, reserve: int) -> list[ScheduledChunk]:
         chunks = []

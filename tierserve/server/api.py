@@ -213,6 +213,7 @@ class Completion:
         prefix = {"text_completion": "cmpl", "chat.completion": "chatcmpl"}.get(kind, "gen")
         self.id = new_id(prefix)
         self.created = now()
+        self._text, self._ids = "", []  # a /generate stream's output so far
 
     async def respond(
         self,
@@ -250,17 +251,17 @@ class Completion:
         end = time.perf_counter()
         self.metrics.requests.labels(out.finish_reason or "stop").inc()
         self.metrics.e2e.observe(end - start)
-        if first_at is not None and len(out.token_ids) > 1:
-            self.metrics.tpot.observe((end - first_at) / (len(out.token_ids) - 1))
+        if first_at is not None and out.num_output_tokens > 1:
+            self.metrics.tpot.observe((end - first_at) / (out.num_output_tokens - 1))
 
     # --- response bodies ------------------------------------------------------------------
 
     def _usage(self, out: RequestOutput) -> dict[str, Any]:
-        return usage(out.prompt_tokens, len(out.token_ids), out.cached_tokens)
+        return usage(out.prompt_tokens, out.num_output_tokens, out.cached_tokens)
 
     def _whole(self, out: RequestOutput) -> dict[str, Any]:
         if self.kind == "generate":
-            return _native(out)
+            return _native(out, out.text, out.token_ids)
         if self.kind == "chat.completion":
             choice = {"index": 0, "message": {"role": "assistant", "content": out.text}}
         else:
@@ -274,7 +275,7 @@ class Completion:
 
     def _chunk(self, out: RequestOutput, first: bool) -> dict[str, Any]:
         if self.kind == "generate":
-            return _native(out)
+            return _native(out, self._text, self._ids)
         if self.kind == "chat.completion":
             delta: dict[str, Any] = {"content": out.text_delta}
             if first:
@@ -292,6 +293,9 @@ class Completion:
         out, is_first = first, True
         try:
             while True:
+                if self.kind == "generate":  # SGLang's chunks carry the whole output so far
+                    self._text += out.text_delta
+                    self._ids += out.new_token_ids
                 if out.text_delta or out.finished or is_first:
                     yield f"data: {json.dumps(self._chunk(out, is_first))}\n\n"
                     is_first = False
@@ -314,14 +318,14 @@ class Completion:
         return "chat.completion.chunk" if self.kind == "chat.completion" else self.kind
 
 
-def _native(out: RequestOutput) -> dict[str, Any]:
+def _native(out: RequestOutput, text: str, ids: list[int]) -> dict[str, Any]:
     return {
-        "text": out.text,
-        "output_ids": out.token_ids,
+        "text": text,
+        "output_ids": ids,
         "meta_info": {
             "id": out.request_id,
             "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": len(out.token_ids),
+            "completion_tokens": out.num_output_tokens,
             "cached_tokens": out.cached_tokens,
             "finish_reason": out.finish_reason,
         },

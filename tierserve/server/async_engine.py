@@ -1,7 +1,10 @@
 """Runs the synchronous engine loop in its own thread and streams outputs to asyncio tasks.
 
-The event loop only tokenizes (in a worker thread), enqueues and awaits; the engine thread owns
-all scheduler state. Each request has its own queue, so a slow client never stalls the others.
+The engine thread owns all scheduler state and speaks token ids only: after each step it hands
+the step's StepOutputs to each event loop in one call. Detokenization and stop strings run on
+the event loop (`OutputBuilder`), tokenization in a worker thread. Each request has its own
+queue, so a slow client never stalls the others. Why a thread and not a process:
+docs/architecture.md.
 """
 
 from __future__ import annotations
@@ -12,10 +15,13 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 from tierserve.engine.engine import Engine
-from tierserve.engine.request import Request, RequestOutput
+from tierserve.engine.output import OutputBuilder
+from tierserve.engine.request import Request, RequestOutput, StepOutput
+from tierserve.errors import TierserveError
 from tierserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("tierserve")
@@ -31,7 +37,7 @@ class AsyncEngine:
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, Stream] = {}
         self._thread = threading.Thread(target=self._run, name="tierserve-engine", daemon=True)
         self.error: BaseException | None = None
 
@@ -49,9 +55,12 @@ class AsyncEngine:
         """Outputs of one request as it advances; aborts it if the consumer goes away."""
         if self.error is not None:
             raise EngineDeadError(f"engine loop failed: {self.error}")
-        req = await asyncio.to_thread(self.engine.make_request, prompt, params, request_id)
+        arrival = self.engine.next_arrival()  # before tokenizing: its place is when it came
+        make = self.engine.make_request
+        req = await asyncio.to_thread(make, prompt, params, request_id, arrival)
         outputs: asyncio.Queue = asyncio.Queue()
-        self._streams[req.rid] = (asyncio.get_running_loop(), outputs)
+        builder = OutputBuilder(req.rid, self.engine.tokenizer, req.params)
+        self._streams[req.rid] = Stream(asyncio.get_running_loop(), outputs, builder)
         # The loop sets `error` before it fails every registered stream: checked after
         # registering, a request either is failed by the loop or sees the error here.
         if self.error is not None:
@@ -64,6 +73,8 @@ class AsyncEngine:
                 # No asyncio.wait_for here: before Python 3.12 it can swallow a cancellation
                 # that races with a result, and a client that left kept its request running.
                 out = await outputs.get()
+                if isinstance(out, TierserveError):
+                    raise out
                 if isinstance(out, BaseException):
                     raise EngineDeadError(f"engine loop failed: {out}")
                 finished = out.finished
@@ -95,8 +106,7 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.1)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
-                    self._deliver(out.request_id, out)
+                self._hand_over(self.engine.step())
         except BaseException as err:  # a bug, not bad input: say so everywhere, then stop
             logger.exception("engine loop failed; the server now answers 503")
             self.error = err
@@ -142,12 +152,45 @@ class AsyncEngine:
         except Exception as err:
             self._deliver(req.rid, err)
 
-    def _deliver(self, rid: str, item: RequestOutput | BaseException) -> None:
-        target = self._streams.get(rid)
-        if target is None:
+    def _hand_over(self, steps: list[StepOutput]) -> None:
+        """One call per event loop per step, not one per request: a step of 64 requests wakes
+        the loop once."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Stream, StepOutput]]] = {}
+        for step in steps:
+            stream = self._streams.get(step.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, step))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(self._build_outputs, items)
+            except RuntimeError:  # that event loop is closed
+                for stream, _ in items:
+                    self._streams.pop(stream.builder.request_id, None)
+
+    def _build_outputs(self, items: list[tuple[Stream, StepOutput]]) -> None:
+        """On the event loop: token ids to text, stop strings, and the abort they cause."""
+        for stream, step in items:
+            out = stream.builder.add(step)
+            if out is None:
+                continue
+            if stream.builder.stopped_here:
+                self._post("abort", step.request_id)
+            stream.outputs.put_nowait(out)
+
+    def _deliver(self, rid: str, item: BaseException) -> None:
+        stream = self._streams.get(rid)
+        if stream is None:
             return
-        loop, outputs = target
         try:
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
         except RuntimeError:  # that event loop is closed
             self._streams.pop(rid, None)
+
+
+@dataclass(frozen=True)
+class Stream:
+    """Where one request's outputs go: its event loop, its queue, and its text state."""
+
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    builder: OutputBuilder

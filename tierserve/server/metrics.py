@@ -33,6 +33,7 @@ class EngineCollector(Collector):
         yield _counter(
             "tierserve_generation_tokens", "tokens generated", sched.stats.num_generated_tokens
         )
+        yield _counter("tierserve_engine_steps", "batches the engine ran", sched.stats.num_steps)
         yield _counter(
             "tierserve_recomputed_tokens",
             "tokens computed again after preemption",

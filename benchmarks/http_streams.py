@@ -1,0 +1,185 @@
+"""The server's hot path: HTTP streaming against `LLM.generate`, and stop lists against latency.
+
+Side by side in one run, with the demo model and the client on the same machine:
+
+1. Throughput. 64 prompts of 64–512 random token ids, 128 greedy tokens each (EOS ignored).
+   `LLM.generate` on them in-process, then the same requests as 64 concurrent streaming
+   `POST /v1/completions` to `tierserve serve` (one token per SSE chunk, parsed by an httpx
+   client in this process). Reports output tokens/s of both and the ratio (target ≥ 0.85).
+2. Isolation. A short request's latency (16-token prompt, 32 tokens) alone, then while one
+   request with the longest allowed stop list (64 strings of 512 characters) generates.
+   Reports the medians and the ratio (target ≤ 1.5); the same beside a request without stop
+   strings shows what sharing the batch alone costs.
+
+    .venv/bin/python benchmarks/http_streams.py [--model DIR] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+
+from tierserve import LLM, SamplingParams
+from tierserve.bench.compare import ServerProcess
+from tierserve.config import default_model
+from tierserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+
+def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(64, 513, (n,), generator=g).tolist()
+    return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
+def offline_tok_s(model: str, prompts: list[list[int]], out_len: int) -> float:
+    llm = LLM(model)
+    params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
+    llm.engine.flush_cache()
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    elapsed = time.perf_counter() - start
+    assert all(len(o.token_ids) == out_len for o in outs)
+    del llm
+    gc.collect()
+    return len(prompts) * out_len / elapsed
+
+
+async def stream_one(
+    url: str, prompt: list[int], max_tokens: int, **extra: Any
+) -> tuple[int, int, float]:
+    """(events with a choice, completion tokens, seconds) of one streamed completion.
+
+    A plain HTTP/1.1 client on asyncio streams, not httpx: it shares two cores with the server,
+    and per event it only splits lines; JSON is parsed for the final usage event alone."""
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **extra,
+    }
+    host, port = url.removeprefix("http://").split(":")
+    payload = json.dumps(body).encode()
+    start = time.perf_counter()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n"
+    )
+    writer.write(head.encode() + payload)
+    status = await reader.readline()
+    assert b" 200 " in status, status
+    while (await reader.readline()) not in (b"\r\n", b""):
+        pass  # headers: uvicorn streams with Transfer-Encoding: chunked
+    chunks, usage, buffer = 0, None, b""
+    while size := int((await reader.readline()).strip() or b"0", 16):
+        buffer += await reader.readexactly(size + 2)
+        *events, buffer = buffer.split(b"\n\n")
+        for event in events:
+            if b'"usage": {' in event:
+                usage = json.loads(event.strip()[6:])["usage"]
+            elif event.strip() and event.strip() != b"data: [DONE]":
+                chunks += 1
+    writer.close()
+    assert usage is not None, "no usage event"
+    return chunks, usage["completion_tokens"], time.perf_counter() - start
+
+
+async def http_tok_s(url: str, prompts: list[list[int]], out_len: int) -> tuple[float, int]:
+    await stream_one(url, prompts[0][:8], 4)  # warm-up
+    httpx.post(f"{url}/flush_cache").raise_for_status()
+    start = time.perf_counter()
+    results = await asyncio.gather(*(stream_one(url, p, out_len) for p in prompts))
+    elapsed = time.perf_counter() - start
+    assert all(tokens == out_len for _, tokens, _ in results), results
+    chunks = sum(c for c, _, _ in results)
+    return len(prompts) * out_len / elapsed, chunks
+
+
+def longest_stop_list() -> list[str]:
+    """MAX_STOP_STRINGS strings of MAX_STOP_CHARS characters, none of which will match."""
+    return [f"{i:04d}".ljust(MAX_STOP_CHARS, "~") for i in range(MAX_STOP_STRINGS)]
+
+
+async def short_latencies(
+    url: str, vocab: int, repeats: int, beside: dict[str, Any] | None
+) -> list[float]:
+    """Latencies of a short request, alone or while a long one (with `beside`'s fields)
+    generates."""
+    short = list(range(3, 19))
+    background = None
+    if beside is not None:
+        long_prompt = [(7 * i) % (vocab - 3) + 3 for i in range(64)]
+        background = asyncio.ensure_future(stream_one(url, long_prompt, 900, **beside))
+        await asyncio.sleep(0.5)  # let it start generating
+    times = []
+    for _ in range(repeats):
+        times.append((await stream_one(url, short, 32))[2])
+    if background is not None:
+        background.cancel()
+        await asyncio.gather(background, return_exceptions=True)
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--out", default="benchmarks/results/http-streams")
+    args = parser.parse_args()
+    model = args.model or default_model()
+    assert model, "no demo model bundled; pass --model"
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    prompts = make_prompts(args.num_prompts, vocab, seed=0)
+
+    offline = offline_tok_s(model, prompts, args.output_len)
+    log = Path(tempfile.mkdtemp()) / "server.log"
+    with ServerProcess(model, [], log) as server:
+        served, chunks = asyncio.run(http_tok_s(server.url, prompts, args.output_len))
+        alone = asyncio.run(short_latencies(server.url, vocab, args.repeats, None))
+        plain = asyncio.run(short_latencies(server.url, vocab, args.repeats, {}))
+        stops = {"stop": longest_stop_list()}
+        beside = asyncio.run(short_latencies(server.url, vocab, args.repeats, stops))
+    result = {
+        "model": model,
+        "threads": torch.get_num_threads(),
+        "prompts": len(prompts),
+        "output_len": args.output_len,
+        "offline_tok_s": round(offline, 1),
+        "http_tok_s": round(served, 1),
+        "http_chunks": chunks,
+        "throughput_ratio": round(served / offline, 3),
+        "short_alone_s": round(statistics.median(alone), 4),
+        "short_beside_plain_s": round(statistics.median(plain), 4),
+        "short_beside_stops_s": round(statistics.median(beside), 4),
+        "latency_ratio": round(statistics.median(beside) / statistics.median(alone), 3),
+    }
+    print(f"LLM.generate          {offline:8.1f} output tok/s")
+    print(f"64 HTTP streams       {served:8.1f} output tok/s ({chunks} chunks)")
+    print(f"ratio                 {served / offline:8.2f}x   (target >= 0.85)")
+    print(f"short request alone   {result['short_alone_s'] * 1000:8.1f} ms (median)")
+    print(f"beside a plain request{result['short_beside_plain_s'] * 1000:8.1f} ms (median)")
+    print(f"beside longest stops  {result['short_beside_stops_s'] * 1000:8.1f} ms (median)")
+    print(f"ratio                 {result['latency_ratio']:8.2f}x   (target <= 1.5)")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""The front end's side of a request: from the engine's token ids to the text a user sees.
+
+Detokenization and stop strings run here, outside the engine step (the server calls this on its
+event loop, `LLM` between steps), so the engine's work per token is O(1) whatever a request
+asks. The work here is bounded per token too: one incremental decode, and a stop search over
+the new text plus the longest stop string's length (text that may begin a stop string is held
+back until it cannot).
+
+A stop string is seen here, after the engine has sampled the token: the caller aborts the
+request in the engine (`stopped_here`), and tokens the engine made before the abort landed are
+dropped, so outputs are the same as if the engine had stopped at once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tierserve.engine.detokenizer import IncrementalDetokenizer
+from tierserve.engine.request import RequestOutput, StepOutput
+from tierserve.sampling_params import SamplingParams
+
+
+class OutputBuilder:
+    """One request's outputs, built from the engine's StepOutputs as they arrive."""
+
+    def __init__(self, request_id: str, tokenizer: Any, params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.stops = params.stop
+        self._hold = max((len(s) for s in self.stops), default=1) - 1
+        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._ids: list[int] = []
+        self._parts: list[str] = []  # text already released
+        self._held = ""  # settled text not released yet: it may begin a stop string
+        self.finished = False
+        self.stopped_here = False  # a stop string ended it: the engine still has to be told
+
+    def add(self, step: StepOutput) -> RequestOutput | None:
+        """The output for one engine step, or None for a token sampled after the request
+        already finished here (the engine had not seen the abort yet)."""
+        if self.finished:
+            return None
+        self._ids.append(step.token_id)
+        text = self._detokenizer.add(step.token_id)
+        if step.finished:
+            text += self._detokenizer.flush()
+        reason = step.finish_reason
+        window = self._held + text
+        cut = self._first_stop(window) if text and self.stops else None
+        if cut is not None:
+            window, reason = window[:cut], "stop"
+            self.stopped_here = not step.finished
+        split = len(window) if reason else max(0, len(window) - self._hold)
+        delta, self._held = window[:split], window[split:]
+        self._parts.append(delta)
+        self.finished = reason is not None
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=[step.token_id],
+            text_delta=delta,
+            num_output_tokens=len(self._ids),
+            finished=self.finished,
+            finish_reason=reason,
+            prompt_tokens=step.prompt_tokens,
+            cached_tokens=step.cached_tokens,
+            num_preemptions=step.num_preemptions,
+            token_ids=self._ids if self.finished else [],
+            text="".join(self._parts) if self.finished else "",
+        )
+
+    def _first_stop(self, window: str) -> int | None:
+        """Where the earliest stop string starts in the window. The window is the held text
+        plus the new text, so this is bounded by the stop list, not by the output's length."""
+        hits = [i for i in (window.find(s) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
