@@ -30,6 +30,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: $TIERSERVE_API_KEY; /health and /metrics stay open)",
     )
     parser.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client may take to send a request body; slower ones get a 408 "
+        "(default: 30; uvicorn has no header timeout: see docs/server.md)",
+    )
+    parser.add_argument(
         "--max-queued-requests",
         type=int,
         default=None,
@@ -55,16 +62,31 @@ def run(ns: argparse.Namespace) -> int:
             f"max_queued_requests must be >= 1, got {ns.max_queued_requests}",
             field="max_queued_requests",
         )
+    if not 0 < ns.body_timeout < 1e6:
+        raise TierserveError(
+            f"body_timeout must be in (0, 1e6) seconds, got {ns.body_timeout}",
+            field="body_timeout",
+        )
     engine = Engine(args)  # raises TierserveError (exit 2) before anything listens
     name = served_model_name(args, ns.served_model_name)
-    limits = ServerLimits(ns.api_key or None, ns.max_queued_requests)
-    app = create_app(AsyncEngine(engine), name, limits)
-    logging.getLogger("tierserve").info("serving %s on http://%s:%d/v1", name, ns.host, ns.port)
-    uvicorn.run(
+    limits = ServerLimits(ns.api_key or None, ns.max_queued_requests, ns.body_timeout)
+    async_engine = AsyncEngine(engine)
+    app = create_app(async_engine, name, limits)
+    logger = logging.getLogger("tierserve")
+    logger.info("serving %s on http://%s:%d/v1", name, ns.host, ns.port)
+    config = uvicorn.Config(
         app,
         host=ns.host,
         port=ns.port,
         log_level=ns.log_level,
         timeout_graceful_shutdown=120,  # SIGTERM: finish in-flight requests, then exit
     )
+    server = uvicorn.Server(config)
+    # A dead engine loop cannot be revived in place: shut down (the waiting calls have their
+    # 503s) and exit non-zero, so a supervisor restarts the server.
+    async_engine.on_failure = lambda: setattr(server, "should_exit", True)
+    server.run()
+    if async_engine.error is not None:
+        logger.error("exiting with status 1: the engine loop failed: %r", async_engine.error)
+        return 1
     return 0

@@ -49,6 +49,7 @@ class ServerLimits:
 
     api_key: str | None = None
     max_queued_requests: int | None = None
+    body_timeout_s: float = 30.0  # to receive a whole request body
 
 
 class QueueFull(Exception):
@@ -70,7 +71,7 @@ def create_app(
     app.state.engine = engine
     app.state.metrics = metrics
     _add_error_handlers(app)
-    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES)
+    app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES, timeout_s=limits.body_timeout_s)
     if limits.api_key is not None:
         app.add_middleware(ApiKey, key=limits.api_key)
     _add_routes(app, engine, metrics, model_name, limits)
@@ -241,7 +242,12 @@ class Completion:
                     first_at = time.perf_counter()
                     self.metrics.ttft.observe(first_at - start)
                 yield out
-        finally:
+        except TierserveError:
+            raise  # a 400: the request never ran, so it is neither finished nor aborted
+        except BaseException:
+            self._record(start, first_at, out)
+            raise
+        else:
             self._record(start, first_at, out)
 
     def _record(self, start: float, first_at: float | None, out: RequestOutput | None) -> None:

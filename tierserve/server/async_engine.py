@@ -32,8 +32,11 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, on_failure: Callable[[], None] | None = None) -> None:
+        """`on_failure` runs on the engine thread once the loop has died and every waiting
+        call has its 503: the server uses it to shut down and exit non-zero."""
         self.engine = engine
+        self.on_failure = on_failure
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -113,6 +116,8 @@ class AsyncEngine:
             for rid in list(self._streams):
                 self._deliver(rid, err)
             self._fail_pending()
+            if self.on_failure is not None:
+                self.on_failure()
 
     def _fail_pending(self) -> None:
         """Answer every call still in the inbox with the loop's failure."""

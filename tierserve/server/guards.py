@@ -1,14 +1,17 @@
-"""What stands before the routes, as plain ASGI middleware: the API key and the body limit.
+"""What stands before the routes, as plain ASGI middleware: the API key, and the body's size
+and read time.
 
 Plain ASGI, not Starlette's BaseHTTPMiddleware, because that one hides a client's disconnect
-from the route (non-streaming requests of a client that left ran to the end). Both refuse with
-OpenAI's error JSON before the body is read.
+from the route (non-streaming requests of a client that left ran to the end). Both answer with
+OpenAI's error JSON.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import time
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -46,47 +49,58 @@ class ApiKey:
 
 class BodyLimit:
     """Counts the bytes actually received, so a chunked body (no Content-Length) is held to the
-    limit too; every other message passes untouched."""
+    limit too, and gives the whole body `timeout_s` to arrive, so a client trickling bytes
+    cannot hold a request open (413 and 408). Messages after the body pass untouched: the
+    routes still see a disconnect at once."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         if self._declared(scope) > self.max_bytes:
-            await self._refuse(send)
+            await self._refuse(send, 413, f"request body over {self.max_bytes} bytes")
             return
-        received, over, started = 0, False, False
+        deadline = time.monotonic() + self.timeout_s
+        received, refusal, body_done, started = 0, None, False, False
 
-        async def counted_receive() -> Message:
-            nonlocal received, over
-            if over:
+        async def guarded_receive() -> Message:
+            nonlocal received, refusal, body_done
+            if refusal is not None:
                 return {"type": "http.disconnect"}
-            message = await receive()
+            if body_done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), deadline - time.monotonic())
+            except TimeoutError:
+                refusal = (408, f"request body not received within {self.timeout_s:g} s")
+                return {"type": "http.disconnect"}  # the app sees a client that left
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
                 if received > self.max_bytes:
-                    over = True  # the app sees a client that left; the client gets a 413
+                    refusal = (413, f"request body over {self.max_bytes} bytes")
                     return {"type": "http.disconnect"}
             return message
 
         async def guarded_send(message: Message) -> None:
             nonlocal started
-            if over:
+            if refusal is not None:
                 return
             started = started or message["type"] == "http.response.start"
             await send(message)
 
         try:
-            await self.app(scope, counted_receive, guarded_send)
+            await self.app(scope, guarded_receive, guarded_send)
         except Exception:
-            if not over:
+            if refusal is None:
                 raise
-        if over and not started:
-            await self._refuse(send)
+        if refusal is not None and not started:
+            await self._refuse(send, *refusal)
 
     @staticmethod
     def _declared(scope: Scope) -> int:
@@ -95,19 +109,6 @@ class BodyLimit:
                 return int(value)
         return 0
 
-    async def _refuse(self, send: Send) -> None:
-        body: dict[str, Any] = {
-            "error": {
-                "message": f"request body over {self.max_bytes} bytes",
-                "type": "invalid_request_error",
-                "param": None,
-                "code": 413,
-            }
-        }
-        payload = json.dumps(body).encode()
-        headers = [
-            (b"content-type", b"application/json"),
-            (b"content-length", b"%d" % len(payload)),
-        ]
-        await send({"type": "http.response.start", "status": 413, "headers": headers})
-        await send({"type": "http.response.body", "body": payload})
+    @staticmethod
+    async def _refuse(send: Send, status: int, message: str) -> None:
+        await send_error(send, status, message, "invalid_request_error")
