@@ -298,10 +298,9 @@ def test_server_with_hierarchical_cache_reports_host_tier(llama_dir):
         s.stop()
 
 
-def test_batch_runner_resumes_after_a_kill(llama_dir, tmp_path):
-    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    with src.open("w") as f:
-        for i in range(40):
+def write_batch_input(path: Path, n: int) -> None:
+    with path.open("w") as f:
+        for i in range(n):
             body = {
                 "model": "gpt-x",
                 "prompt": [3 + i % 50] * 30,
@@ -309,31 +308,19 @@ def test_batch_runner_resumes_after_a_kill(llama_dir, tmp_path):
                 "temperature": 0,
                 "ignore_eos": True,
             }
-            f.write(
-                json.dumps(
-                    {
-                        "custom_id": f"req-{i}",
-                        "method": "POST",
-                        "url": "/v1/completions",
-                        "body": body,
-                    }
-                )
-                + "\n"
-            )
-    cmd = [
-        sys.executable,
-        "-m",
-        "tierserve.cli",
-        "batch",
-        str(src),
-        "-o",
-        str(out),
-        "--model",
-        str(llama_dir),
-        "--concurrency",
-        "4",
-        "--no-progress",
-    ]
+            line = {"custom_id": f"req-{i}", "method": "POST", "url": "/v1/completions"}
+            f.write(json.dumps({**line, "body": body}) + "\n")
+
+
+def batch_command(src: Path, out: Path, *flags: str) -> list[str]:
+    cmd = [sys.executable, "-m", "tierserve.cli", "batch", str(src), "-o", str(out)]
+    return cmd + ["--concurrency", "4", "--no-progress", *flags]
+
+
+def test_batch_runner_resumes_after_a_kill(llama_dir, tmp_path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_batch_input(src, 40)
+    cmd = batch_command(src, out, "--model", str(llama_dir))
     first = subprocess.Popen(cmd, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and (not out.exists() or out.read_text().count("\n") < 5):
@@ -650,3 +637,35 @@ def test_a_dead_engine_answers_503_and_the_server_exits_non_zero(llama_dir, tmp_
             proc.wait()
         log.close()
     assert "engine loop failed" in (tmp_path / "server.log").read_text()
+
+
+def test_batch_rerun_retries_failed_lines_and_names_a_corrupt_one(llama_dir, tmp_path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_batch_input(src, 6)
+    down = batch_command(src, out, "--url", f"http://127.0.0.1:{free_port()}", "--max-retries", "0")
+
+    def statuses() -> dict[str, list[int]]:
+        seen: dict[str, list[int]] = {}
+        for line in out.read_text().splitlines():
+            record = json.loads(line)
+            seen.setdefault(record["custom_id"], []).append(record["response"]["status_code"])
+        return seen
+
+    failed = subprocess.run(down, capture_output=True, text=True, timeout=120)
+    assert failed.returncode == 1, failed.stderr  # no server: every line failed
+    assert statuses() == {f"req-{i}": [599] for i in range(6)}
+    kept = subprocess.run(down + ["--no-retry-failed"], capture_output=True, text=True)
+    assert kept.returncode == 1 and "6 failed earlier and kept" in kept.stderr
+    assert len(out.read_text().splitlines()) == 6
+
+    retried = batch_command(src, out, "--model", str(llama_dir))
+    done = subprocess.run(retried, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert statuses() == {f"req-{i}": [200] for i in range(6)}  # replaced, not appended to
+
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text("".join(lines[:2]) + "not json\n" + "".join(lines[2:]))
+    corrupt = subprocess.run(retried, capture_output=True, text=True, timeout=300)
+    assert corrupt.returncode == 2
+    assert f"{out}:3: not a batch output line" in corrupt.stderr
+    assert "Traceback" not in corrupt.stderr

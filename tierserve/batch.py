@@ -1,9 +1,11 @@
 """`tierserve batch`: the OpenAI Batch file format, against a running server or in-process.
 
 Output lines are appended as requests complete, so a run that is killed loses nothing it
-finished: a rerun skips every `custom_id` already written (and drops a torn last line).
-Transient failures (connection errors, 429, 5xx) are retried with backoff; a request the server
-rejects (4xx) is written with its error, as OpenAI's batch output does.
+finished: a rerun skips every `custom_id` that succeeded (and drops a torn last line). Lines
+that failed are retried by a rerun, their old lines replaced, unless `--no-retry-failed`.
+Transient failures (connection errors, 429, 5xx) are retried with backoff within a run; a request
+the server rejects (4xx) is written with its error, as OpenAI's batch output does. The exit
+status is 0 only when every input line has succeeded.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 import uuid
@@ -31,7 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", required=True, help="output .jsonl (appended, resumable)")
     parser.add_argument("--url", default=None, help="a running server, e.g. http://127.0.0.1:8000")
     parser.add_argument("--concurrency", type=int, default=64, help="requests in flight")
-    parser.add_argument("--max-retries", type=int, default=5)
+    parser.add_argument("--max-retries", type=int, default=5, help="within a run, per request")
+    parser.add_argument(
+        "--no-retry-failed",
+        action="store_true",
+        help="keep the failed lines of an earlier run instead of retrying them",
+    )
     parser.add_argument("--no-progress", action="store_true")
     EngineArgs.add_cli_args(parser)  # used when no --url is given: an in-process engine
 
@@ -57,16 +65,45 @@ def read_input(path: Path) -> list[dict[str, Any]]:
     return lines
 
 
-def done_ids(path: Path) -> set[str]:
-    """custom_ids already written; a torn last line (the run was killed mid-write) is cut off."""
+def read_output(path: Path) -> dict[str, bool]:
+    """custom_id → whether it succeeded, for the lines already written. A torn last line (the
+    run was killed mid-write) is cut off; any other line that is not an output record stops the
+    run with its line number, before anything is sent."""
     if not path.exists():
-        return set()
+        return {}
     data = path.read_bytes()
     keep = data.rfind(b"\n") + 1
     if keep < len(data):
         with path.open("r+b") as f:
             f.truncate(keep)
-    return {json.loads(line)["custom_id"] for line in data[:keep].splitlines() if line.strip()}
+    done = {}
+    for number, raw in enumerate(data[:keep].splitlines(), 1):
+        if raw.strip():
+            custom_id, ok = _parse_record(raw, f"{path}:{number}")
+            done[custom_id] = ok
+    return done
+
+
+def _parse_record(raw: bytes, where: str) -> tuple[str, bool]:
+    try:
+        record = json.loads(raw)
+        return record["custom_id"], record["response"]["status_code"] == 200
+    except (ValueError, KeyError, TypeError):
+        message = f"{where}: not a batch output line; fix or remove it, then rerun"
+        raise TierserveError(message, "output") from None
+
+
+def drop_failed(path: Path) -> None:
+    """Rewrite the output without its failed lines, so that their retries replace them; the
+    new file takes the old one's place atomically."""
+    kept = [
+        raw
+        for raw in path.read_bytes().splitlines(keepends=True)
+        if raw.strip() and _parse_record(raw, str(path))[1]
+    ]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(b"".join(kept))
+    os.replace(tmp, path)
 
 
 @dataclass
@@ -153,10 +190,11 @@ class BatchRunner:
             )
             self.bar.update(1)
 
-    def summary(self, skipped: int) -> str:
+    def summary(self, skipped: int, kept_failed: int) -> str:
         t, elapsed = self.totals, time.perf_counter() - self.start
+        kept = f", {kept_failed} failed earlier and kept (--no-retry-failed)" if kept_failed else ""
         return (
-            f"batch: {t.completed} completed, {t.failed} failed, {skipped} already done; "
+            f"batch: {t.completed} completed, {t.failed} failed, {skipped} already done{kept}; "
             f"{t.prompt_tokens} prompt tokens ({t.hit_rate:.1%} cached), "
             f"{t.completion_tokens} completion tokens, "
             f"{t.completion_tokens / max(elapsed, 1e-9):.1f} tok/s over {elapsed:.1f} s"
@@ -164,15 +202,24 @@ class BatchRunner:
 
 
 def run(ns: argparse.Namespace) -> int:
-    lines = read_input(Path(ns.input))
-    out = Path(ns.output)
-    finished = done_ids(out)
-    pending = [line for line in lines if line["custom_id"] not in finished]
     if ns.concurrency <= 0:
         raise TierserveError("--concurrency must be > 0", "concurrency")
-    totals = asyncio.run(_run(pending, out, ns))
-    print(totals.summary(skipped=len(lines) - len(pending)), file=sys.stderr)
-    return 0 if totals.totals.failed == 0 else 1
+    lines = read_input(Path(ns.input))
+    out = Path(ns.output)
+    done = read_output(out)
+    retry = not ns.no_retry_failed
+    if retry and not all(done.values()):
+        drop_failed(out)
+    pending = [
+        line
+        for line in lines
+        if line["custom_id"] not in done or (retry and not done[line["custom_id"]])
+    ]
+    kept_failed = sum(1 for line in lines if done.get(line["custom_id"]) is False) * (not retry)
+    runner = asyncio.run(_run(pending, out, ns))
+    skipped = len(lines) - len(pending) - kept_failed
+    print(runner.summary(skipped, kept_failed), file=sys.stderr)
+    return 0 if runner.totals.failed == 0 and kept_failed == 0 else 1
 
 
 async def _run(pending: list[dict[str, Any]], out: Path, ns: argparse.Namespace) -> BatchRunner:
