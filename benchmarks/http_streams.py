@@ -10,6 +10,9 @@ Side by side in one run, with the demo model and the client on the same machine:
    request with the longest allowed stop list (64 strings of 512 characters) generates.
    Reports the medians and the ratio (target ≤ 1.5); the same beside a request without stop
    strings shows what sharing the batch alone costs.
+3. A control: `LLM.generate` again while another process keeps one core busy `--busy-duty`
+   of the time (no HTTP at all). On a 2-core machine this shows what any CPU taken from the
+   engine's two torch threads costs, which is what the server's event loop and the client do.
 
     .venv/bin/python benchmarks/http_streams.py [--model DIR] [--out DIR]
 """
@@ -21,6 +24,8 @@ import asyncio
 import gc
 import json
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,6 +44,30 @@ def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(64, 513, (n,), generator=g).tolist()
     return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths]
+
+
+# A process that keeps one core busy for `duty` of the time: what the server's event loop and
+# this client take from the engine, without any HTTP.
+BUSY = """
+import sys, time
+duty = float(sys.argv[1])
+while True:
+    t = time.perf_counter()
+    while time.perf_counter() - t < 0.001:
+        pass
+    time.sleep(0.001 * (1 - duty) / duty)
+"""
+
+
+def offline_beside_busy_tok_s(
+    model: str, prompts: list[list[int]], out_len: int, duty: float
+) -> float:
+    busy = subprocess.Popen([sys.executable, "-c", BUSY, str(duty)])
+    try:
+        return offline_tok_s(model, prompts, out_len)
+    finally:
+        busy.kill()
+        busy.wait()
 
 
 def offline_tok_s(model: str, prompts: list[list[int]], out_len: int) -> float:
@@ -140,6 +169,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument(
+        "--busy-duty", type=float, default=0.15, help="the control's busy fraction of a core"
+    )
     parser.add_argument("--out", default="benchmarks/results/http-streams")
     args = parser.parse_args()
     model = args.model or default_model()
@@ -148,6 +180,7 @@ def main() -> None:
     prompts = make_prompts(args.num_prompts, vocab, seed=0)
 
     offline = offline_tok_s(model, prompts, args.output_len)
+    contended = offline_beside_busy_tok_s(model, prompts, args.output_len, args.busy_duty)
     log = Path(tempfile.mkdtemp()) / "server.log"
     with ServerProcess(model, [], log) as server:
         served, chunks = asyncio.run(http_tok_s(server.url, prompts, args.output_len))
@@ -161,6 +194,8 @@ def main() -> None:
         "prompts": len(prompts),
         "output_len": args.output_len,
         "offline_tok_s": round(offline, 1),
+        "offline_beside_busy_tok_s": round(contended, 1),
+        "busy_duty": args.busy_duty,
         "http_tok_s": round(served, 1),
         "http_chunks": chunks,
         "throughput_ratio": round(served / offline, 3),
@@ -170,6 +205,10 @@ def main() -> None:
         "latency_ratio": round(statistics.median(beside) / statistics.median(alone), 3),
     }
     print(f"LLM.generate          {offline:8.1f} output tok/s")
+    print(
+        f"LLM.generate, busy    {contended:8.1f} output tok/s "
+        f"({contended / offline:.2f}x; another process busy {args.busy_duty:.0%} of a core)"
+    )
     print(f"64 HTTP streams       {served:8.1f} output tok/s ({chunks} chunks)")
     print(f"ratio                 {served / offline:8.2f}x   (target >= 0.85)")
     print(f"short request alone   {result['short_alone_s'] * 1000:8.1f} ms (median)")

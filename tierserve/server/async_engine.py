@@ -4,7 +4,7 @@ The engine thread owns all scheduler state and speaks token ids only: after each
 the step's StepOutputs to each event loop in one call. Detokenization and stop strings run on
 the event loop (`OutputBuilder`), tokenization in a worker thread. Each request has its own
 queue, so a slow client never stalls the others. Why a thread and not a process:
-docs/architecture.md.
+docs/server.md.
 """
 
 from __future__ import annotations
