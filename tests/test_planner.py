@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -23,6 +24,7 @@ from tierserve.planner import (
 )
 from tierserve.presets import GPU_PRESETS, MODEL_PRESETS, gpu_preset, model_preset
 from tierserve.units import GB, GiB, format_gb, parse_size
+from tierserve.weights import checkpoint_dtypes, estimate_parameters, model_spec
 
 # The seed's server: Kimi-K2.5 on 8 GPUs, as SGLang reported it and as the user measured RAM.
 SEED_BYTES_PER_TOKEN = 136_793
@@ -30,7 +32,9 @@ SEED_DEVICE_TOKENS = 127_000
 SEED_BUDGET = HostBudget(available=445 * GB, overhead=40 * GB, margin=10 * GB, local_ranks=8)
 SEED_FLAGS = [
     "--model",
-    "kimi-k2",
+    "kimi-k2.5",
+    "--mem-fraction-static",
+    "0.93",
     "--tp",
     "8",
     "--gpu",
@@ -57,7 +61,7 @@ def kv_bytes_per_token(model: ModelConfig, kv_dtype: str, tp: int = 1) -> planne
 
 
 def seed_inputs() -> PlanInputs:
-    spec = planner.model_spec("kimi-k2", model_preset("kimi-k2").config, weights=0)
+    spec = model_spec("kimi-k2", model_preset("kimi-k2").config, weights=0)
     machine = Machine("rtx-pro-6000", GPU_PRESETS["rtx-pro-6000"].memory_bytes, 445 * GB)
     machine = Machine(**{**machine.__dict__, "host_overhead": 40 * GB, "host_margin": 10 * GB})
     return PlanInputs(
@@ -133,16 +137,31 @@ def test_unknown_kv_dtype_is_a_user_error() -> None:
 @pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
 def test_preset_configs_reproduce_their_published_parameter_counts(name: str) -> None:
     preset = MODEL_PRESETS[name]
-    estimate = planner.estimate_parameters(preset.config)
+    estimate = estimate_parameters(preset.config)
     assert estimate == pytest.approx(preset.num_parameters, rel=0.001)
 
 
-def test_checkpoint_weight_dtype() -> None:
-    assert planner.checkpoint_weight_dtype(model_preset("deepseek-v3").config) == "fp8"
-    assert planner.checkpoint_weight_dtype(model_preset("qwen3-8b").config) == "bf16"
+def test_checkpoint_dtypes_per_component() -> None:
+    deepseek = checkpoint_dtypes(model_preset("deepseek-v3").config)
+    assert deepseek == {"experts": "fp8", "other": "fp8", "embeddings": "bf16"}
+    assert set(checkpoint_dtypes(model_preset("qwen3-8b").config).values()) == {"bf16"}
     int4 = {"quantization_config": {"quant_method": "compressed-tensors"}}
     int4["quantization_config"]["config_groups"] = {"group_0": {"weights": {"num_bits": 4}}}
-    assert planner.checkpoint_weight_dtype({"text_config": int4}) == "int4"
+    assert checkpoint_dtypes({"text_config": int4})["experts"] == "int4"
+    # Kimi-K2.5: only the routed experts are int4 (groups of 32 with a bf16 scale each).
+    kimi = checkpoint_dtypes(model_preset("kimi-k2.5").config)
+    assert kimi == {"experts": "int4/g32", "other": "bf16", "embeddings": "bf16"}
+
+
+def test_quantized_weights_count_each_component_in_its_dtype() -> None:
+    """Kimi-K2.5 as published is ~595 GB: int4 experts with scales plus bf16 for the rest.
+    int4 for everything (the old estimate) came out near 513 GB, too small by the bf16 parts."""
+    preset = model_preset("kimi-k2.5")
+    spec = model_spec(preset.name, preset.config, preset.num_parameters)
+    assert 570 * GB < spec.weight_bytes < 620 * GB
+    assert "experts × int4/g32" in spec.weight_note and "other × bf16" in spec.weight_note
+    everything_int4 = model_spec(preset.name, preset.config, preset.num_parameters, "int4")
+    assert everything_int4.weight_bytes < 520 * GB
 
 
 def test_gpu_presets() -> None:
@@ -269,7 +288,11 @@ def test_plan_concurrency_at_the_average_length() -> None:
     plan = make_plan(inputs)
     assert plan.device_concurrency == SEED_DEVICE_TOKENS // 4000 == 31
     assert plan.cached_concurrency == plan.total_tokens_per_rank // 4000
-    assert any("150 requests" in w for w in plan.warnings)
+    # Concurrency asked for is a constraint: 150 × 4,000 tokens do not run at once on 127,000.
+    assert [c.name for c in plan.failed] == ["concurrency"] and not plan.fits
+    assert (
+        "150 requests × 4,000 tokens = 600,000 > device pool 127,000" in plan.failed[0].arithmetic
+    )
 
 
 def test_plan_inputs_are_validated() -> None:
@@ -418,7 +441,9 @@ def test_cli_model_that_does_not_fit_the_gpus(capsys: pytest.CaptureFixture[str]
     # Kimi-K2 as published is FP8, ~1 TB: 128 GB per rank cannot fit a 96 GB GPU.
     base = ["--model", "kimi-k2", "--tp", "8", "--gpu", "rtx-pro-6000", "--host-mem", "445GB"]
     code, out, _ = run_plan(capsys, *base)
-    assert code == 1 and "no room for KV" in out and "fits: NO" in out
+    assert code == 1 and "no room for a KV pool" in out and "fits: NO (device memory)" in out
+    assert "weights per rank 128.5 GB ≥ GPU 102.6 GB" in out  # the cause, not host RAM
+    assert "about --tp 16" in out and "none: a server would not start" in out
     code, out, _ = run_plan(capsys, *base, "--weights", "594GB", "--json")
     data = json.loads(out)
     assert code == 0 and data["device_tokens_per_rank"] > 100_000
@@ -494,5 +519,124 @@ def test_cli_reads_a_nested_mla_config(tmp_path, capsys: pytest.CaptureFixture[s
     data = json.loads(out)
     assert data["attention"] == "MLA" and data["kv_bytes_per_token_per_rank"] == 70_272
     assert data["kv_replicated"] is True
-    # No safetensors here: parameters estimated from the config, at its FP8 quantization.
-    assert data["weights_bytes"] == planner.estimate_parameters(config)
+    # No safetensors here: parameters estimated from the config, at its FP8 quantization
+    # (embeddings stay bf16).
+    assert data["weights_bytes"] == model_spec("x", config).weight_bytes
+    assert 1.0 < data["weights_bytes"] / estimate_parameters(config) < 1.01
+
+
+# --- a verdict that is never wrong -------------------------------------------------------------
+
+
+def test_sglang_pipeline_stages_are_processes_with_their_own_pools() -> None:
+    """tp 8 × pp 2 is 16 processes, each allocating --hicache-size; each stage holds half the
+    layers, so KV per token per rank halves too."""
+    machine = dataclasses.replace(seed_inputs().machine, gpus_per_node=16)
+    inputs = dataclasses.replace(seed_inputs(), machine=machine, kv_bytes_per_token_per_rank=None)
+    one = check_sglang("--tp-size 8 --enable-hierarchical-cache --hicache-size 24", inputs)
+    two = check_sglang(
+        "--tp-size 8 --pp-size 2 --enable-hierarchical-cache --hicache-size 24", inputs
+    )
+    assert one.flags.local_ranks == 8 and two.flags.local_ranks == 16
+    assert two.host_bytes_per_node == pytest.approx(2 * one.host_bytes_per_node, rel=0.01)
+    assert two.plan.kv.per_rank == pytest.approx(one.plan.kv.per_rank * 31 / 61, rel=0.01)
+    assert "8 TP ranks × 2 pipeline stages: 16 processes" in two.lines[0]
+
+
+def test_no_device_pool_is_a_device_verdict_not_a_host_one() -> None:
+    preset = model_preset("kimi-k2")  # fp8, ~1 TB: 128 GB per rank on 8 × 96 GB
+    inputs = dataclasses.replace(
+        seed_inputs(),
+        model=model_spec(preset.name, preset.config, preset.num_parameters),
+        kv_bytes_per_token_per_rank=None,
+        device_tokens_per_rank=None,
+    )
+    check = check_sglang("--tp-size 8 --enable-hierarchical-cache --hicache-size 48", inputs)
+    text = "\n".join(check.lines)
+    assert (
+        not check.fits and "device memory does NOT fit" in text and "no room for a KV pool" in text
+    )
+    assert "host RAM" not in text and "ratio" not in check.suggestion
+    assert "--tp 16" in check.suggestion
+
+
+def test_suggestions_are_never_zero_sizes() -> None:
+    tight = dataclasses.replace(seed_inputs().machine, host_available=55 * GB)
+    inputs = dataclasses.replace(seed_inputs(), machine=tight)  # 40 GB overhead + 10 GiB margin
+    check = check_sglang("--tp-size 8 --enable-hierarchical-cache --hicache-size 48", inputs)
+    assert not check.fits and "--hicache-size 0" not in check.suggestion
+    assert "drop --enable-hierarchical-cache" in check.suggestion
+    plan = make_plan(inputs)  # auto: the largest that fits is under 1 GB a rank, so none
+    assert "--hicache-node-size 0GB" not in plan.flags.tierserve
+    assert "--enable-hierarchical-cache" not in plan.flags.tierserve + plan.flags.sglang
+    broke = dataclasses.replace(seed_inputs().machine, host_available=30 * GB)
+    plan = make_plan(dataclasses.replace(seed_inputs(), machine=broke))
+    assert not plan.fits and [c.name for c in plan.failed] == ["host RAM"]
+    assert "the processes alone do not fit" in plan.failed[0].arithmetic
+
+
+def test_max_total_tokens_is_checked_against_gpu_memory_and_printed() -> None:
+    inputs = dataclasses.replace(seed_inputs(), device_tokens_per_rank=24_000_000, page_size=64)
+    plan = make_plan(inputs)  # 24 M × 136,793 B = 3.3 TB on a 96 GB GPU
+    assert not plan.fits and plan.failed[0].name == "device memory"
+    assert "at most --max-total-tokens" in plan.failed[0].fix
+    ok = make_plan(dataclasses.replace(inputs, device_tokens_per_rank=127_000))
+    assert ok.fits
+    for line in (ok.flags.tierserve, ok.flags.sglang):
+        assert "--max-total-tokens 127000" in line and "--page-size 64" in line
+    off = make_plan(
+        dataclasses.replace(inputs, device_tokens_per_rank=127_000, host=HostRequest("off"))
+    )
+    assert "hicache" not in off.flags.tierserve + off.flags.sglang
+    assert "kv-offloading" not in off.flags.vllm
+
+
+def test_a_context_length_the_device_cannot_hold_does_not_fit() -> None:
+    inputs = dataclasses.replace(seed_inputs(), context_length=131_072)  # pool: 127,000 tokens
+    plan = make_plan(inputs)
+    assert not plan.fits and [c.name for c in plan.failed] == ["context length"]
+    assert "131,072 tokens > device pool 127,000" in plan.failed[0].arithmetic
+    assert make_plan(dataclasses.replace(inputs, context_length=100_000)).fits
+    assert make_plan(seed_inputs()).longest_request == 127_000
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (["--model", "llama-3-8b", "--tp", "3"], "tp 3 does not divide"),
+        (["--model", "qwen2.5-7b", "--tp", "7"], "one must divide the other"),
+        (["--model", "llama-3-8b", "--tp", "8", "--gpus", "3"], "do not fill nodes of 3 GPUs"),
+        (["--model", "llama-3-8b", "--context-length", "9000"], "max_position_embeddings 8192"),
+        (["--model", "/nowhere/model"], "model directory not found: /nowhere/model"),
+        (["--model", "someorg/some-model"], "huggingface-cli download someorg/some-model"),
+    ],
+)
+def test_layouts_sglang_would_refuse_are_bad_input(
+    capsys: pytest.CaptureFixture[str], args: list[str], field: str
+) -> None:
+    code, _, err = run_plan(capsys, *args, "--host-mem", "500GB")
+    assert code == 2 and field in err
+
+
+def test_hugging_face_ids_resolve_to_presets(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run_plan(
+        capsys,
+        "--model",
+        "moonshotai/Kimi-K2-Instruct",
+        "--tp",
+        "8",
+        "--gpu",
+        "h200",
+        "--host-mem",
+        "1TB",
+        "--json",
+    )
+    data = json.loads(out)
+    assert code in (0, 1) and data["model"] == "kimi-k2"
+    assert data["schema_version"] == planner.SCHEMA_VERSION and data["kind"] == "plan"
+    assert {c["name"] for c in data["constraints"]} == {"device memory", "host RAM"}
+    code, out, _ = run_plan(
+        capsys, "--model", "Kimi-K2.5", "--tp", "8", "--gpu", "h200", "--host-mem", "1TB"
+    )
+    assert "tierserve serve --model ./Kimi-K2.5" in out
+    assert "huggingface-cli download moonshotai/Kimi-K2.5 --local-dir ./Kimi-K2.5" in out

@@ -4,6 +4,7 @@ that owns it."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable, Sequence
 
@@ -23,6 +24,16 @@ def _load(module_path: str) -> tuple[Callable[[argparse.ArgumentParser], None], 
 
     module = importlib.import_module(module_path)
     return module.add_arguments, module.run
+
+
+def emit(text: str) -> None:
+    """Print a result; a reader that closed the pipe early (`| head`) is not an error, and the
+    exit status still says what the command found."""
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        # Point stdout at /dev/null so the interpreter's flush at exit does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -209,14 +210,40 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return raw
 
 
-def _int(raw: Mapping[str, Any], key: str, default: int | None = None) -> int:
+# Past any real model (the largest have ~100 layers and vocabularies of ~10^6): a larger value
+# is a broken config, and refusing it keeps every product of sizes a finite float.
+CONFIG_INT_MAX = 2**40
+
+
+def config_int(raw: Mapping[str, Any], key: str, default: int | None = None) -> int:
+    """An int field of config.json, named in the error when it is missing or wrong."""
     value = raw.get(key)
     if value is None:
         if default is None:
             raise TierserveError(f"model config lacks {key!r}", field=key)
         return default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise TierserveError(f"model config {key!r} must be an int >= 0, got {value!r}", key)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= CONFIG_INT_MAX:
+        message = f"model config {key!r} must be an int in [0, 2**40], got {value!r}"
+        raise TierserveError(message, key)
+    return value
+
+
+def _config_float(raw: Mapping[str, Any], key: str, default: float) -> float:
+    value = raw.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise TierserveError(f"model config {key!r} must be a finite number, got {value!r}", key)
+    return float(value)
+
+
+def _config_of_type(raw: Mapping[str, Any], key: str, kind: type, default: Any) -> Any:
+    value = raw.get(key, default)
+    if value is None:
+        return default
+    if not isinstance(value, kind):
+        message = f"model config {key!r} must be a {kind.__name__}, got {value!r}"
+        raise TierserveError(message, key)
     return value
 
 
@@ -261,35 +288,43 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any]) -> ModelConfig:
+        if not isinstance(config, Mapping):
+            raise TierserveError("model config is not a JSON object", field="model")
         raw = text_config(config)
-        archs = raw.get("architectures") or config.get("architectures") or [""]
-        heads = _int(raw, "num_attention_heads")
-        if heads == 0:
-            raise TierserveError("model config 'num_attention_heads' must be > 0", "model")
-        hidden = _int(raw, "hidden_size")
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        archs = _config_of_type(raw, "architectures", list, None) or config.get("architectures")
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            archs = [""]
+        heads = config_int(raw, "num_attention_heads")
+        hidden = config_int(raw, "hidden_size")
+        layers = config_int(raw, "num_hidden_layers")
+        for key, value in (("num_attention_heads", heads), ("num_hidden_layers", layers)):
+            if value == 0:
+                raise TierserveError(f"model config {key!r} must be > 0", key)
+        rope = _config_of_type(raw, "rope_parameters", dict, None)
+        rope = rope or _config_of_type(raw, "rope_scaling", dict, None) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         eos = raw.get("eos_token_id", config.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        dtype = raw.get("dtype") or raw.get("torch_dtype") or config.get("torch_dtype")
         return cls(
-            architecture=archs[0],
-            vocab_size=_int(raw, "vocab_size", 0),
+            architecture=archs[0] if archs else "",
+            vocab_size=config_int(raw, "vocab_size", 0),
             hidden_size=hidden,
-            intermediate_size=_int(raw, "intermediate_size", 0),
-            num_layers=_int(raw, "num_hidden_layers"),
+            intermediate_size=config_int(raw, "intermediate_size", 0),
+            num_layers=layers,
             num_heads=heads,
-            num_kv_heads=_int(raw, "num_key_value_heads", 0) or heads,
-            head_dim=_int(raw, "head_dim", 0) or hidden // heads,
-            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=_int(raw, "max_position_embeddings", 2048),
-            rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
+            num_kv_heads=config_int(raw, "num_key_value_heads", 0) or heads,
+            head_dim=config_int(raw, "head_dim", 0) or hidden // heads,
+            rms_norm_eps=_config_float(raw, "rms_norm_eps", 1e-6),
+            max_position_embeddings=config_int(raw, "max_position_embeddings", 2048),
+            rope_theta=_config_float(rope, "rope_theta", _config_float(raw, "rope_theta", 1e4)),
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             # Qwen2 has biases on q/k/v but says so only through its model type.
-            attention_bias=raw.get("attention_bias", raw.get("model_type") == "qwen2"),
+            attention_bias=bool(raw.get("attention_bias", raw.get("model_type") == "qwen2")),
             qk_norm=raw.get("model_type") == "qwen3",
-            torch_dtype=raw.get("dtype") or raw.get("torch_dtype") or config.get("torch_dtype"),
-            eos_token_ids=eos_ids,
-            kv_lora_rank=_int(raw, "kv_lora_rank", 0),
-            qk_rope_head_dim=_int(raw, "qk_rope_head_dim", 0),
+            torch_dtype=dtype if isinstance(dtype, str) else None,
+            eos_token_ids=tuple(e for e in eos_ids if isinstance(e, int)),
+            kv_lora_rank=config_int(raw, "kv_lora_rank", 0),
+            qk_rope_head_dim=config_int(raw, "qk_rope_head_dim", 0),
         )

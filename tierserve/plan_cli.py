@@ -12,11 +12,13 @@ import json
 from pathlib import Path
 
 from tierserve import planner
+from tierserve.cli import emit
 from tierserve.config import read_hf_config
 from tierserve.errors import TierserveError
-from tierserve.planner import HostRequest, Machine, ModelSpec, Plan, PlanInputs, SGLangCheck
-from tierserve.presets import GPU_PRESETS, MODEL_PRESETS, gpu_preset, model_preset
+from tierserve.planner import HostRequest, Machine, Plan, PlanInputs, SGLangCheck
+from tierserve.presets import GPU_PRESETS, MODEL_PRESETS, ModelPreset, find_model_preset, gpu_preset
 from tierserve.units import format_bytes, format_count, format_gb, parse_size
+from tierserve.weights import WEIGHT_DTYPE_BYTES, ModelSpec, model_spec
 
 SIZES = "sizes: 48GB, 48GiB, 0.5TB, 300MB; a bare number is decimal GB (as SGLang's flags)"
 EPILOG = f"""{SIZES}. Exit status: 0 the plan fits, 1 it does not, 2 bad input.
@@ -36,7 +38,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="prompt + output tokens of an average request (4000)",
     )
-    add("--concurrency", type=int, metavar="N", help="requests you want in flight")
+    add("--concurrency", type=int, metavar="N", help="requests you want running at once")
+    add(
+        "--context-length",
+        type=int,
+        metavar="N",
+        help="the longest request (prompt + output) that must fit on the device; without it the "
+        "plan reports the longest the device pool holds",
+    )
     add(
         "--check-sglang",
         metavar="FLAGS",
@@ -73,7 +82,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--weight-dtype",
-        choices=sorted(planner.WEIGHT_DTYPE_BYTES),
+        choices=sorted(WEIGHT_DTYPE_BYTES),
         help="estimate weights as parameters × this dtype (default: the checkpoint's)",
     )
 
@@ -150,15 +159,15 @@ def run(ns: argparse.Namespace) -> int:
     inputs = build_inputs(ns, load_model(_model_arg(ns), ns.weight_dtype, _weights(ns)))
     if ns.check_sglang is not None:
         check = planner.check_sglang(ns.check_sglang, inputs)
-        print(_json(check.to_dict()) if ns.json else render_check(check))
+        emit(_json(check.to_dict()) if ns.json else render_check(check))
         return 0 if check.fits else 1
     plan = planner.make_plan(inputs)
-    print(_json(plan.to_dict()) if ns.json else render_plan(plan))
+    emit(_json(plan.to_dict()) if ns.json else render_plan(plan))
     return 0 if plan.fits else 1
 
 
 def _json(data: dict) -> str:
-    return json.dumps(data, indent=2, ensure_ascii=False)
+    return json.dumps({"schema_version": planner.SCHEMA_VERSION, **data}, indent=2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -188,12 +197,12 @@ def load_model(text: str, weight_dtype: str | None, weights: int | None) -> Mode
     """A preset name, a checkpoint directory, or a config.json path."""
     path = Path(text).expanduser()
     if not path.exists():
-        preset = model_preset(text)  # raises with the list of presets
-        spec = planner.model_spec(
+        preset = _preset_for(text)
+        spec = model_spec(
             preset.name,
             preset.config,
             preset.num_parameters,
-            weight_dtype or preset.weight_dtype,
+            weight_dtype,
             weights,
         )
         return _with_path(spec, preset.hf_id)
@@ -202,8 +211,27 @@ def load_model(text: str, weight_dtype: str | None, weights: int | None) -> Mode
     if weights is None and weight_dtype is None:
         weights = _safetensors_bytes(config_path.parent)
     name = config_path.parent.name or str(config_path.parent)
-    spec = planner.model_spec(name, config, weight_dtype=weight_dtype, weights=weights)
+    spec = model_spec(name, config, weight_dtype=weight_dtype, weights=weights)
     return _with_path(spec, str(config_path.parent))
+
+
+def _preset_for(text: str) -> ModelPreset:
+    """A name that is not on disk: a preset, by name or Hugging Face id, or a clear error."""
+    preset = find_model_preset(text)
+    if preset is not None:
+        return preset
+    known = ", ".join(MODEL_PRESETS)
+    if text.startswith(("/", ".", "~")) or text.endswith(("/", ".json")):
+        message = f"model directory not found: {text} (or give a preset: {known})"
+    elif "/" in text:
+        message = (
+            f"{text} is not a local directory and no preset matches it; download it "
+            f"(huggingface-cli download {text} --local-dir DIR) and give --model DIR, "
+            f"or a preset: {known}"
+        )
+    else:
+        message = f"unknown model preset {text!r} and no such directory; presets: {known}"
+    raise TierserveError(message, field="model")
 
 
 def _safetensors_bytes(directory: Path) -> int | None:
@@ -267,6 +295,7 @@ def build_inputs(ns: argparse.Namespace, model: ModelSpec) -> PlanInputs:
         workload=planner.Workload(ns.avg_seq_len, ns.concurrency),
         kv_bytes_per_token_per_rank=ns.kv_bytes_per_token,
         device_tokens_per_rank=ns.max_total_tokens,
+        context_length=ns.context_length,
     )
 
 
@@ -386,20 +415,41 @@ def render_plan(plan: Plan) -> str:
         ("Host cache", _host_rows(plan)),
         ("Total", _total_rows(plan)),
     ]
-    lines = [_header(plan), *_table(sections)]
-    lines.append("fits: yes" if plan.fits else "fits: NO (see warnings)")
+    lines = [_header(plan), *_table(sections), *_verdict_lines(plan)]
     lines += ["", "Launch flags", *_flag_lines(plan)]
     if plan.warnings:
         lines += ["", "Warnings", *(f"  - {w}" for w in plan.warnings)]
     return "\n".join(lines)
 
 
+def _verdict_lines(plan: Plan) -> list[str]:
+    lines = ["Constraints"]
+    for c in plan.constraints:
+        lines.append(f"  {'ok  ' if c.holds else 'FAIL'} {c.name}: {c.arithmetic}")
+        if c.fix:
+            lines.append(f"       instead: {c.fix}")
+    if plan.inputs.context_length is None:
+        lines.append(
+            f"  longest request the device pool holds: {format_count(plan.longest_request)} "
+            "tokens (SGLang starts and caps requests at it; vLLM refuses a max_model_len above "
+            "it; give --context-length to check one)"
+        )
+    names = ", ".join(c.name for c in plan.failed)
+    lines += ["", "fits: yes" if plan.fits else f"fits: NO ({names})"]
+    return lines
+
+
 def _flag_lines(plan: Plan) -> list[str]:
-    if plan.device_tokens_per_rank == 0:
-        return ["  none: the model leaves no room for KV on these GPUs (see warnings)"]
+    if not plan.launchable:
+        return ["  none: a server would not start on this machine (see Constraints)"]
     path, flags = plan.inputs.model.path or plan.inputs.model.name, plan.flags
+    local, fetch = path, []
+    if not Path(path).is_dir():  # a preset: serve loads a local directory, never the hub
+        local = f"./{path.rsplit('/', 1)[-1]}"
+        fetch = [f"    first: huggingface-cli download {path} --local-dir {local}"]
     return [
-        f"  tierserve serve --model {path} {flags.tierserve}",
+        f"  tierserve serve --model {local} {flags.tierserve}",
+        *fetch,
         "    --hicache-node-size: all local ranks together (--hicache-size would be per rank)",
         f"  python -m sglang.launch_server --model-path {path} {flags.sglang}",
         "    --hicache-size: decimal GB PER RANK; --hicache-ratio: × each rank's device pool",

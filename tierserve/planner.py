@@ -24,26 +24,18 @@ import argparse
 import dataclasses
 import math
 import shlex
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 from tierserve.cache.spec import KVSpec, kv_dtype_name
-from tierserve.config import ModelConfig, text_config
+from tierserve.config import ModelConfig
 from tierserve.errors import TierserveError
 from tierserve.units import GB, GiB, format_bytes, format_count, format_gb
+from tierserve.verdict import Constraint, constraints
+from tierserve.weights import ModelSpec
 
 # The planner speaks SGLang/vLLM-style short names for KV dtypes; the spec knows their widths.
 KV_DTYPE_CHOICES = ("fp32", "bf16", "fp16", "fp8")
-WEIGHT_DTYPE_BYTES: dict[str, float] = {
-    "fp32": 4.0,
-    "bf16": 2.0,
-    "fp16": 2.0,
-    "fp8": 1.0,
-    "int8": 1.0,
-    "int4": 0.5,
-    "fp4": 0.5,
-}
 # Host RAM one serving process needs beyond its KV cache (CUDA context, torch, pinned staging,
 # tokenizer); the seed's 8-rank server took ~40 GB, i.e. ~5 GB a rank.
 DEFAULT_OVERHEAD_PER_RANK = 5 * GB
@@ -52,6 +44,7 @@ DEFAULT_OVERHEAD_PER_RANK = 5 * GB
 DEFAULT_MARGIN = 10 * GiB
 SGLANG_HOST_RESERVE = 10 * GiB  # SGLang: each rank requires requested <= available - 10 GiB
 SGLANG_DEFAULT_RATIO = 2.0
+SCHEMA_VERSION = 2  # of `tierserve plan --json`; docs/plan.md lists every key
 
 
 # ---------------------------------------------------------------------------------------------
@@ -72,125 +65,12 @@ def kv_bytes(spec: KVSpec) -> KVBytes:
     return KVBytes(spec.total_bytes_per_token, spec.bytes_per_token, spec.replicated)
 
 
-def _require(config: Mapping[str, Any], key: str) -> Any:
-    if config.get(key) is None:
-        raise TierserveError(f"model config lacks {key!r}", field="model")
-    return config[key]
-
-
 def override_per_rank(kv: KVBytes, per_rank: int) -> KVBytes:
     """Use a measured per-rank size (e.g. from a server log) and scale the total alike."""
     if per_rank <= 0:
         message = f"kv bytes per token must be > 0, got {per_rank}"
         raise TierserveError(message, field="kv_bytes_per_token")
     return KVBytes(per_rank * kv.total // kv.per_rank, per_rank, kv.replicated)
-
-
-# ---------------------------------------------------------------------------------------------
-# Weights
-
-
-def _gqa_attention_params(raw: Mapping[str, Any]) -> int:
-    hidden, heads = raw["hidden_size"], raw["num_attention_heads"]
-    kv_heads = raw.get("num_key_value_heads") or heads
-    head_dim = raw.get("head_dim") or hidden // heads
-    return 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim  # q, o + k, v
-
-
-def _mla_attention_params(raw: Mapping[str, Any]) -> int:
-    hidden, heads, q_rank = raw["hidden_size"], raw["num_attention_heads"], raw.get("q_lora_rank")
-    nope, rope, v_dim = raw["qk_nope_head_dim"], raw["qk_rope_head_dim"], raw["v_head_dim"]
-    kv_rank = raw["kv_lora_rank"]
-    q_out = heads * (nope + rope)
-    q = q_rank * (hidden + 1 + q_out) if q_rank else hidden * q_out
-    kv = hidden * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + v_dim)
-    return q + kv + heads * v_dim * hidden
-
-
-def _is_dense_layer(raw: Mapping[str, Any], layer: int) -> bool:
-    if layer < raw.get("first_k_dense_replace", 0) or layer in raw.get("mlp_only_layers", ()):
-        return True
-    return layer % raw.get("decoder_sparse_step", raw.get("moe_layer_freq", 1)) != 0
-
-
-def _mlp_params(raw: Mapping[str, Any], layer: int) -> int:
-    """Gated MLP (gate, up, down); an MoE layer holds all its experts, shared ones and router."""
-    hidden = raw["hidden_size"]
-    experts = raw.get("n_routed_experts") or raw.get("num_experts") or raw.get("num_local_experts")
-    if not experts or _is_dense_layer(raw, layer):
-        return 3 * hidden * raw["intermediate_size"]
-    expert_inter = raw.get("moe_intermediate_size") or raw["intermediate_size"]
-    shared = raw.get("n_shared_experts", 0) * expert_inter
-    shared += raw.get("shared_expert_intermediate_size", 0)
-    return 3 * hidden * (experts * expert_inter + shared) + experts * hidden
-
-
-def estimate_parameters(config: Mapping[str, Any]) -> int:
-    """Parameter count from config.json alone (within ~1% of published counts for the presets).
-
-    Counts embeddings, attention, MLP/experts and norms; leaves out biases and MTP layers.
-    """
-    raw = text_config(config)
-    hidden, layers = _require(raw, "hidden_size"), _require(raw, "num_hidden_layers")
-    attention = _mla_attention_params(raw) if raw.get("kv_lora_rank") else None
-    total = 0
-    for layer in range(layers):
-        total += attention or _gqa_attention_params(raw)
-        total += _mlp_params(raw, layer) + 2 * hidden  # two RMSNorms
-    embeddings = _require(raw, "vocab_size") * hidden
-    return total + embeddings * (1 if raw.get("tie_word_embeddings") else 2) + hidden
-
-
-def checkpoint_weight_dtype(config: Mapping[str, Any]) -> str:
-    """The dtype of a checkpoint's large matrices, from quantization_config or torch_dtype."""
-    raw = text_config(config)
-    quant = raw.get("quantization_config") or {}
-    method = str(quant.get("quant_method", "")).lower()
-    group = (quant.get("config_groups") or {}).get("group_0", {}).get("weights", {})
-    bits = quant.get("bits") or group.get("num_bits")
-    if method == "mxfp4" or (method and bits == 4):
-        return "int4"
-    if method == "fp8":
-        return "fp8"
-    if method and bits == 8:
-        return "int8"
-    dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
-    return {"float16": "fp16", "float32": "fp32"}.get(dtype, "bf16")
-
-
-def weight_bytes(num_parameters: int, weight_dtype: str) -> int:
-    if weight_dtype not in WEIGHT_DTYPE_BYTES:
-        known = ", ".join(WEIGHT_DTYPE_BYTES)
-        raise TierserveError(f"unknown weight dtype {weight_dtype!r}; known: {known}", "weights")
-    return int(num_parameters * WEIGHT_DTYPE_BYTES[weight_dtype])
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """A model as sizing sees it: KV shape and the bytes of its weights (all ranks together)."""
-
-    name: str
-    config: ModelConfig
-    weight_bytes: int
-    weight_note: str  # where weight_bytes came from, for the reader of the plan
-    path: str = ""  # what a server's --model flag should say (HF id or local directory)
-
-
-def model_spec(
-    name: str,
-    config: Mapping[str, Any],
-    num_parameters: int | None = None,
-    weight_dtype: str | None = None,
-    weights: int | None = None,
-) -> ModelSpec:
-    """ModelSpec from config.json; `weights` (bytes, e.g. the checkpoint's size) wins."""
-    kv = ModelConfig.from_dict(config)
-    if weights is not None:
-        return ModelSpec(name, kv, weights, f"{format_gb(weights)} as given")
-    params = num_parameters or estimate_parameters(config)
-    dtype = weight_dtype or checkpoint_weight_dtype(config)
-    note = f"{params / 1e9:,.1f}B params × {dtype}"
-    return ModelSpec(name, kv, weight_bytes(params, dtype), note)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,8 +122,10 @@ class HostRequest:
     size: int = 0  # bytes; per rank or per node as `mode` says
 
     def __post_init__(self) -> None:
-        if self.ratio < 0 or self.size < 0:
-            raise TierserveError("host cache size and ratio must not be negative", "host_cache")
+        if not 0 <= self.ratio < 1e6:  # NaN fails this too
+            raise TierserveError(f"host ratio must be in [0, 1e6), got {self.ratio}", "host_ratio")
+        if self.size < 0:
+            raise TierserveError("host cache size must not be negative", "host_cache")
 
     @classmethod
     def auto(cls) -> HostRequest:
@@ -391,16 +273,20 @@ class PlanInputs:
     workload: Workload = Workload()
     kv_bytes_per_token_per_rank: int | None = None  # measured value that overrides the formula
     device_tokens_per_rank: int | None = None  # e.g. --max-total-tokens
+    context_length: int | None = None  # the longest request that must fit, when asked
+    pp: int = 1  # pipeline stages: each holds layers / pp, and is tp processes of its own
 
     def __post_init__(self) -> None:
         kv_dtype_name(self.kv_dtype)
         positive = {"tp": self.tp, "page_size": self.page_size, "gpus": self.gpus_per_node}
+        positive["pp"] = self.pp
         positive["avg_seq_len"] = self.workload.avg_seq_len
         positive["gpu_memory"] = self.machine.gpu_memory
         optional = {
             "concurrency": self.workload.concurrency,
             "max_total_tokens": self.device_tokens_per_rank,
             "kv_bytes_per_token": self.kv_bytes_per_token_per_rank,
+            "context_length": self.context_length,
         }
         positive.update({name: value for name, value in optional.items() if value is not None})
         for name, value in positive.items():
@@ -411,10 +297,36 @@ class PlanInputs:
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}",
                 field="mem_fraction_static",
             )
+        self._check_layout()
+
+    def _check_layout(self) -> None:
+        """What SGLang and vLLM refuse at start-up, refused here before anyone launches."""
+        cfg, tp = self.model.config, self.tp
+        if cfg.num_heads % tp:
+            message = f"tp {tp} does not divide the model's {cfg.num_heads} attention heads"
+            raise TierserveError(message, field="tp")
+        if not cfg.kv_lora_rank and cfg.num_kv_heads % tp and tp % cfg.num_kv_heads:
+            message = (
+                f"tp {tp} and the model's {cfg.num_kv_heads} KV heads: one must divide the other"
+            )
+            raise TierserveError(message, field="tp")
+        if self.pp > cfg.num_layers:
+            raise TierserveError(f"pp {self.pp} > the model's {cfg.num_layers} layers", "pp")
+        gpus, ranks = self.gpus_per_node, tp * self.pp
+        if ranks > gpus and ranks % gpus:
+            message = f"{ranks} ranks (tp × pp) do not fill nodes of {gpus} GPUs evenly"
+            raise TierserveError(message, field="gpus")
+        max_len = cfg.max_position_embeddings
+        if self.context_length is not None and max_len and self.context_length > max_len:
+            message = (
+                f"context_length {self.context_length} > the model's max_position_embeddings "
+                f"{max_len}"
+            )
+            raise TierserveError(message, field="context_length")
 
     @property
     def gpus_per_node(self) -> int:
-        return self.machine.gpus_per_node or self.tp
+        return self.machine.gpus_per_node or self.tp * self.pp
 
 
 @dataclass(frozen=True)
@@ -440,6 +352,7 @@ class Plan:
     recommended: HostSizing  # the largest that fits
     warnings: tuple[str, ...]
     flags: LaunchFlags
+    constraints: tuple[Constraint, ...] = ()
 
     @property
     def total_tokens_per_rank(self) -> int:
@@ -455,10 +368,26 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.device_tokens_per_rank > 0 and self.host.fits
+        """Every constraint holds (and there are some: an unchecked plan does not fit)."""
+        return bool(self.constraints) and all(c.holds for c in self.constraints)
+
+    @property
+    def failed(self) -> tuple[Constraint, ...]:
+        return tuple(c for c in self.constraints if not c.holds)
+
+    @property
+    def launchable(self) -> bool:
+        """A server started with the launch flags would come up (device pool and RAM hold); a
+        plan can be launchable and still not fit what was asked of it (context, concurrency)."""
+        return not any(c.name in ("device memory", "host RAM") for c in self.failed)
+
+    @property
+    def longest_request(self) -> int:
+        """Tokens of the longest request the device pool holds (all of its KV on the device)."""
+        return self.device_tokens_per_rank
 
     def to_dict(self) -> dict[str, Any]:
-        return {**_inputs_dict(self.inputs), **_results_dict(self)}
+        return {"kind": "plan", **_inputs_dict(self.inputs), **_results_dict(self)}
 
 
 def _inputs_dict(inputs: PlanInputs) -> dict[str, Any]:
@@ -472,6 +401,8 @@ def _inputs_dict(inputs: PlanInputs) -> dict[str, Any]:
         "mem_fraction_static": inputs.mem_fraction_static,
         "page_size": inputs.page_size,
         "host_request": dataclasses.asdict(inputs.host),
+        "pp": inputs.pp,
+        "context_length": inputs.context_length,
         "avg_seq_len": inputs.workload.avg_seq_len,
         "wanted_concurrency": inputs.workload.concurrency,
         "weights_bytes": inputs.model.weight_bytes,
@@ -507,6 +438,9 @@ def _results_dict(plan: Plan) -> dict[str, Any]:
         "total_tokens_per_rank": plan.total_tokens_per_rank,
         "cached_concurrency": plan.cached_concurrency,
         "fits": plan.fits,
+        "constraints": [dataclasses.asdict(c) for c in plan.constraints],
+        "failed": [c.name for c in plan.failed],
+        "longest_request_tokens": plan.longest_request,
         "warnings": list(plan.warnings),
         "flags": dataclasses.asdict(plan.flags),
     }
@@ -528,7 +462,7 @@ def host_budget(machine: Machine, ranks: int) -> HostBudget:
 
 def _device_side(inputs: PlanInputs, bytes_per_token: int) -> tuple[int, int, int]:
     """(weights, KV pool bytes, KV pool tokens) of one rank; a given token count wins."""
-    rank_weights = weights_per_rank(inputs.model.weight_bytes, inputs.tp)
+    rank_weights = weights_per_rank(inputs.model.weight_bytes, inputs.tp * inputs.pp)
     if inputs.device_tokens_per_rank is not None:
         tokens = inputs.device_tokens_per_rank
         return rank_weights, tokens * bytes_per_token, tokens
@@ -538,9 +472,12 @@ def _device_side(inputs: PlanInputs, bytes_per_token: int) -> tuple[int, int, in
 
 def make_plan(inputs: PlanInputs) -> Plan:
     """Everything `tierserve plan` prints, computed once."""
-    spec = kv_spec(inputs.model.config, inputs.kv_dtype, inputs.tp, inputs.page_size)
+    # A pipeline stage holds its share of the layers, and their KV.
+    cfg = inputs.model.config
+    stage = dataclasses.replace(cfg, num_layers=math.ceil(cfg.num_layers / inputs.pp))
+    spec = kv_spec(stage, inputs.kv_dtype, inputs.tp, inputs.page_size)
     kv = _kv_for(inputs, spec)
-    ranks = local_ranks(inputs.tp, inputs.gpus_per_node)
+    ranks = local_ranks(inputs.tp * inputs.pp, inputs.gpus_per_node)
     rank_weights, pool, device = _device_side(inputs, kv.per_rank)
     budget = host_budget(inputs.machine, ranks)
     host = size_host_cache(kv.per_rank, device, inputs.host, budget, inputs.page_size)
@@ -551,7 +488,7 @@ def make_plan(inputs: PlanInputs) -> Plan:
         kv=kv,
         kv_copies=spec.copies,
         local_ranks=ranks,
-        nodes=math.ceil(inputs.tp / inputs.gpus_per_node),
+        nodes=math.ceil(inputs.tp * inputs.pp / inputs.gpus_per_node),
         weights_bytes_per_rank=rank_weights,
         device_pool_bytes_per_rank=pool,
         device_tokens_per_rank=device,
@@ -561,34 +498,12 @@ def make_plan(inputs: PlanInputs) -> Plan:
         warnings=(),
         flags=LaunchFlags("", "", ""),
     )
+    plan = dataclasses.replace(plan, constraints=constraints(plan))
     return dataclasses.replace(plan, warnings=plan_warnings(plan), flags=launch_flags(plan))
 
 
 # ---------------------------------------------------------------------------------------------
 # Warnings
-
-
-def _device_warning(plan: Plan) -> list[str]:
-    if plan.device_tokens_per_rank > 0:
-        return []
-    inputs = plan.inputs
-    static = int(inputs.machine.gpu_memory * inputs.mem_fraction_static)
-    return [
-        f"no room for KV on the GPU: weights per rank {format_gb(plan.weights_bytes_per_rank)} "
-        f"≥ GPU memory × mem-fraction-static = {format_gb(static)}; use more GPUs (--tp), "
-        "a smaller checkpoint (--weight-dtype, --weights) or a larger --mem-fraction-static"
-    ]
-
-
-def _host_warning(plan: Plan) -> list[str]:
-    if plan.host.fits:
-        return []
-    return [
-        f"host cache does not fit: {plan.local_ranks} ranks × "
-        f"{format_gb(plan.host.bytes_per_rank)} = {format_gb(plan.host.bytes_per_node)} > "
-        f"{format_gb(plan.budget.usable)} usable; the most that fits is "
-        f"{format_gb(plan.recommended.max_bytes_per_rank)} per rank"
-    ]
 
 
 def _per_rank_trap_warning(plan: Plan) -> list[str]:
@@ -620,20 +535,6 @@ def _replication_warning(plan: Plan) -> list[str]:
     ]
 
 
-def _concurrency_warning(plan: Plan) -> list[str]:
-    wanted, length = plan.inputs.workload.concurrency, plan.inputs.workload.avg_seq_len
-    if wanted is None or wanted <= plan.device_concurrency:
-        return []
-    text = (
-        f"{wanted} requests × {format_count(length)} tokens = {format_count(wanted * length)} "
-        f"tokens > device pool {format_count(plan.device_tokens_per_rank)}: only "
-        f"{plan.device_concurrency} run at once"
-    )
-    if wanted <= plan.cached_concurrency:
-        return [text + "; the host cache keeps the others' KV for reload instead of recompute"]
-    return [text + f"; device + host hold the KV of {plan.cached_concurrency} requests"]
-
-
 def _ratio_warning(plan: Plan) -> list[str]:
     host, device = plan.host.tokens_per_rank, plan.device_tokens_per_rank
     if host == 0 or host > device:
@@ -647,12 +548,9 @@ def _ratio_warning(plan: Plan) -> list[str]:
 
 def plan_warnings(plan: Plan) -> tuple[str, ...]:
     checks = (
-        _device_warning,
-        _host_warning,
         _per_rank_trap_warning,
         _replication_warning,
         _ratio_warning,
-        _concurrency_warning,
     )
     return tuple(line for check in checks for line in check(plan))
 
@@ -661,8 +559,13 @@ def plan_warnings(plan: Plan) -> tuple[str, ...]:
 # Launch flags
 
 
-def _fitting_host(plan: Plan) -> HostSizing:
-    return plan.host if plan.host.fits and plan.host.mode != "off" else plan.recommended
+def _fitting_host(plan: Plan) -> HostSizing | None:
+    """The host cache the launch lines ask for: the requested one when it fits, else the
+    largest that does; None when there is to be none (asked for none, or none fits)."""
+    if plan.host.mode == "off":
+        return None
+    host = plan.host if plan.host.fits else plan.recommended
+    return host if host.bytes_per_rank >= GB else None  # under 1 GB a rank: not worth a tier
 
 
 def sglang_size_gb(max_bytes_per_rank: int, bytes_per_token: int, page_size: int = 1) -> int:
@@ -684,19 +587,35 @@ def _sglang_host_flags(plan: Plan, host: HostSizing) -> str:
     return f" --enable-hierarchical-cache --hicache-size {size_gb}" if size_gb > 0 else ""
 
 
+def _pool_flags(plan: Plan, tokens_flag: str) -> str:
+    """--max-total-tokens and --page-size when the plan was made with them."""
+    inputs, flags = plan.inputs, ""
+    if inputs.device_tokens_per_rank is not None and tokens_flag:
+        flags += f" {tokens_flag} {inputs.device_tokens_per_rank}"
+    if inputs.page_size != 1:
+        flags += f" --page-size {inputs.page_size}"
+    return flags
+
+
 def launch_flags(plan: Plan) -> LaunchFlags:
     """Flags that give each server the plan's device pool and a host cache that fits."""
     inputs, host = plan.inputs, _fitting_host(plan)
-    frac = f"{inputs.mem_fraction_static:g}"
+    frac = repr(inputs.mem_fraction_static)  # exact: the launch gets the plan's pool, not ±1
     # Only flags `tierserve serve` has today (no --tp or KV dtype yet: one GPU per server).
-    tierserve = f"--mem-fraction-static {frac} --enable-hierarchical-cache"
-    tierserve += f" --hicache-node-size {host.bytes_per_node // GB}GB"
-    sglang = f"--tp-size {inputs.tp} --mem-fraction-static {frac}"
-    sglang += _kv_dtype_flag(plan, "fp8_e4m3") + _sglang_host_flags(plan, host)
+    tierserve = f"--mem-fraction-static {frac}" + _pool_flags(plan, "--max-total-tokens")
+    if host is not None:
+        tierserve += " --enable-hierarchical-cache"
+        tierserve += f" --hicache-node-size {host.bytes_per_node // GB}GB"
+    sglang = f"--tp-size {inputs.tp}" + (f" --pp-size {inputs.pp}" if inputs.pp > 1 else "")
+    sglang += f" --mem-fraction-static {frac}" + _pool_flags(plan, "--max-total-tokens")
+    sglang += _kv_dtype_flag(plan, "fp8_e4m3")
+    sglang += _sglang_host_flags(plan, host) if host is not None else ""
     # vLLM's --kv-offloading-size is GiB for the whole instance, split across its TP ranks.
-    vllm_gib = host.bytes_per_rank * inputs.tp // GiB
     vllm = f"--tensor-parallel-size {inputs.tp} --gpu-memory-utilization {frac}"
+    vllm += f" --pipeline-parallel-size {inputs.pp}" if inputs.pp > 1 else ""
+    vllm += f" --block-size {inputs.page_size}" if inputs.page_size != 1 else ""
     vllm += _kv_dtype_flag(plan, "fp8")
+    vllm_gib = host.bytes_per_rank * inputs.tp * inputs.pp // GiB if host is not None else 0
     if vllm_gib > 0:
         vllm += f" --kv-offloading-backend native --kv-offloading-size {vllm_gib}"
     return LaunchFlags(tierserve, sglang, vllm)
@@ -711,6 +630,7 @@ class SGLangFlags:
     """The part of an SGLang command line that decides memory, with SGLang's defaults."""
 
     tp: int = 1
+    pp: int = 1
     dp: int = 1
     nnodes: int = 1
     dp_attention: bool = False
@@ -725,15 +645,17 @@ class SGLangFlags:
 
     @property
     def local_ranks(self) -> int:
-        # Every rank is a process with its own host pool; DP without DP-attention adds TP groups.
+        # Every rank is a process with its own host pool: each pipeline stage is tp more of
+        # them, and DP without DP-attention adds whole TP × PP groups.
         groups = 1 if self.dp_attention else self.dp
-        return max(1, self.tp * groups // self.nnodes)
+        return max(1, self.tp * self.pp * groups // self.nnodes)
 
 
 def _sglang_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
     add = parser.add_argument
     add("--tp-size", "--tp", dest="tp", type=int, default=1)
+    add("--pp-size", "--pp", dest="pp", type=int, default=1)
     add("--dp-size", "--dp", dest="dp", type=int, default=1)
     add("--nnodes", type=int, default=1)
     add("--enable-dp-attention", dest="dp_attention", action="store_true")
@@ -758,10 +680,16 @@ def parse_sglang_flags(flags: str) -> SGLangFlags:
         # SGLang's own parser rejects these too, e.g. --hicache-size 300GB (it takes an int).
         raise TierserveError(f"cannot read SGLang flags: {err}", field="check_sglang") from err
     parsed = SGLangFlags(**vars(ns))
-    if parsed.tp <= 0 or parsed.dp <= 0 or parsed.nnodes <= 0 or parsed.page_size <= 0:
-        raise TierserveError("SGLang --tp-size, --dp-size, --nnodes, --page-size must be > 0")
-    if parsed.hicache_size_gb < 0 or parsed.hicache_ratio < 0:
-        raise TierserveError("SGLang --hicache-size and --hicache-ratio must not be negative")
+    if min(parsed.tp, parsed.pp, parsed.dp, parsed.nnodes, parsed.page_size) <= 0:
+        message = "SGLang --tp-size, --pp-size, --dp-size, --nnodes, --page-size must be > 0"
+        raise TierserveError(message, field="check_sglang")
+    if parsed.hicache_size_gb < 0 or not 0 <= parsed.hicache_ratio < 1e6:
+        message = "SGLang --hicache-size must be >= 0 and --hicache-ratio in [0, 1e6)"
+        raise TierserveError(message, field="check_sglang")
+    fraction = parsed.mem_fraction_static
+    if fraction is not None and not 0 < fraction < 1:
+        message = f"SGLang --mem-fraction-static must be in (0, 1), got {fraction}"
+        raise TierserveError(message, field="check_sglang")
     return parsed
 
 
@@ -796,6 +724,7 @@ class SGLangCheck:
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "kind": "sglang_check",
             "sglang_flags": dataclasses.asdict(self.flags),
             "local_ranks": self.flags.local_ranks,
             "kv_bytes_per_token_per_rank": self.plan.kv.per_rank,
@@ -821,6 +750,7 @@ def _sglang_inputs(flags: SGLangFlags, inputs: PlanInputs) -> PlanInputs:
         inputs,
         machine=dataclasses.replace(inputs.machine, gpus_per_node=flags.local_ranks),
         tp=flags.tp,
+        pp=flags.pp,
         kv_dtype=sglang_kv_dtype(flags.kv_cache_dtype, inputs.kv_dtype),
         mem_fraction_static=flags.mem_fraction_static or inputs.mem_fraction_static,
         page_size=flags.page_size,
@@ -846,8 +776,14 @@ def _sglang_request_line(flags: SGLangFlags, plan: Plan, tokens: int) -> str:
 
 
 def _sglang_suggestion(plan: Plan, page_size: int) -> str:
+    """Flags that fit; never `--hicache-size 0`, which SGLang reads as "use the ratio"."""
     budget, bpt = plan.budget, plan.kv.per_rank
     size_gb = sglang_size_gb(budget.max_bytes_per_rank, bpt, page_size)
+    if size_gb == 0:
+        return (
+            f"no host cache of 1 GB per rank fits ({format_gb(budget.usable)} usable / "
+            f"{budget.local_ranks} ranks): drop --enable-hierarchical-cache"
+        )
     max_tokens = budget.max_bytes_per_rank // bpt - page_size
     ratio = math.floor(10 * max_tokens / max(1, plan.device_tokens_per_rank)) / 10
     text = f"--hicache-size {size_gb} ({budget.local_ranks} × {size_gb} GB = "
@@ -881,20 +817,33 @@ def _sglang_own_check_line(plan: Plan, per_rank: int) -> str:
     )
 
 
+def _process_line(flags: SGLangFlags) -> str:
+    layout = f"{flags.tp} TP ranks"
+    if flags.pp > 1:
+        layout += f" × {flags.pp} pipeline stages"
+    if flags.dp > 1 and not flags.dp_attention:
+        layout += f" × {flags.dp} data-parallel groups"
+    return f"SGLang starts {layout}: {flags.local_ranks} processes on this node, each its own pools"
+
+
 def check_sglang(flags: str, inputs: PlanInputs) -> SGLangCheck:
     """Does this SGLang command line fit the machine in `inputs`? With SGLang's semantics:
     `--hicache-size` is decimal GB per rank, else host tokens = device tokens × `--hicache-ratio`.
-    `inputs` supplies the model, machine and anything the command line leaves out."""
+    `inputs` supplies the model, machine and anything the command line leaves out. The device
+    is checked first: without a KV pool nothing else matters, and host RAM is not the cause."""
     parsed = parse_sglang_flags(flags)
     plan = make_plan(_sglang_inputs(parsed, inputs))
-    lines = [f"SGLang reads: {parsed.tp} TP ranks, {parsed.local_ranks} on this node"]
+    lines = [_process_line(parsed)]
+    blocking = [c for c in plan.failed if c.name in ("device memory", "host RAM")]
+    if blocking:  # no KV pool, or the processes alone exceed the node's RAM
+        lines += [f"{c.name} does NOT fit: {c.arithmetic}; {c.fix}" for c in blocking]
+        return SGLangCheck(parsed, plan, 0, 0, 0, False, blocking[0].fix, tuple(lines))
     if not parsed.hierarchical:
         lines.append("--enable-hierarchical-cache is not set: no host cache, sizes are ignored")
-        fits = plan.device_tokens_per_rank > 0
-        return SGLangCheck(parsed, plan, 0, 0, 0, fits, "", tuple(lines))
+        return SGLangCheck(parsed, plan, 0, 0, 0, True, "", tuple(lines))
     tokens = sglang_host_tokens(plan.kv.per_rank, plan.device_tokens_per_rank, parsed)
     per_rank = tokens * plan.kv.per_rank
-    fits = per_rank * plan.local_ranks <= plan.budget.usable and plan.device_tokens_per_rank > 0
+    fits = per_rank * plan.local_ranks <= plan.budget.usable
     lines.append(_sglang_request_line(parsed, plan, tokens))
     lines += _sglang_verdict_lines(plan, per_rank, fits)
     suggestion = "" if fits else _sglang_suggestion(plan, parsed.page_size)

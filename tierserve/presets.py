@@ -22,7 +22,6 @@ class ModelPreset:
     hf_id: str
     config: dict[str, Any]  # the config.json keys that sizing reads, HF spelling
     num_parameters: int  # published total; MoE counts every expert (all are resident)
-    weight_dtype: str  # dtype of the published checkpoint's large matrices
 
 
 @dataclass(frozen=True)
@@ -74,6 +73,20 @@ _KIMI_K2 = {
     "first_k_dense_replace": 1,
     "num_nextn_predict_layers": 0,
 }
+# Kimi-K2.5 is multimodal: its language model nests under text_config (the vision tower's
+# ~0.4B parameters are left out) and its routed experts are int4 in groups of 32.
+_KIMI_K2_5 = {
+    "model_type": "kimi_k25",
+    "text_config": {
+        **_KIMI_K2,
+        "max_position_embeddings": 262144,
+        "quantization_config": {
+            "quant_method": "compressed-tensors",
+            "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 32}}},
+            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\..*"],
+        },
+    },
+}
 _QWEN3 = {"model_type": "qwen3", "head_dim": 128, "max_position_embeddings": 40960}
 
 MODEL_PRESETS: dict[str, ModelPreset] = {
@@ -82,44 +95,46 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         ModelPreset(
             "llama-3-8b",
             "meta-llama/Meta-Llama-3-8B",
-            _dense(32, 4096, 14336, 32, 8, 128256, model_type="llama"),
+            _dense(
+                32, 4096, 14336, 32, 8, 128256, model_type="llama", max_position_embeddings=8192
+            ),
             8_030_261_248,
-            "bf16",
         ),
         ModelPreset(
             "llama-3-70b",
             "meta-llama/Meta-Llama-3-70B",
-            _dense(80, 8192, 28672, 64, 8, 128256, model_type="llama"),
+            _dense(
+                80, 8192, 28672, 64, 8, 128256, model_type="llama", max_position_embeddings=8192
+            ),
             70_553_706_496,
-            "bf16",
         ),
         ModelPreset(
             "qwen2.5-7b",
             "Qwen/Qwen2.5-7B-Instruct",
-            _dense(28, 3584, 18944, 28, 4, 152064, model_type="qwen2"),
+            _dense(
+                28, 3584, 18944, 28, 4, 152064, model_type="qwen2", max_position_embeddings=32768
+            ),
             7_615_616_512,
-            "bf16",
         ),
         ModelPreset(
             "qwen2.5-72b",
             "Qwen/Qwen2.5-72B-Instruct",
-            _dense(80, 8192, 29568, 64, 8, 152064, model_type="qwen2"),
+            _dense(
+                80, 8192, 29568, 64, 8, 152064, model_type="qwen2", max_position_embeddings=32768
+            ),
             72_706_203_648,
-            "bf16",
         ),
         ModelPreset(
             "qwen3-8b",
             "Qwen/Qwen3-8B",
             _dense(36, 4096, 12288, 32, 8, 151936, **_QWEN3),
             8_190_735_360,
-            "bf16",
         ),
         ModelPreset(
             "qwen3-32b",
             "Qwen/Qwen3-32B",
             _dense(64, 5120, 25600, 64, 8, 151936, **_QWEN3),
             32_762_123_264,
-            "bf16",
         ),
         ModelPreset(
             "qwen3-235b-a22b",
@@ -137,13 +152,22 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
                 num_experts_per_tok=8,
             ),
             235_093_634_560,
-            "bf16",
         ),
         # 671B without the 14B MTP module that the HF checkpoint also ships.
-        ModelPreset("deepseek-v3", "deepseek-ai/DeepSeek-V3", _DEEPSEEK_V3, 671 * 10**9, "fp8"),
-        ModelPreset("deepseek-r1", "deepseek-ai/DeepSeek-R1", _DEEPSEEK_V3, 671 * 10**9, "fp8"),
+        ModelPreset("deepseek-v3", "deepseek-ai/DeepSeek-V3", _DEEPSEEK_V3, 671 * 10**9),
+        ModelPreset("deepseek-r1", "deepseek-ai/DeepSeek-R1", _DEEPSEEK_V3, 671 * 10**9),
         # Announced as "1T total, 32B active"; the checkpoint holds ~1.03T.
-        ModelPreset("kimi-k2", "moonshotai/Kimi-K2-Instruct", _KIMI_K2, 1_026 * 10**9, "fp8"),
+        ModelPreset("kimi-k2", "moonshotai/Kimi-K2-Instruct", _KIMI_K2, 1_026 * 10**9),
+        # The seed's model: Kimi-K2's language model, experts in int4 (QAT), the rest bf16.
+        ModelPreset("kimi-k2.5", "moonshotai/Kimi-K2.5", _KIMI_K2_5, 1_026 * 10**9),
+        ModelPreset(
+            "mistral-7b",
+            "mistralai/Mistral-7B-Instruct-v0.3",
+            _dense(
+                32, 4096, 14336, 32, 8, 32768, model_type="mistral", max_position_embeddings=32768
+            ),
+            7_248_023_552,
+        ),
     )
 }
 
@@ -163,8 +187,20 @@ GPU_PRESETS: dict[str, GpuPreset] = {
 _GPU_ALIASES = {"h100": "h100-80gb", "a100": "a100-80gb", "rtx-pro-6000-blackwell": "rtx-pro-6000"}
 
 
+def find_model_preset(name: str) -> ModelPreset | None:
+    """The preset a name means: its own name, its Hugging Face id (`moonshotai/Kimi-K2-Instruct`,
+    as the planner's launch lines print it), or that id's last part (a download directory's
+    usual name); any case."""
+    key = name.strip().rstrip("/").lower()
+    for preset in MODEL_PRESETS.values():
+        hf = preset.hf_id.lower()
+        if key in (preset.name, hf, hf.rsplit("/", 1)[-1]) or key.endswith("/" + hf):
+            return preset
+    return None
+
+
 def model_preset(name: str) -> ModelPreset:
-    preset = MODEL_PRESETS.get(name.strip().lower())
+    preset = find_model_preset(name)
     if preset is None:
         known = ", ".join(MODEL_PRESETS)
         raise TierserveError(f"unknown model preset {name!r}; known: {known}", field="model")

@@ -1,0 +1,171 @@
+"""The constraints a plan must meet, each with its arithmetic and what to change when it fails.
+
+A plan fits only when every constraint holds; the verdict names the ones that do not. The
+constraints are the ones a launch runs into: the device pool must exist (weights leave room in
+GPU memory × mem-fraction-static) and hold what was asked of it; the node's RAM must hold the
+server processes and every host pool; a request of the context length asked for must fit on the
+device (a running request's KV is all on the device: the host tier does not change that); and the
+requests wanted at once must fit on the device too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from tierserve.cache.spec import KV_DTYPE_BYTES, kv_dtype_name
+from tierserve.units import format_count, format_gb
+
+if TYPE_CHECKING:
+    from tierserve.planner import Plan
+
+
+@dataclass(frozen=True)
+class Constraint:
+    name: str  # "device memory", "host RAM", "context length", "concurrency"
+    holds: bool
+    arithmetic: str  # the numbers, as a reader can check them
+    fix: str = ""  # what to change when it does not hold (never a zero size)
+
+
+def constraints(plan: Plan) -> tuple[Constraint, ...]:
+    checks = [_device_memory(plan), _host_ram(plan)]
+    if plan.inputs.context_length is not None:
+        checks.append(_context_length(plan))
+    if plan.inputs.workload.concurrency is not None:
+        checks.append(_concurrency(plan))
+    return tuple(checks)
+
+
+def _static(plan: Plan) -> int:
+    inputs = plan.inputs
+    return int(inputs.machine.gpu_memory * inputs.mem_fraction_static)
+
+
+def _more_gpus(plan: Plan) -> str:
+    """The smallest tp whose weights per rank leave at least a quarter of the static share."""
+    inputs, static = plan.inputs, _static(plan)
+    total = plan.weights_bytes_per_rank * inputs.tp * inputs.pp
+    tp = max(inputs.tp + 1, math.ceil(total / (0.75 * static)) if static else inputs.tp + 1)
+    return (
+        f"spread the weights over more GPUs (about --tp {tp}), use a quantized checkpoint, "
+        "or raise --mem-fraction-static"
+    )
+
+
+def _device_memory(plan: Plan) -> Constraint:
+    inputs, static = plan.inputs, _static(plan)
+    weights = plan.weights_bytes_per_rank
+    share = (
+        f"GPU {format_gb(inputs.machine.gpu_memory)} × mem-fraction-static "
+        f"{inputs.mem_fraction_static:g} = {format_gb(static)}"
+    )
+    if inputs.device_tokens_per_rank is not None:
+        need = plan.device_pool_bytes_per_rank + weights
+        arithmetic = (
+            f"--max-total-tokens {format_count(inputs.device_tokens_per_rank)} × "
+            f"{format_count(plan.kv.per_rank)} B = {format_gb(plan.device_pool_bytes_per_rank)} "
+            f"+ weights {format_gb(weights)} = {format_gb(need)} "
+            f"{'≤' if need <= static else '>'} {share}"
+        )
+        most = max(0, static - weights) // plan.kv.per_rank
+        fix = (
+            f"at most --max-total-tokens {format_count(most)} fits"
+            if most >= inputs.page_size
+            else _more_gpus(plan)
+        )
+        return Constraint("device memory", need <= static, arithmetic, fix)
+    holds = plan.device_tokens_per_rank > 0
+    relation = "<" if holds else "≥"
+    arithmetic = f"weights per rank {format_gb(weights)} {relation} {share}"
+    if holds:
+        arithmetic += (
+            f": KV pool {format_gb(plan.device_pool_bytes_per_rank)} = "
+            f"{format_count(plan.device_tokens_per_rank)} tokens"
+        )
+    else:
+        arithmetic += ": no room for a KV pool"
+    return Constraint("device memory", holds, arithmetic, "" if holds else _more_gpus(plan))
+
+
+def _host_ram(plan: Plan) -> Constraint:
+    budget, host = plan.budget, plan.host
+    processes = (
+        f"{format_gb(budget.available)} available − {format_gb(budget.overhead)} for "
+        f"{budget.local_ranks} server processes − {format_gb(budget.margin)} margin"
+    )
+    if budget.overhead + budget.margin > budget.available:
+        arithmetic = f"{processes} < 0: the processes alone do not fit"
+        fix = "a node with more free RAM, or fewer processes per node"
+        return Constraint("host RAM", False, arithmetic, fix)
+    if host.mode == "off":
+        return Constraint("host RAM", True, f"no host cache; {processes} ≥ 0")
+    need = host.bytes_per_node
+    arithmetic = (
+        f"{budget.local_ranks} host pools × {format_gb(host.bytes_per_rank)} = "
+        f"{format_gb(need)} {'≤' if host.fits else '>'} {processes} = {format_gb(budget.usable)}"
+    )
+    fix = ""
+    if not host.fits:
+        best = plan.recommended
+        fix = (
+            f"at most {format_gb(best.bytes_per_rank)} per rank "
+            f"({format_gb(best.bytes_per_node)} per node) fits"
+            if best.bytes_per_rank > 0
+            else "no host cache fits here: run without one (--no-host-cache)"
+        )
+    return Constraint("host RAM", host.fits, arithmetic, fix)
+
+
+def _context_length(plan: Plan) -> Constraint:
+    length, tokens = plan.inputs.context_length or 0, plan.device_tokens_per_rank
+    holds = 0 < length <= tokens
+    arithmetic = (
+        f"a request of --context-length {format_count(length)} tokens "
+        f"{'≤' if holds else '>'} device pool {format_count(tokens)} tokens (a running request's "
+        "KV is all on the device; a host tier does not change that)"
+    )
+    fix = "" if holds else f"--context-length {format_count(tokens)} at most, or more device memory"
+    return Constraint("context length", holds, arithmetic, fix)
+
+
+def _concurrency(plan: Plan) -> Constraint:
+    wanted = plan.inputs.workload.concurrency or 0
+    length, tokens = plan.inputs.workload.avg_seq_len, plan.device_tokens_per_rank
+    holds = wanted * length <= tokens
+    arithmetic = (
+        f"{wanted} requests × {format_count(length)} tokens = {format_count(wanted * length)} "
+        f"{'≤' if holds else '>'} device pool {format_count(tokens)} tokens: "
+        f"{plan.device_concurrency} run at once"
+    )
+    if not holds and plan.cached_concurrency > plan.device_concurrency:
+        arithmetic += (
+            f"; device + host keep the KV of {plan.cached_concurrency} cached, so the others "
+            "wait without losing their prefixes"
+        )
+    fix = "" if holds else _concurrency_levers(plan)
+    return Constraint("concurrency", holds, arithmetic, fix)
+
+
+def _concurrency_levers(plan: Plan) -> str:
+    """What raises the requests running at once (a host tier does not: a running request's KV is
+    all on the device), each with what it would give."""
+    inputs, tokens = plan.inputs, plan.device_tokens_per_rank
+    length = inputs.workload.avg_seq_len
+    levers = []
+    width = KV_DTYPE_BYTES[kv_dtype_name(inputs.kv_dtype)]
+    if width > 1:
+        more = tokens * width
+        levers.append(
+            f"fp8 KV (--kv-dtype fp8): {format_count(more)} tokens, {more // length} requests"
+        )
+    if plan.spec.kind == "latent" and inputs.tp > 1:
+        more = tokens * inputs.tp
+        levers.append(
+            f"SGLang's --enable-dp-attention: each of the {inputs.tp} ranks keeps only its own "
+            f"requests' latents, {inputs.tp} × {format_count(tokens)} = {format_count(more)} "
+            f"tokens, {more // length} requests"
+        )
+    levers.append("more GPUs (--tp) or a higher --mem-fraction-static")
+    return "; ".join(levers) + " (a host tier does not raise it)"

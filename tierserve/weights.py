@@ -1,0 +1,174 @@
+"""A model's weights as sizing sees them: parameters by component, and bytes by the dtype each
+component is stored in.
+
+Quantized checkpoints rarely quantize everything. Kimi-K2-Thinking and K2.5 keep routed experts in
+int4 (compressed-tensors, groups of 32 with a bf16 scale each) and attention, shared experts,
+dense layers and embeddings in bf16; gpt-oss quantizes only its experts (mxfp4); DeepSeek-V3's
+fp8 covers the linear layers but not the embeddings. So parameters are counted in three groups,
+each with its own dtype read from `quantization_config`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tierserve.config import ModelConfig, config_int, text_config
+from tierserve.errors import TierserveError
+from tierserve.units import format_gb
+
+WEIGHT_DTYPE_BYTES: dict[str, float] = {
+    "fp32": 4.0,
+    "bf16": 2.0,
+    "fp16": 2.0,
+    "fp8": 1.0,
+    "int8": 1.0,
+    "int4": 0.5,
+    "fp4": 0.5,
+}
+GROUPS = ("experts", "other", "embeddings")  # routed experts; everything else; embed + lm_head
+
+
+# --- parameters ---------------------------------------------------------------------------
+
+
+def _attention_params(raw: Mapping[str, Any], model: ModelConfig) -> int:
+    hidden, heads = model.hidden_size, model.num_heads
+    if not model.kv_lora_rank:  # MHA/GQA: q, o + k, v
+        return (
+            2 * hidden * heads * model.head_dim + 2 * hidden * model.num_kv_heads * model.head_dim
+        )
+    q_rank = config_int(raw, "q_lora_rank", 0)
+    nope, v_dim = config_int(raw, "qk_nope_head_dim"), config_int(raw, "v_head_dim")
+    rope, kv_rank = model.qk_rope_head_dim, model.kv_lora_rank
+    q_out = heads * (nope + rope)
+    q = q_rank * (hidden + 1 + q_out) if q_rank else hidden * q_out
+    kv = hidden * (kv_rank + rope) + kv_rank + kv_rank * heads * (nope + v_dim)
+    return q + kv + heads * v_dim * hidden
+
+
+def _dense_layers(raw: Mapping[str, Any], layers: int) -> int:
+    """Layers with a plain MLP rather than experts (DeepSeek's first_k_dense_replace, Qwen-MoE's
+    mlp_only_layers and decoder_sparse_step)."""
+    first_dense = config_int(raw, "first_k_dense_replace", 0)
+    only = raw.get("mlp_only_layers") or ()
+    if not isinstance(only, list | tuple) or not all(isinstance(i, int) for i in only):
+        message = f"model config 'mlp_only_layers' must be a list of ints, got {only!r}"
+        raise TierserveError(message, "mlp_only_layers")
+    step_key = "decoder_sparse_step" if "decoder_sparse_step" in raw else "moe_layer_freq"
+    step = config_int(raw, step_key, 1) or 1
+    dense = set(range(min(first_dense, layers))) | {i for i in only if 0 <= i < layers}
+    return len(dense) + sum(1 for i in range(layers) if i % step and i not in dense)
+
+
+def _num_experts(raw: Mapping[str, Any]) -> int:
+    keys = ("n_routed_experts", "num_experts", "num_local_experts")
+    return next((config_int(raw, k) for k in keys if raw.get(k)), 0)
+
+
+def parameter_groups(config: Mapping[str, Any]) -> dict[str, int]:
+    """Parameters from config.json alone, by group (within ~1% of published totals for the
+    presets). Leaves out biases and MTP layers."""
+    raw, model = text_config(config), ModelConfig.from_dict(config)
+    if model.vocab_size == 0:
+        raise TierserveError("model config lacks 'vocab_size'", field="vocab_size")
+    hidden, layers, inter = model.hidden_size, model.num_layers, model.intermediate_size
+    experts = _num_experts(raw)
+    dense = layers if not experts else _dense_layers(raw, layers)
+    expert_inter = config_int(raw, "moe_intermediate_size", 0) or inter
+    shared = config_int(raw, "n_shared_experts", 0) * expert_inter
+    shared += config_int(raw, "shared_expert_intermediate_size", 0)
+    moe_layers = layers - dense
+    other = layers * (_attention_params(raw, model) + 2 * hidden)  # two RMSNorms a layer
+    other += dense * 3 * hidden * inter + moe_layers * (3 * hidden * shared + experts * hidden)
+    embeddings = model.vocab_size * hidden * (1 if model.tie_word_embeddings else 2)
+    return {
+        "experts": moe_layers * experts * 3 * hidden * expert_inter,
+        "other": other + hidden,  # + the final norm
+        "embeddings": embeddings,
+    }
+
+
+def estimate_parameters(config: Mapping[str, Any]) -> int:
+    return sum(parameter_groups(config).values())
+
+
+# --- dtypes -------------------------------------------------------------------------------
+
+
+def _base_dtype(raw: Mapping[str, Any]) -> str:
+    dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
+    return {"float16": "fp16", "float32": "fp32"}.get(dtype, "bf16")
+
+
+def checkpoint_dtypes(config: Mapping[str, Any]) -> dict[str, str]:
+    """The dtype of each parameter group, from `quantization_config` (else `torch_dtype`).
+    A dtype may carry its per-group scale overhead, e.g. "int4/g32"."""
+    raw = text_config(config)
+    base = _base_dtype(raw)
+    quant = raw.get("quantization_config") or {}
+    if not isinstance(quant, Mapping):
+        raise TierserveError("model config 'quantization_config' must be an object")
+    method = str(quant.get("quant_method", "")).lower()
+    groups = quant.get("config_groups") or {}
+    weights = (groups.get("group_0") or {}).get("weights") or {} if isinstance(groups, dict) else {}
+    bits = quant.get("bits") or (weights.get("num_bits") if isinstance(weights, dict) else None)
+    group_size = weights.get("group_size") if isinstance(weights, dict) else None
+    if method == "mxfp4":  # gpt-oss: experts only, 32-value blocks with an 8-bit scale
+        return {"experts": "int4/g32", "other": base, "embeddings": base}
+    if method == "fp8":
+        return {"experts": "fp8", "other": "fp8", "embeddings": base}
+    if method and bits in (4, 8):
+        low = ("int4" if bits == 4 else "int8") + (f"/g{group_size}" if group_size else "")
+        # compressed-tensors lists what it leaves alone; attention left alone means only the
+        # experts (and any other MLP it does not ignore) are quantized.
+        ignored = " ".join(str(i) for i in quant.get("ignore") or ())
+        other = base if "attn" in ignored else low
+        return {"experts": low, "other": other, "embeddings": base}
+    return dict.fromkeys(GROUPS, base)
+
+
+def dtype_bytes(dtype: str) -> float:
+    """Bytes per parameter, with a group scale ("int4/g32": one bf16 scale per 32 values)."""
+    name, _, group = dtype.partition("/g")
+    if name not in WEIGHT_DTYPE_BYTES:
+        known = ", ".join(WEIGHT_DTYPE_BYTES)
+        raise TierserveError(f"unknown weight dtype {name!r}; known: {known}", "weight_dtype")
+    return WEIGHT_DTYPE_BYTES[name] + (2 / int(group) if group else 0)
+
+
+# --- the model as sizing sees it ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A model as sizing sees it: KV shape and the bytes of its weights (all ranks together)."""
+
+    name: str
+    config: ModelConfig
+    weight_bytes: int
+    weight_note: str  # where weight_bytes came from, for the reader of the plan
+    path: str = ""  # what a server's --model flag should say (HF id or local directory)
+
+
+def model_spec(
+    name: str,
+    config: Mapping[str, Any],
+    num_parameters: int | None = None,
+    weight_dtype: str | None = None,
+    weights: int | None = None,
+) -> ModelSpec:
+    """ModelSpec from config.json. `weights` (bytes, e.g. the checkpoint's size) wins; else the
+    parameter groups, scaled to `num_parameters` when the published count is known, each in its
+    dtype (`weight_dtype` puts every group in one)."""
+    model = ModelConfig.from_dict(config)
+    if weights is not None:
+        return ModelSpec(name, model, weights, f"{format_gb(weights)} as given")
+    groups = parameter_groups(config)
+    total = sum(groups.values())
+    scale = num_parameters / total if num_parameters else 1.0
+    dtypes = dict.fromkeys(GROUPS, weight_dtype) if weight_dtype else checkpoint_dtypes(config)
+    size = int(sum(groups[g] * scale * dtype_bytes(dtypes[g]) for g in GROUPS))
+    parts = [f"{groups[g] * scale / 1e9:,.1f}B {g} × {dtypes[g]}" for g in GROUPS if groups[g]]
+    return ModelSpec(name, model, size, ", ".join(parts))
