@@ -18,9 +18,11 @@ from hypothesis import strategies as st
 
 from tierserve import cli
 from tierserve.errors import TierserveError
-from tierserve.planner import HostRequest, Machine, PlanInputs, Workload, check_sglang, make_plan
+from tierserve.planner import HostRequest, Machine, PlanInputs, Workload, make_plan
 from tierserve.presets import GPU_PRESETS, MODEL_PRESETS, model_preset
+from tierserve.sglang_check import check_sglang
 from tierserve.units import GB
+from tierserve.vllm_check import check_vllm
 from tierserve.weights import model_spec
 
 NUMBERS = st.sampled_from(
@@ -304,6 +306,10 @@ def test_printed_sglang_lines_reproduce_the_plan(data) -> None:
     assert check.flags.local_ranks == plan.local_ranks
     assert check.plan.device_tokens_per_rank == plan.device_tokens_per_rank
     assert check.plan.kv.per_rank == plan.kv.per_rank
+    vllm = check_vllm(plan.flags.vllm, inputs)
+    assert vllm.plan.local_ranks == plan.local_ranks and vllm.plan.kv.per_rank == plan.kv.per_rank
+    assert 0 <= plan.device_tokens_per_rank - vllm.plan.device_tokens_per_rank < 16
+    assert {c.name for c in vllm.plan.failed} <= {c.name for c in plan.failed}, vllm.lines
     if "--enable-hierarchical-cache" in plan.flags.sglang:
         assert check.fits, check.lines
         asked = plan.host if plan.host.fits else plan.recommended

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tierserve import cli, planner
+from tierserve import cli, planner, sglang_check
 from tierserve.config import ModelConfig
 from tierserve.errors import TierserveError
 from tierserve.planner import (
@@ -16,14 +16,15 @@ from tierserve.planner import (
     HostRequest,
     Machine,
     PlanInputs,
-    check_sglang,
     kv_bytes,
     kv_spec,
     make_plan,
     size_host_cache,
 )
 from tierserve.presets import GPU_PRESETS, MODEL_PRESETS, gpu_preset, model_preset
+from tierserve.sglang_check import check_sglang
 from tierserve.units import GB, GiB, format_gb, parse_size
+from tierserve.vllm_check import check_vllm
 from tierserve.weights import checkpoint_dtypes, estimate_parameters, model_spec
 
 # The seed's server: Kimi-K2.5 on 8 GPUs, as SGLang reported it and as the user measured RAM.
@@ -345,15 +346,15 @@ def test_sglang_reads_a_whole_command_line() -> None:
         "  --tp-size 8 --mem-fraction-static=0.93 --enable-hierarchical-cache "
         "--hicache-write-policy write_through --hicache-size 48 --kv-cache-dtype fp8_e4m3"
     )
-    flags = planner.parse_sglang_flags(command)
+    flags = sglang_check.parse_sglang_flags(command)
     assert (flags.tp, flags.hicache_size_gb, flags.mem_fraction_static) == (8, 48, 0.93)
     assert flags.model_path == "/models/kimi" and flags.local_ranks == 8
-    assert planner.sglang_kv_dtype(flags.kv_cache_dtype, "bf16") == "fp8"
+    assert sglang_check.sglang_kv_dtype(flags.kv_cache_dtype, "bf16") == "fp8"
 
 
 def test_sglang_size_takes_whole_gb_like_sglang() -> None:
     with pytest.raises(TierserveError, match="SGLang flags"):
-        planner.parse_sglang_flags("--hicache-size 300GB")
+        sglang_check.parse_sglang_flags("--hicache-size 300GB")
 
 
 # --- units -----------------------------------------------------------------------------------
@@ -640,3 +641,45 @@ def test_hugging_face_ids_resolve_to_presets(capsys: pytest.CaptureFixture[str])
     )
     assert "tierserve serve --model ./Kimi-K2.5" in out
     assert "huggingface-cli download moonshotai/Kimi-K2.5 --local-dir ./Kimi-K2.5" in out
+
+
+def test_vllm_command_lines_are_checked_with_vllms_semantics() -> None:
+    inputs = dataclasses.replace(seed_inputs(), kv_bytes_per_token_per_rank=None)
+    fits = "--max-model-len 100000"  # the model's 131,072 is more than the 127,000-token pool
+    ok = check_vllm(
+        f"vllm serve m --tensor-parallel-size 8 --kv-offloading-size 300 {fits}", inputs
+    )
+    # 300 GiB for the engine = 322 GB on the node, split over its 8 workers.
+    assert ok.fits and ok.plan.host.bytes_per_node == pytest.approx(300 * GiB, abs=8 * 64 * 2**17)
+    assert ok.plan.local_ranks == 8 and "8 processes" in ok.lines[0]
+    two = check_vllm(f"-tp 8 -dp 2 --kv-offloading-size 300 {fits}", inputs)  # two engines
+    assert two.plan.local_ranks == 16 and not two.fits
+    assert two.plan.host.bytes_per_node == pytest.approx(2 * 300 * GiB, abs=16 * 64 * 2**17)
+    long = check_vllm("-tp 8 --max-model-len 130000", inputs)  # pool: 127,000 tokens
+    assert not long.fits and any("vLLM refuses to start" in line for line in long.lines)
+    assert any("--max-model-len 127,000 at most" in line for line in long.lines)
+
+
+def test_printed_vllm_line_reproduces_the_plan() -> None:
+    plan = make_plan(seed_inputs())
+    check = check_vllm(plan.flags.vllm, seed_inputs())
+    # The model's 131,072 would not fit the 127,000-token pool: capped, in whole 16-token blocks.
+    assert "--max-model-len 126992 --num-gpu-blocks-override 7937" in plan.flags.vllm
+    assert check.fits and check.plan.local_ranks == plan.local_ranks
+    assert check.plan.device_tokens_per_rank == 7937 * 16
+    assert abs(check.plan.host.bytes_per_rank - plan.recommended.bytes_per_rank) <= GiB
+
+
+def test_plan_speaks_serve_sglang_and_vllm_spellings(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--model", "kimi-k2.5", "--gpu", "h200", "--host-mem", "600GB", "--json"]
+    ours = ["--tp", "8", "--host-per-rank", "48", "--kv-dtype", "fp8"]
+    theirs = ["--tp-size", "8", "--hicache-size", "48", "--kv-cache-dtype", "fp8_e4m3"]
+    vllm = ["--tensor-parallel-size", "8", "--host-per-rank", "48GB", "--kv-cache-dtype", "fp8"]
+    results = []
+    for flags in (ours, theirs, vllm):
+        code, out, _ = run_plan(capsys, *base, *flags)
+        results.append((code, json.loads(out)))
+    assert results[0] == results[1] == results[2]
+    with pytest.raises(SystemExit) as exit_:
+        run_plan(capsys, *base, "--kv-cache-dtype", "int3")
+    assert exit_.value.code == 2 and "unknown KV dtype 'int3'" in capsys.readouterr().err

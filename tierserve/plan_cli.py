@@ -15,9 +15,11 @@ from tierserve import planner
 from tierserve.cli import emit
 from tierserve.config import read_hf_config
 from tierserve.errors import TierserveError
-from tierserve.planner import HostRequest, Machine, Plan, PlanInputs, SGLangCheck
+from tierserve.planner import HostRequest, Machine, Plan, PlanInputs
 from tierserve.presets import GPU_PRESETS, MODEL_PRESETS, ModelPreset, find_model_preset, gpu_preset
+from tierserve.sglang_check import SGLangCheck, check_sglang, parse_sglang_flags
 from tierserve.units import format_bytes, format_count, format_gb, parse_size
+from tierserve.vllm_check import VLLMCheck, check_vllm, parse_vllm_flags
 from tierserve.weights import WEIGHT_DTYPE_BYTES, ModelSpec, model_spec
 
 SIZES = "sizes: 48GB, 48GiB, 0.5TB, 300MB; a bare number is decimal GB (as SGLang's flags)"
@@ -52,6 +54,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="check an SGLang command line instead, e.g. "
         '"--tp-size 8 --enable-hierarchical-cache --hicache-size 48"',
     )
+    add(
+        "--check-vllm",
+        metavar="FLAGS",
+        help="check a vLLM command line instead, e.g. "
+        '"--tensor-parallel-size 8 --kv-offloading-backend native --kv-offloading-size 300"',
+    )
     add("--json", action="store_true", help="print JSON instead of a table")
 
 
@@ -64,9 +72,11 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--kv-dtype",
+        "--kv-cache-dtype",
         default="bf16",
-        choices=planner.KV_DTYPE_CHOICES,
-        help="KV cache dtype (bf16)",
+        type=_kv_dtype,
+        help="KV cache dtype: bf16, fp16, fp32, fp8 (SGLang's and vLLM's spellings too: "
+        "auto, bfloat16, fp8_e4m3, fp8_e5m2)",
     )
     add(
         "--kv-bytes-per-token",
@@ -89,7 +99,24 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _add_machine_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
-    add("--tp", type=int, default=1, metavar="N", help="tensor-parallel ranks, one per GPU (1)")
+    add(
+        "--tp",
+        "--tp-size",
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel ranks, one per GPU (1)",
+    )
+    add(
+        "--pp",
+        "--pp-size",
+        "--pipeline-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="pipeline stages; each holds layers/pp and is tp more processes (1)",
+    )
     add(
         "--gpu",
         default="h100-80gb",
@@ -139,14 +166,21 @@ def _add_machine_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_host_request(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     add = group.add_argument
-    add("--host-per-node", metavar="SIZE", help="host cache of the whole node, all ranks together")
+    add(
+        "--host-per-node",
+        "--hicache-node-size",
+        metavar="SIZE",
+        help="host cache of the whole node, all ranks together (serve's --hicache-node-size)",
+    )
     add(
         "--host-per-rank",
+        "--hicache-size",
         metavar="SIZE",
-        help="host cache of each rank (what SGLang's --hicache-size means)",
+        help="host cache of each rank (what SGLang's and serve's --hicache-size mean)",
     )
     add(
         "--host-ratio",
+        "--hicache-ratio",
         type=float,
         metavar="R",
         help="host tokens = device tokens × R (SGLang's --hicache-ratio)",
@@ -157,8 +191,14 @@ def _add_host_request(parser: argparse.ArgumentParser) -> None:
 
 def run(ns: argparse.Namespace) -> int:
     inputs = build_inputs(ns, load_model(_model_arg(ns), ns.weight_dtype, _weights(ns)))
-    if ns.check_sglang is not None:
-        check = planner.check_sglang(ns.check_sglang, inputs)
+    if ns.check_sglang is not None and ns.check_vllm is not None:
+        raise TierserveError("give --check-sglang or --check-vllm, not both", "check_vllm")
+    if ns.check_sglang is not None or ns.check_vllm is not None:
+        check = (
+            check_sglang(ns.check_sglang, inputs)
+            if ns.check_sglang is not None
+            else check_vllm(ns.check_vllm, inputs)
+        )
         emit(_json(check.to_dict()) if ns.json else render_check(check))
         return 0 if check.fits else 1
     plan = planner.make_plan(inputs)
@@ -174,12 +214,25 @@ def _json(data: dict) -> str:
 # Inputs
 
 
+def _kv_dtype(text: str) -> str:
+    """The planner's short KV dtype names, from ours, SGLang's or vLLM's spelling."""
+    name = planner.KV_DTYPE_SPELLINGS.get(text.lower())
+    if name is None:
+        known = ", ".join(planner.KV_DTYPE_SPELLINGS)
+        raise argparse.ArgumentTypeError(f"unknown KV dtype {text!r}; known: {known}")
+    return name or "bf16"  # auto: the model's dtype, bf16 for the checkpoints planned here
+
+
 def _model_arg(ns: argparse.Namespace) -> str:
     """--model, else the --model-path of the SGLang command line being checked."""
     if ns.model:
         return ns.model
     if ns.check_sglang is not None:
-        path = planner.parse_sglang_flags(ns.check_sglang).model_path
+        path = parse_sglang_flags(ns.check_sglang).model_path
+        if path:
+            return path
+    if ns.check_vllm is not None:
+        path = parse_vllm_flags(ns.check_vllm).model
         if path:
             return path
     raise TierserveError("give --model: a preset, a checkpoint directory or a config.json", "model")
@@ -288,6 +341,7 @@ def build_inputs(ns: argparse.Namespace, model: ModelSpec) -> PlanInputs:
         model=model,
         machine=machine,
         tp=ns.tp,
+        pp=ns.pp,
         kv_dtype=ns.kv_dtype,
         mem_fraction_static=ns.mem_fraction_static,
         page_size=ns.page_size,
@@ -459,11 +513,11 @@ def _flag_lines(plan: Plan) -> list[str]:
     ]
 
 
-def render_check(check: SGLangCheck) -> str:
+def render_check(check: SGLangCheck | VLLMCheck) -> str:
     verdict = "fits" if check.fits else "DOES NOT FIT"
-    plan = check.plan
+    plan, engine = check.plan, "vllm" if isinstance(check, VLLMCheck) else "sglang"
     lines = [
-        f"tierserve plan --check-sglang: {verdict}",
+        f"tierserve plan --check-{engine}: {verdict}",
         f"  model {plan.inputs.model.name}: {format_bytes(plan.kv.per_rank)} of KV per token "
         f"per rank, device pool {format_count(plan.device_tokens_per_rank)} tokens per rank",
         *(f"  {line}" for line in check.lines),

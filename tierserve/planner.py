@@ -20,30 +20,38 @@ Formulas (DESIGN.md §3):
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
-import shlex
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple
 
 from tierserve.cache.spec import KVSpec, kv_dtype_name
 from tierserve.config import ModelConfig
 from tierserve.errors import TierserveError
-from tierserve.units import GB, GiB, format_bytes, format_count, format_gb
+from tierserve.units import GB, GiB, format_count, format_gb
 from tierserve.verdict import Constraint, constraints
 from tierserve.weights import ModelSpec
 
 # The planner speaks SGLang/vLLM-style short names for KV dtypes; the spec knows their widths.
 KV_DTYPE_CHOICES = ("fp32", "bf16", "fp16", "fp8")
+# Every spelling of a KV dtype our users type (tierserve, SGLang, vLLM); "" = auto (the model's).
+KV_DTYPE_SPELLINGS = {
+    "auto": "",
+    **{name: name for name in KV_DTYPE_CHOICES},
+    "bfloat16": "bf16",
+    "float16": "fp16",
+    "half": "fp16",
+    "float32": "fp32",
+    "float": "fp32",
+    "fp8_e4m3": "fp8",
+    "fp8_e5m2": "fp8",
+}
 # Host RAM one serving process needs beyond its KV cache (CUDA context, torch, pinned staging,
 # tokenizer); the seed's 8-rank server took ~40 GB, i.e. ~5 GB a rank.
 DEFAULT_OVERHEAD_PER_RANK = 5 * GB
 # Kept free for the OS and page cache; equal to SGLang's own per-rank reserve, so that the last
 # SGLang rank to allocate still passes its check.
 DEFAULT_MARGIN = 10 * GiB
-SGLANG_HOST_RESERVE = 10 * GiB  # SGLang: each rank requires requested <= available - 10 GiB
-SGLANG_DEFAULT_RATIO = 2.0
 SCHEMA_VERSION = 2  # of `tierserve plan --json`; docs/plan.md lists every key
 
 
@@ -600,6 +608,7 @@ def _pool_flags(plan: Plan, tokens_flag: str) -> str:
 def launch_flags(plan: Plan) -> LaunchFlags:
     """Flags that give each server the plan's device pool and a host cache that fits."""
     inputs, host = plan.inputs, _fitting_host(plan)
+    cfg_max = inputs.model.config.max_position_embeddings
     frac = repr(inputs.mem_fraction_static)  # exact: the launch gets the plan's pool, not ±1
     # Only flags `tierserve serve` has today (no --tp or KV dtype yet: one GPU per server).
     tierserve = f"--mem-fraction-static {frac}" + _pool_flags(plan, "--max-total-tokens")
@@ -614,240 +623,16 @@ def launch_flags(plan: Plan) -> LaunchFlags:
     vllm = f"--tensor-parallel-size {inputs.tp} --gpu-memory-utilization {frac}"
     vllm += f" --pipeline-parallel-size {inputs.pp}" if inputs.pp > 1 else ""
     vllm += f" --block-size {inputs.page_size}" if inputs.page_size != 1 else ""
+    # vLLM refuses to start unless one request of max_model_len (default: the model's
+    # max_position_embeddings) fits in the pool: cap it at what the plan's pool holds.
+    block = inputs.page_size if inputs.page_size != 1 else 16  # vLLM's default block
+    max_len = min(inputs.context_length or cfg_max, plan.device_tokens_per_rank // block * block)
+    if max_len < cfg_max or inputs.context_length:
+        vllm += f" --max-model-len {max_len}"
+    if inputs.device_tokens_per_rank is not None:  # vLLM's --max-total-tokens, in blocks
+        vllm += f" --num-gpu-blocks-override {inputs.device_tokens_per_rank // block}"
     vllm += _kv_dtype_flag(plan, "fp8")
     vllm_gib = host.bytes_per_rank * inputs.tp * inputs.pp // GiB if host is not None else 0
     if vllm_gib > 0:
         vllm += f" --kv-offloading-backend native --kv-offloading-size {vllm_gib}"
     return LaunchFlags(tierserve, sglang, vllm)
-
-
-# ---------------------------------------------------------------------------------------------
-# SGLang command lines
-
-
-@dataclass(frozen=True)
-class SGLangFlags:
-    """The part of an SGLang command line that decides memory, with SGLang's defaults."""
-
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    nnodes: int = 1
-    dp_attention: bool = False
-    hierarchical: bool = False
-    hicache_size_gb: int = 0  # SGLang: int, decimal GB, per rank; 0 = use the ratio
-    hicache_ratio: float = SGLANG_DEFAULT_RATIO
-    page_size: int = 1
-    mem_fraction_static: float | None = None  # None: SGLang picks one from the GPU size
-    kv_cache_dtype: str | None = None
-    max_total_tokens: int | None = None
-    model_path: str | None = None
-
-    @property
-    def local_ranks(self) -> int:
-        # Every rank is a process with its own host pool: each pipeline stage is tp more of
-        # them, and DP without DP-attention adds whole TP × PP groups.
-        groups = 1 if self.dp_attention else self.dp
-        return max(1, self.tp * self.pp * groups // self.nnodes)
-
-
-def _sglang_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
-    add = parser.add_argument
-    add("--tp-size", "--tp", dest="tp", type=int, default=1)
-    add("--pp-size", "--pp", dest="pp", type=int, default=1)
-    add("--dp-size", "--dp", dest="dp", type=int, default=1)
-    add("--nnodes", type=int, default=1)
-    add("--enable-dp-attention", dest="dp_attention", action="store_true")
-    add("--enable-hierarchical-cache", dest="hierarchical", action="store_true")
-    add("--hicache-size", dest="hicache_size_gb", type=int, default=0)
-    add("--hicache-ratio", type=float, default=SGLANG_DEFAULT_RATIO)
-    add("--page-size", type=int, default=1)
-    add("--mem-fraction-static", type=float, default=None)
-    add("--kv-cache-dtype", default=None)
-    add("--max-total-tokens", type=int, default=None)
-    add("--model-path", "--model", dest="model_path", default=None)
-    return parser
-
-
-def parse_sglang_flags(flags: str) -> SGLangFlags:
-    """Read an SGLang command line (a whole `python -m sglang.launch_server …` line is fine);
-    flags that do not affect memory are ignored."""
-    try:
-        words = shlex.split(flags.replace("\\\n", " "))
-        ns, _ignored = _sglang_parser().parse_known_args(words)
-    except (ValueError, argparse.ArgumentError) as err:
-        # SGLang's own parser rejects these too, e.g. --hicache-size 300GB (it takes an int).
-        raise TierserveError(f"cannot read SGLang flags: {err}", field="check_sglang") from err
-    parsed = SGLangFlags(**vars(ns))
-    if min(parsed.tp, parsed.pp, parsed.dp, parsed.nnodes, parsed.page_size) <= 0:
-        message = "SGLang --tp-size, --pp-size, --dp-size, --nnodes, --page-size must be > 0"
-        raise TierserveError(message, field="check_sglang")
-    if parsed.hicache_size_gb < 0 or not 0 <= parsed.hicache_ratio < 1e6:
-        message = "SGLang --hicache-size must be >= 0 and --hicache-ratio in [0, 1e6)"
-        raise TierserveError(message, field="check_sglang")
-    fraction = parsed.mem_fraction_static
-    if fraction is not None and not 0 < fraction < 1:
-        message = f"SGLang --mem-fraction-static must be in (0, 1), got {fraction}"
-        raise TierserveError(message, field="check_sglang")
-    return parsed
-
-
-def sglang_kv_dtype(kv_cache_dtype: str | None, default: str) -> str:
-    if kv_cache_dtype in (None, "auto"):
-        return default
-    if kv_cache_dtype.startswith("fp8"):
-        return "fp8"
-    return {"bfloat16": "bf16", "float16": "fp16", "half": "fp16"}.get(kv_cache_dtype, "bf16")
-
-
-def sglang_host_tokens(bytes_per_token: int, device_tokens: int, flags: SGLangFlags) -> int:
-    """SGLang's host pool size in tokens: `--hicache-size` wins over the ratio, then the size is
-    rounded up to whole pages plus one."""
-    if flags.hicache_size_gb > 0:
-        tokens = flags.hicache_size_gb * GB // bytes_per_token
-    else:
-        tokens = int(device_tokens * flags.hicache_ratio)
-    return (tokens // flags.page_size + 1) * flags.page_size
-
-
-@dataclass(frozen=True)
-class SGLangCheck:
-    flags: SGLangFlags
-    plan: Plan  # the plan under the command line's TP, fraction, dtype and page size
-    host_tokens_per_rank: int
-    host_bytes_per_rank: int
-    host_bytes_per_node: int
-    fits: bool
-    suggestion: str  # flags that fit ("" when the command already does)
-    lines: tuple[str, ...]  # the arithmetic, one step a line
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "kind": "sglang_check",
-            "sglang_flags": dataclasses.asdict(self.flags),
-            "local_ranks": self.flags.local_ranks,
-            "kv_bytes_per_token_per_rank": self.plan.kv.per_rank,
-            "kv_replicated": self.plan.kv.replicated,
-            "device_tokens_per_rank": self.plan.device_tokens_per_rank,
-            "host_tokens_per_rank": self.host_tokens_per_rank,
-            "host_bytes_per_rank": self.host_bytes_per_rank,
-            "host_bytes_per_node": self.host_bytes_per_node,
-            "host_usable_bytes": self.plan.budget.usable,
-            "host_max_bytes_per_rank": self.plan.budget.max_bytes_per_rank,
-            "fits": self.fits,
-            "suggestion": self.suggestion,
-            "explanation": list(self.lines),
-        }
-
-
-def _sglang_inputs(flags: SGLangFlags, inputs: PlanInputs) -> PlanInputs:
-    """The plan inputs with what the SGLang command line says instead of the plan's own flags."""
-    device = inputs.device_tokens_per_rank
-    if flags.max_total_tokens is not None:
-        device = min(device or flags.max_total_tokens, flags.max_total_tokens)
-    return dataclasses.replace(
-        inputs,
-        machine=dataclasses.replace(inputs.machine, gpus_per_node=flags.local_ranks),
-        tp=flags.tp,
-        pp=flags.pp,
-        kv_dtype=sglang_kv_dtype(flags.kv_cache_dtype, inputs.kv_dtype),
-        mem_fraction_static=flags.mem_fraction_static or inputs.mem_fraction_static,
-        page_size=flags.page_size,
-        host=HostRequest.auto(),
-        device_tokens_per_rank=device,
-    )
-
-
-def _sglang_request_line(flags: SGLangFlags, plan: Plan, tokens: int) -> str:
-    bpt, per_rank = format_bytes(plan.kv.per_rank), format_gb(tokens * plan.kv.per_rank)
-    rounded = f"{format_count(tokens)} tokens after SGLang rounds up to pages (+1 page)"
-    if flags.hicache_size_gb > 0:
-        size = flags.hicache_size_gb
-        return (
-            f"--hicache-size {size} = {size} × 10^9 B PER RANK: {size} × 10^9 // {bpt} per token "
-            f"→ {rounded} = {per_rank} per rank"
-        )
-    return (
-        f"--hicache-ratio {flags.hicache_ratio:g} (no --hicache-size): device pool "
-        f"{format_count(plan.device_tokens_per_rank)} tokens × {flags.hicache_ratio:g} → {rounded}"
-        f" × {bpt} = {per_rank} per rank"
-    )
-
-
-def _sglang_suggestion(plan: Plan, page_size: int) -> str:
-    """Flags that fit; never `--hicache-size 0`, which SGLang reads as "use the ratio"."""
-    budget, bpt = plan.budget, plan.kv.per_rank
-    size_gb = sglang_size_gb(budget.max_bytes_per_rank, bpt, page_size)
-    if size_gb == 0:
-        return (
-            f"no host cache of 1 GB per rank fits ({format_gb(budget.usable)} usable / "
-            f"{budget.local_ranks} ranks): drop --enable-hierarchical-cache"
-        )
-    max_tokens = budget.max_bytes_per_rank // bpt - page_size
-    ratio = math.floor(10 * max_tokens / max(1, plan.device_tokens_per_rank)) / 10
-    text = f"--hicache-size {size_gb} ({budget.local_ranks} × {size_gb} GB = "
-    text += f"{format_gb(budget.local_ranks * size_gb * GB, 0)})"
-    return text + f" or --hicache-ratio {ratio:g}" if ratio > 0 else text
-
-
-def _sglang_verdict_lines(plan: Plan, per_rank: int, fits: bool) -> list[str]:
-    budget = plan.budget
-    per_node = per_rank * budget.local_ranks
-    lines = [
-        f"{budget.local_ranks} ranks × {format_gb(per_rank)} = {format_gb(per_node)} requested "
-        "on this node (every rank allocates its own host pool)",
-        f"host RAM: {format_gb(budget.available)} available − {format_gb(budget.overhead)} "
-        f"overhead − {format_gb(budget.margin)} margin = {format_gb(budget.usable)} usable",
-    ]
-    if fits:
-        return [*lines, f"fits: {format_gb(per_node)} ≤ {format_gb(budget.usable)}"]
-    return [*lines, f"does NOT fit: {format_gb(per_node)} > {format_gb(budget.usable)}"]
-
-
-def _sglang_own_check_line(plan: Plan, per_rank: int) -> str:
-    """What SGLang itself will say: each rank compares its own pool with free RAM − 10 GiB."""
-    available = plan.budget.available
-    test = f"{format_gb(per_rank)} ≤ {format_gb(available)} − 10 GiB"
-    if per_rank > available - SGLANG_HOST_RESERVE:
-        return f"SGLang's own per-rank check fails ({test} is false): it refuses to start"
-    return (
-        f"SGLang's own check passes ({test}) because each rank checks alone: ranks that "
-        "allocate together exhaust the node's RAM (the server hangs or is OOM-killed)"
-    )
-
-
-def _process_line(flags: SGLangFlags) -> str:
-    layout = f"{flags.tp} TP ranks"
-    if flags.pp > 1:
-        layout += f" × {flags.pp} pipeline stages"
-    if flags.dp > 1 and not flags.dp_attention:
-        layout += f" × {flags.dp} data-parallel groups"
-    return f"SGLang starts {layout}: {flags.local_ranks} processes on this node, each its own pools"
-
-
-def check_sglang(flags: str, inputs: PlanInputs) -> SGLangCheck:
-    """Does this SGLang command line fit the machine in `inputs`? With SGLang's semantics:
-    `--hicache-size` is decimal GB per rank, else host tokens = device tokens × `--hicache-ratio`.
-    `inputs` supplies the model, machine and anything the command line leaves out. The device
-    is checked first: without a KV pool nothing else matters, and host RAM is not the cause."""
-    parsed = parse_sglang_flags(flags)
-    plan = make_plan(_sglang_inputs(parsed, inputs))
-    lines = [_process_line(parsed)]
-    blocking = [c for c in plan.failed if c.name in ("device memory", "host RAM")]
-    if blocking:  # no KV pool, or the processes alone exceed the node's RAM
-        lines += [f"{c.name} does NOT fit: {c.arithmetic}; {c.fix}" for c in blocking]
-        return SGLangCheck(parsed, plan, 0, 0, 0, False, blocking[0].fix, tuple(lines))
-    if not parsed.hierarchical:
-        lines.append("--enable-hierarchical-cache is not set: no host cache, sizes are ignored")
-        return SGLangCheck(parsed, plan, 0, 0, 0, True, "", tuple(lines))
-    tokens = sglang_host_tokens(plan.kv.per_rank, plan.device_tokens_per_rank, parsed)
-    per_rank = tokens * plan.kv.per_rank
-    fits = per_rank * plan.local_ranks <= plan.budget.usable
-    lines.append(_sglang_request_line(parsed, plan, tokens))
-    lines += _sglang_verdict_lines(plan, per_rank, fits)
-    suggestion = "" if fits else _sglang_suggestion(plan, parsed.page_size)
-    if suggestion:
-        lines += [_sglang_own_check_line(plan, per_rank), f"what fits: {suggestion}"]
-    node = per_rank * plan.local_ranks
-    return SGLangCheck(parsed, plan, tokens, per_rank, node, fits, suggestion, tuple(lines))

@@ -1,0 +1,161 @@
+"""`tierserve plan --check-vllm`: what a vLLM command line asks of a machine.
+
+vLLM's semantics (V1, native KV offloading): every TP rank of every pipeline stage is a worker
+process, and each data-parallel replica is a whole engine of them; `--kv-offloading-size` is GiB
+for one engine, split across its tp × pp workers, so the node holds dp × that much;
+`--gpu-memory-utilization` covers weights, KV and activations (the static-fraction formula used
+here is an upper bound on vLLM's pool); and vLLM refuses to start when one request of
+`--max-model-len` (default: the model's max_position_embeddings) does not fit in the KV pool.
+The check is the plan's own verdict under those flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+from dataclasses import dataclass
+from typing import Any
+
+from tierserve.errors import TierserveError
+from tierserve.planner import KV_DTYPE_SPELLINGS, HostRequest, Plan, PlanInputs, make_plan
+from tierserve.units import GiB
+
+VLLM_DEFAULT_UTILIZATION = 0.9
+VLLM_DEFAULT_BLOCK = 16
+
+
+@dataclass(frozen=True)
+class VLLMFlags:
+    """The part of a vLLM command line that decides memory, with vLLM's defaults."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    gpu_memory_utilization: float = VLLM_DEFAULT_UTILIZATION
+    kv_cache_dtype: str = "auto"
+    max_model_len: int | None = None
+    block_size: int = VLLM_DEFAULT_BLOCK
+    num_gpu_blocks_override: int | None = None
+    kv_offloading_size: float = 0.0  # GiB for one engine (all its TP × PP workers)
+    model: str | None = None
+
+    @property
+    def local_ranks(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False, exit_on_error=False)
+    add = parser.add_argument
+    add("--tensor-parallel-size", "-tp", dest="tp", type=int, default=1)
+    add("--pipeline-parallel-size", "-pp", dest="pp", type=int, default=1)
+    add("--data-parallel-size", "-dp", dest="dp", type=int, default=1)
+    add("--gpu-memory-utilization", type=float, default=VLLM_DEFAULT_UTILIZATION)
+    add("--kv-cache-dtype", default="auto")
+    add("--max-model-len", type=int, default=None)
+    add("--block-size", type=int, default=VLLM_DEFAULT_BLOCK)
+    add("--num-gpu-blocks-override", type=int, default=None)
+    add("--kv-offloading-size", type=float, default=0.0)
+    add("--model", dest="model", default=None)
+    return parser
+
+
+def parse_vllm_flags(flags: str) -> VLLMFlags:
+    """Read a vLLM command line (`vllm serve MODEL …` is fine); other flags are ignored."""
+    try:
+        words = shlex.split(flags.replace("\\\n", " "))
+        ns, rest = _parser().parse_known_args(words)
+    except (ValueError, argparse.ArgumentError) as err:
+        raise TierserveError(f"cannot read vLLM flags: {err}", field="check_vllm") from err
+    if ns.model is None and len(rest) >= 2 and rest[:2] == ["vllm", "serve"] and len(rest) > 2:
+        ns.model = rest[2]
+    parsed = VLLMFlags(**vars(ns))
+    if min(parsed.tp, parsed.pp, parsed.dp, parsed.block_size) <= 0:
+        message = "vLLM -tp, -pp, -dp and --block-size must be > 0"
+        raise TierserveError(message, field="check_vllm")
+    if not 0 < parsed.gpu_memory_utilization <= 1:
+        message = (
+            f"vLLM --gpu-memory-utilization must be in (0, 1], got {ns.gpu_memory_utilization}"
+        )
+        raise TierserveError(message, field="check_vllm")
+    if not 0 <= parsed.kv_offloading_size < 1e6:
+        message = f"vLLM --kv-offloading-size must be in [0, 1e6) GiB, got {ns.kv_offloading_size}"
+        raise TierserveError(message, field="check_vllm")
+    if parsed.kv_cache_dtype.lower() not in KV_DTYPE_SPELLINGS:
+        message = f"vLLM --kv-cache-dtype {parsed.kv_cache_dtype!r} is not one vLLM takes"
+        raise TierserveError(message, field="check_vllm")
+    return parsed
+
+
+@dataclass(frozen=True)
+class VLLMCheck:
+    flags: VLLMFlags
+    plan: Plan  # the plan under the command line's layout, utilization, dtype and block size
+    lines: tuple[str, ...]
+
+    @property
+    def fits(self) -> bool:
+        return self.plan.fits
+
+    def to_dict(self) -> dict[str, Any]:
+        plan = self.plan
+        return {
+            "kind": "vllm_check",
+            "vllm_flags": dataclasses.asdict(self.flags),
+            "local_ranks": plan.local_ranks,
+            "kv_bytes_per_token_per_rank": plan.kv.per_rank,
+            "device_tokens_per_rank": plan.device_tokens_per_rank,
+            "host_bytes_per_rank": plan.host.bytes_per_rank,
+            "host_bytes_per_node": plan.host.bytes_per_node,
+            "host_usable_bytes": plan.budget.usable,
+            "fits": self.fits,
+            "constraints": [dataclasses.asdict(c) for c in plan.constraints],
+            "explanation": list(self.lines),
+        }
+
+
+def _vllm_inputs(flags: VLLMFlags, inputs: PlanInputs) -> PlanInputs:
+    kv_dtype = KV_DTYPE_SPELLINGS[flags.kv_cache_dtype.lower()] or inputs.kv_dtype
+    device = inputs.device_tokens_per_rank
+    if flags.num_gpu_blocks_override is not None:
+        device = flags.num_gpu_blocks_override * flags.block_size
+    max_len = flags.max_model_len or inputs.model.config.max_position_embeddings
+    # One engine's offload buffer per data-parallel replica, all on this node.
+    per_node = int(flags.kv_offloading_size * GiB) * flags.dp
+    host = HostRequest.per_node(per_node) if per_node else HostRequest("off")
+    return dataclasses.replace(
+        inputs,
+        machine=dataclasses.replace(inputs.machine, gpus_per_node=flags.local_ranks),
+        tp=flags.tp,
+        pp=flags.pp,
+        kv_dtype=kv_dtype,
+        mem_fraction_static=min(flags.gpu_memory_utilization, 0.999),
+        page_size=flags.block_size,
+        host=host,
+        device_tokens_per_rank=device,
+        context_length=max_len or None,
+    )
+
+
+def check_vllm(flags: str, inputs: PlanInputs) -> VLLMCheck:
+    """Does this vLLM command line fit the machine in `inputs`? `inputs` supplies the model,
+    the machine and anything the command line leaves out."""
+    parsed = parse_vllm_flags(flags)
+    plan = make_plan(_vllm_inputs(parsed, inputs))
+    layout = f"{parsed.tp} TP × {parsed.pp} PP workers"
+    layout += f" × {parsed.dp} data-parallel engines" if parsed.dp > 1 else ""
+    lines = [f"vLLM starts {layout}: {parsed.local_ranks} processes on this node"]
+    for c in plan.constraints:
+        if c.name == "context length":  # vLLM's word for it, and its reaction
+            c = dataclasses.replace(
+                c,
+                name="max-model-len",
+                arithmetic=c.arithmetic.replace("--context-length", "--max-model-len")
+                + ("" if c.holds else "; vLLM refuses to start"),
+                fix=c.fix.replace("--context-length", "--max-model-len"),
+            )
+        lines.append(f"{'ok' if c.holds else 'does NOT fit'}: {c.name}: {c.arithmetic}")
+        if c.fix:
+            lines.append(f"  instead: {c.fix}")
+    return VLLMCheck(parsed, plan, tuple(lines))
