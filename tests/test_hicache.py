@@ -283,3 +283,32 @@ def test_serve_refuses_bad_sizes_with_one_line_and_status_2(llama_dir, flags):
     name = flags[-2]  # the flag, in its dashed or its field spelling
     assert len(errors) == 1
     assert name in errors[0] or name.lstrip("-").replace("-", "_") in errors[0]
+
+
+def serve(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tierserve.cli", "serve", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+
+
+def test_serve_dry_run_prints_the_plan_and_allocates_nothing(llama_dir, tmp_path):
+    ok = serve(
+        "--model",
+        str(llama_dir),
+        "--dry-run",
+        "--max-total-tokens",
+        "2048",
+        "--enable-hierarchical-cache",
+        "--hicache-ratio",
+        "4",
+    )
+    assert ok.returncode == 0, ok.stderr
+    assert "would start" in ok.stdout and "host tier tokens per rank    8,192" in ok.stdout
+    # A pool this machine's RAM cannot hold is refused the same way a real start is.
+    big = serve("--model", str(llama_dir), "--dry-run", "--max-total-tokens", "10000000000")
+    assert big.returncode == 2 and "Traceback" not in big.stderr
+    # A checkpoint without tokenizer files: one line naming --tokenizer, not a traceback.
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / name).write_bytes((llama_dir / name).read_bytes())
+    bare = serve("--model", str(tmp_path), "--dry-run")
+    assert bare.returncode == 2 and "Traceback" not in bare.stderr
+    assert "--tokenizer" in bare.stderr.strip().splitlines()[-1]

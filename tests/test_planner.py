@@ -619,6 +619,13 @@ def test_layouts_sglang_would_refuse_are_bad_input(
     assert code == 2 and field in err
 
 
+def test_json_errors_are_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run_plan(capsys, "--model", "llama-3-8b", "--tp", "3", "--json")
+    data = json.loads(out)
+    assert code == 2 and data["kind"] == "error" and data["field"] == "tp"
+    assert "tp 3 does not divide" in data["message"] and "tp 3" in err
+
+
 def test_hugging_face_ids_resolve_to_presets(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run_plan(
         capsys,
@@ -634,7 +641,7 @@ def test_hugging_face_ids_resolve_to_presets(capsys: pytest.CaptureFixture[str])
     )
     data = json.loads(out)
     assert code in (0, 1) and data["model"] == "kimi-k2"
-    assert data["schema_version"] == planner.SCHEMA_VERSION and data["kind"] == "plan"
+    assert data["schema_version"] == cli.JSON_SCHEMA_VERSION and data["kind"] == "plan"
     assert {c["name"] for c in data["constraints"]} == {"device memory", "host RAM"}
     code, out, _ = run_plan(
         capsys, "--model", "Kimi-K2.5", "--tp", "8", "--gpu", "h200", "--host-mem", "1TB"

@@ -4,11 +4,14 @@ that owns it."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from collections.abc import Callable, Sequence
 
 from tierserve.errors import TierserveError
+
+JSON_SCHEMA_VERSION = 2  # of every --json output; docs/plan.md lists the keys
 
 # name -> (module path, help); each module defines add_arguments(parser) and run(ns) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -49,6 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return runners[ns.command](ns)
     except TierserveError as err:
         print(f"tierserve {ns.command}: error: {err.message}", file=sys.stderr)
+        if getattr(ns, "json", False):  # a JSON reader gets its error as JSON too
+            error = {"kind": "error", "field": err.field, "message": err.message}
+            emit(json.dumps({"schema_version": JSON_SCHEMA_VERSION, **error}))
         return 2
 
 

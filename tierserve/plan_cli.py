@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from tierserve import planner
-from tierserve.cli import emit
+from tierserve.cli import JSON_SCHEMA_VERSION, emit
 from tierserve.config import read_hf_config
 from tierserve.errors import TierserveError
 from tierserve.planner import HostRequest, Machine, Plan, PlanInputs
@@ -207,7 +207,7 @@ def run(ns: argparse.Namespace) -> int:
 
 
 def _json(data: dict) -> str:
-    return json.dumps({"schema_version": planner.SCHEMA_VERSION, **data}, indent=2)
+    return json.dumps({"schema_version": JSON_SCHEMA_VERSION, **data}, indent=2)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,7 +52,6 @@ DEFAULT_OVERHEAD_PER_RANK = 5 * GB
 # Kept free for the OS and page cache; equal to SGLang's own per-rank reserve, so that the last
 # SGLang rank to allocate still passes its check.
 DEFAULT_MARGIN = 10 * GiB
-SCHEMA_VERSION = 2  # of `tierserve plan --json`; docs/plan.md lists every key
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,6 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: $TIERSERVE_API_KEY; /health and /metrics stay open)",
     )
     parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check every flag, print the start-up plan (KV pools, host tier, RAM checks) and "
+        "exit: 0 it would start, 2 it would be refused; allocates nothing",
+    )
+    parser.add_argument(
         "--body-timeout",
         type=float,
         default=30.0,
@@ -46,6 +52,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def served_model_name(args: EngineArgs, override: str | None = None) -> str:
     return override or Path(args.model or default_model() or "model").name
+
+
+def dry_run(args: EngineArgs) -> int:
+    from tierserve.cache.host_sizing import startup_table
+    from tierserve.engine.engine import load_tokenizer
+    from tierserve.engine.startup import Startup
+
+    startup = Startup.from_args(args)
+    load_tokenizer(args.tokenizer or startup.model_path)
+    print(f"tierserve serve --dry-run: {startup.model_path} would start", flush=True)
+    print(startup_table(startup.plan), flush=True)
+    return 0
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -67,6 +85,8 @@ def run(ns: argparse.Namespace) -> int:
             f"body_timeout must be in (0, 1e6) seconds, got {ns.body_timeout}",
             field="body_timeout",
         )
+    if ns.dry_run:
+        return dry_run(args)
     engine = Engine(args)  # raises TierserveError (exit 2) before anything listens
     name = served_model_name(args, ns.served_model_name)
     limits = ServerLimits(ns.api_key or None, ns.max_queued_requests, ns.body_timeout)

@@ -9,77 +9,57 @@ import dataclasses
 import itertools
 import logging
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from tierserve.cache.host_sizing import KVPlan, check_cpu_ram, size_host_tier, startup_table
+from tierserve.cache.host_sizing import KVPlan, startup_table
 from tierserve.cache.manager import KVCacheManager
-from tierserve.cache.pool import PagedKV, check_pool_size, pages_for
-from tierserve.cache.spec import KVSpec
+from tierserve.cache.pool import PagedKV, pages_for
 from tierserve.cache.tiers import HostTier
 from tierserve.cache.transfer import TransferFactory, default_transfer
-from tierserve.config import EngineArgs, ModelConfig, default_model
+from tierserve.config import EngineArgs, ModelConfig
 from tierserve.engine.request import Request, StepOutput
 from tierserve.engine.runner import ModelRunner
 from tierserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from tierserve.engine.startup import Startup
 from tierserve.errors import TierserveError
-from tierserve.layers.attention import ATTENTION_BACKENDS, DecodeWorkspace
-from tierserve.models.loader import checkpoint_numel, load_model
+from tierserve.layers.attention import ATTENTION_BACKENDS
+from tierserve.models.loader import load_model
 from tierserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("tierserve")
 
-CPU_DEFAULT_POOL_TOKENS = 32768
 MAX_CHARS_PER_TOKEN = 32
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise TierserveError("device cuda requested but CUDA is not available", field="device")
-    return torch.device(name)
-
-
-def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
-    if name != "auto":
-        return DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32  # CPU matmuls in half precision are slow and less exact
-    return DTYPES.get(cfg.torch_dtype or "", torch.bfloat16)
 
 
 def load_tokenizer(path: str) -> Any:  # a transformers PreTrainedTokenizerBase
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError) as err:  # what transformers raises
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        message = f"cannot load a tokenizer from {path} ({first}); give --tokenizer DIR"
+        raise TierserveError(message, field="tokenizer") from None
 
 
 class Engine:
     def __init__(self, args: EngineArgs, transfer: TransferFactory = default_transfer) -> None:
-        model_path = args.model or default_model()
-        if model_path is None or not Path(model_path).is_dir():
-            raise TierserveError(f"model directory not found: {model_path}", field="model")
         self.args = args
-        self.model_config = cfg = ModelConfig.from_dir(model_path)
-        self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, cfg, self.device)
-        self.context_length = self._context_length(cfg)
-        self.tokenizer = load_tokenizer(args.tokenizer or model_path)
+        # Every size decided, and checked, before weights or KV take any memory.
+        self.startup = startup = Startup.from_args(args)
+        cfg, self.device, self.dtype = startup.config, startup.device, startup.dtype
+        self.model_config, self.context_length = cfg, startup.context_length
+        self.kv_plan = plan = startup.plan
+        logger.info("KV cache plan:\n%s", startup_table(plan))
+        self.tokenizer = load_tokenizer(args.tokenizer or startup.model_path)
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        spec = KVSpec.from_model(cfg, str(self.dtype).removeprefix("torch."), args.page_size)
-        weight_bytes = checkpoint_numel(model_path) * self.dtype.itemsize
-        # Every size is decided, and checked, before weights or KV take any memory.
-        self.kv_plan = plan = self._plan(spec, weight_bytes)
-        logger.info("KV cache plan:\n%s", startup_table(plan))
-        model = load_model(model_path, cfg, self.dtype, self.device)
-        pool = PagedKV(spec, plan.device_tokens // spec.page_size, self.device)
+        model = load_model(startup.model_path, cfg, self.dtype, self.device)
+        pool = PagedKV(plan.spec, plan.device_tokens // plan.spec.page_size, self.device)
         host = self._host_tier(pool, plan, transfer) if plan.host else None
         self.kv = KVCacheManager(pool, not args.disable_radix_cache, host)
         sched_cfg = SchedulerConfig(
@@ -97,28 +77,6 @@ class Engine:
     def vocab_size_of(model_path: str) -> int:
         return ModelConfig.from_dir(model_path).vocab_size
 
-    def _plan(self, spec: KVSpec, weight_bytes: int) -> KVPlan:
-        num_pages = check_pool_size(self._pool_tokens(spec, weight_bytes), spec.page_size)
-        device_tokens = num_pages * spec.page_size
-        on_cpu = self.device.type == "cpu"
-        # On CPU the decode workspace keeps a padded copy of the decode batch's KV (bounded).
-        workspace = DecodeWorkspace.MAX_PADDING * device_tokens * spec.bytes_per_token
-        workspace = workspace if on_cpu else 0
-        plan = KVPlan(spec, device_tokens, None, self.args.hicache_write_policy, workspace)
-        if on_cpu:
-            check_cpu_ram(plan, weight_bytes)
-        host = None
-        if self.args.enable_hierarchical_cache:
-            if self.args.disable_radix_cache:
-                raise TierserveError(
-                    "the hierarchical cache needs the radix cache; drop --disable-radix-cache",
-                    field="enable_hierarchical_cache",
-                )
-            # On CPU the weights, the "device" pool and the workspace are host RAM too.
-            overhead = device_tokens * spec.bytes_per_token + weight_bytes + workspace
-            host = size_host_tier(self.args, spec, device_tokens, overhead if on_cpu else 0)
-        return dataclasses.replace(plan, host=host)
-
     def _host_tier(self, pool: PagedKV, plan: KVPlan, transfer: TransferFactory) -> HostTier:
         host_pool = PagedKV(
             plan.spec,
@@ -128,34 +86,6 @@ class Engine:
             pin_memory=self.device.type == "cuda",
         )
         return HostTier(host_pool, self.args.hicache_write_policy, transfer(pool, host_pool))
-
-    def _context_length(self, cfg: ModelConfig) -> int:
-        limit = self.args.context_length or cfg.max_position_embeddings
-        if limit > cfg.max_position_embeddings:
-            raise TierserveError(
-                f"context_length {limit} exceeds the model's max_position_embeddings "
-                f"{cfg.max_position_embeddings}",
-                field="context_length",
-            )
-        return limit
-
-    def _pool_tokens(self, spec: KVSpec, weight_bytes: int) -> int:
-        if self.args.max_total_tokens is not None:
-            return self.args.max_total_tokens
-        if self.device.type != "cuda":
-            return CPU_DEFAULT_POOL_TOKENS
-        free, total = torch.cuda.mem_get_info(self.device)
-        # As SGLang: weights + KV pool may use this fraction of the card.
-        frac = self.args.mem_fraction_static
-        budget = total * frac - (total - free) - weight_bytes
-        if budget < spec.bytes_per_page:
-            raise TierserveError(
-                f"no room for a KV pool: {total / 1e9:.1f} GB × {frac} − "
-                f"{(total - free) / 1e9:.1f} GB in use − {weight_bytes / 1e9:.1f} GB of weights;"
-                " raise --mem-fraction-static",
-                field="mem_fraction_static",
-            )
-        return int(budget // spec.bytes_per_token)
 
     # --- requests --------------------------------------------------------------------------
 

@@ -1,0 +1,119 @@
+"""What a server decides before it allocates anything: the model directory and its config, the
+device, the dtype, the context length and the KV plan (device pool, host tier, RAM checks).
+
+`Engine` builds from it; `tierserve serve --dry-run` prints it and stops. Any refusal is a
+TierserveError naming the flag, raised before a byte of weights or KV is allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tierserve.cache.host_sizing import KVPlan, check_cpu_ram, size_host_tier
+from tierserve.cache.pool import check_pool_size
+from tierserve.cache.spec import KVSpec
+from tierserve.config import EngineArgs, ModelConfig, default_model
+from tierserve.errors import TierserveError
+from tierserve.layers.attention import DecodeWorkspace
+from tierserve.models.loader import checkpoint_numel
+
+CPU_DEFAULT_POOL_TOKENS = 32768
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise TierserveError("device cuda requested but CUDA is not available", field="device")
+    return torch.device(name)
+
+
+def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32  # CPU matmuls in half precision are slow and less exact
+    return DTYPES.get(cfg.torch_dtype or "", torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class Startup:
+    model_path: str
+    config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    context_length: int
+    weight_bytes: int
+    plan: KVPlan
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> Startup:
+        model_path = args.model or default_model()
+        if model_path is None or not Path(model_path).is_dir():
+            raise TierserveError(f"model directory not found: {model_path}", field="model")
+        cfg = ModelConfig.from_dir(model_path)
+        device = resolve_device(args.device)
+        dtype = resolve_dtype(args.dtype, cfg, device)
+        spec = KVSpec.from_model(cfg, str(dtype).removeprefix("torch."), args.page_size)
+        weight_bytes = checkpoint_numel(model_path) * dtype.itemsize
+        plan = _kv_plan(args, device, spec, weight_bytes)
+        context = _context_length(args, cfg)
+        return cls(model_path, cfg, device, dtype, context, weight_bytes, plan)
+
+
+def _context_length(args: EngineArgs, cfg: ModelConfig) -> int:
+    limit = args.context_length or cfg.max_position_embeddings
+    if limit > cfg.max_position_embeddings:
+        raise TierserveError(
+            f"context_length {limit} exceeds the model's max_position_embeddings "
+            f"{cfg.max_position_embeddings}",
+            field="context_length",
+        )
+    return limit
+
+
+def _kv_plan(args: EngineArgs, device: torch.device, spec: KVSpec, weight_bytes: int) -> KVPlan:
+    num_pages = check_pool_size(_pool_tokens(args, device, spec, weight_bytes), spec.page_size)
+    device_tokens = num_pages * spec.page_size
+    on_cpu = device.type == "cpu"
+    # On CPU the decode workspace keeps a padded copy of the decode batch's KV (bounded).
+    workspace = DecodeWorkspace.MAX_PADDING * device_tokens * spec.bytes_per_token
+    workspace = workspace if on_cpu else 0
+    plan = KVPlan(spec, device_tokens, None, args.hicache_write_policy, workspace)
+    if on_cpu:
+        check_cpu_ram(plan, weight_bytes)
+    host = None
+    if args.enable_hierarchical_cache:
+        if args.disable_radix_cache:
+            raise TierserveError(
+                "the hierarchical cache needs the radix cache; drop --disable-radix-cache",
+                field="enable_hierarchical_cache",
+            )
+        # On CPU the weights, the "device" pool and the workspace are host RAM too.
+        overhead = device_tokens * spec.bytes_per_token + weight_bytes + workspace
+        host = size_host_tier(args, spec, device_tokens, overhead if on_cpu else 0)
+    return dataclasses.replace(plan, host=host)
+
+
+def _pool_tokens(args: EngineArgs, device: torch.device, spec: KVSpec, weight_bytes: int) -> int:
+    if args.max_total_tokens is not None:
+        return args.max_total_tokens
+    if device.type != "cuda":
+        return CPU_DEFAULT_POOL_TOKENS
+    free, total = torch.cuda.mem_get_info(device)
+    # As SGLang: weights + KV pool may use this fraction of the card.
+    frac = args.mem_fraction_static
+    budget = total * frac - (total - free) - weight_bytes
+    if budget < spec.bytes_per_page:
+        raise TierserveError(
+            f"no room for a KV pool: {total / 1e9:.1f} GB × {frac} − "
+            f"{(total - free) / 1e9:.1f} GB in use − {weight_bytes / 1e9:.1f} GB of weights;"
+            " raise --mem-fraction-static",
+            field="mem_fraction_static",
+        )
+    return int(budget // spec.bytes_per_token)
