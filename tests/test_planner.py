@@ -661,6 +661,7 @@ def test_vllm_command_lines_are_checked_with_vllms_semantics() -> None:
     assert ok.plan.local_ranks == 8 and "8 processes" in ok.lines[0]
     two = check_vllm(f"-tp 8 -dp 2 --kv-offloading-size 300 {fits}", inputs)  # two engines
     assert two.plan.local_ranks == 16 and not two.fits
+    assert any("--kv-offloading-size 183 at most" in line for line in two.lines), two.lines
     assert two.plan.host.bytes_per_node == pytest.approx(2 * 300 * GiB, abs=16 * 64 * 2**17)
     long = check_vllm("-tp 8 --max-model-len 130000", inputs)  # pool: 127,000 tokens
     assert not long.fits and any("vLLM refuses to start" in line for line in long.lines)

@@ -155,6 +155,12 @@ def check_vllm(flags: str, inputs: PlanInputs) -> VLLMCheck:
                 + ("" if c.holds else "; vLLM refuses to start"),
                 fix=c.fix.replace("--context-length", "--max-model-len"),
             )
+        if c.name == "host RAM" and not c.holds and plan.budget.usable > 0:
+            # vLLM's unit: GiB for one engine (its tp × pp workers), one buffer per dp engine.
+            workers = parsed.tp * parsed.pp
+            gib = plan.recommended.bytes_per_rank * workers // GiB
+            fix = f"--kv-offloading-size {gib} at most" if gib else "no offloading buffer fits"
+            c = dataclasses.replace(c, fix=fix)
         lines.append(f"{'ok' if c.holds else 'does NOT fit'}: {c.name}: {c.arithmetic}")
         if c.fix:
             lines.append(f"  instead: {c.fix}")
