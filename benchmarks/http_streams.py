@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import statistics
 import subprocess
@@ -33,18 +32,11 @@ from typing import Any
 
 import httpx
 import torch
+from offline_throughput import make_prompts, run_tierserve  # the same prompts and offline run
 
-from tierserve import LLM, SamplingParams
 from tierserve.bench.compare import ServerProcess
 from tierserve.config import default_model
 from tierserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
-
-
-def make_prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(64, 513, (n,), generator=g).tolist()
-    return [torch.randint(3, vocab, (length,), generator=g).tolist() for length in lengths]
-
 
 # A process that keeps one core busy for `duty` of the time: what the server's event loop and
 # this client take from the engine, without any HTTP.
@@ -64,24 +56,10 @@ def offline_beside_busy_tok_s(
 ) -> float:
     busy = subprocess.Popen([sys.executable, "-c", BUSY, str(duty)])
     try:
-        return offline_tok_s(model, prompts, out_len)
+        return run_tierserve(model, prompts, out_len)
     finally:
         busy.kill()
         busy.wait()
-
-
-def offline_tok_s(model: str, prompts: list[list[int]], out_len: int) -> float:
-    llm = LLM(model)
-    params = SamplingParams(max_tokens=out_len, temperature=0, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0))  # warm-up
-    llm.engine.flush_cache()
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    elapsed = time.perf_counter() - start
-    assert all(len(o.token_ids) == out_len for o in outs)
-    del llm
-    gc.collect()
-    return len(prompts) * out_len / elapsed
 
 
 async def stream_one(
@@ -179,7 +157,7 @@ def main() -> None:
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     prompts = make_prompts(args.num_prompts, vocab, seed=0)
 
-    offline = offline_tok_s(model, prompts, args.output_len)
+    offline = run_tierserve(model, prompts, args.output_len)
     contended = offline_beside_busy_tok_s(model, prompts, args.output_len, args.busy_duty)
     log = Path(tempfile.mkdtemp()) / "server.log"
     with ServerProcess(model, [], log) as server:
