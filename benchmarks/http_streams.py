@@ -187,7 +187,7 @@ def main() -> None:
         f"LLM.generate, busy    {contended:8.1f} output tok/s "
         f"({contended / offline:.2f}x; another process busy {args.busy_duty:.0%} of a core)"
     )
-    print(f"64 HTTP streams       {served:8.1f} output tok/s ({chunks} chunks)")
+    print(f"{len(prompts)} HTTP streams       {served:8.1f} output tok/s ({chunks} chunks)")
     print(f"ratio                 {served / offline:8.2f}x   (target >= 0.85)")
     print(f"short request alone   {result['short_alone_s'] * 1000:8.1f} ms (median)")
     print(f"beside a plain request{result['short_beside_plain_s'] * 1000:8.1f} ms (median)")

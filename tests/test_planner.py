@@ -691,3 +691,29 @@ def test_plan_speaks_serve_sglang_and_vllm_spellings(capsys: pytest.CaptureFixtu
     with pytest.raises(SystemExit) as exit_:
         run_plan(capsys, *base, "--kv-cache-dtype", "int3")
     assert exit_.value.code == 2 and "unknown KV dtype 'int3'" in capsys.readouterr().err
+
+
+def test_plan_and_serve_share_one_definition_of_their_common_flags() -> None:
+    import argparse
+
+    from tierserve import plan_cli, serve_cli
+
+    def actions(add) -> dict[str, argparse.Action]:
+        parser = argparse.ArgumentParser()
+        add(parser)
+        return {a.option_strings[0]: a for a in parser._actions if a.option_strings}
+
+    plan, serve = actions(plan_cli.add_arguments), actions(serve_cli.add_arguments)
+    for name in plan_cli.SHARED_FLAGS:
+        flag = "--" + name.replace("_", "-")
+        assert plan[flag].help == serve[flag].help and plan[flag].type == serve[flag].type
+    assert plan["--page-size"].default == 1 and serve["--page-size"].default == 16
+
+
+def test_nnodes_splits_the_ranks_over_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    base = ["--model", "kimi-k2.5", "--gpu", "h200", "--host-mem", "1TB", "--json"]
+    _, out, _ = run_plan(capsys, *base, "--tp-size", "16", "--nnodes", "2")
+    data = json.loads(out)
+    assert data["local_ranks"] == 8 and data["nodes"] == 2
+    code, _, err = run_plan(capsys, *base, "--tp", "16", "--nnodes", "3")
+    assert code == 2 and "--nnodes 3" in err

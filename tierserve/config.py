@@ -57,8 +57,8 @@ class EngineArgs:
     max_total_tokens: int | None = field(
         default=None,
         metadata=_flag(
-            "device KV pool size in tokens (all requests together); "
-            "default on CPU 32768, on CUDA derived from --mem-fraction-static"
+            "device KV pool size in tokens per rank (all requests together); default: derived "
+            "from --mem-fraction-static (on CPU: 32768)"
         ),
     )
     mem_fraction_static: float = field(
@@ -66,7 +66,8 @@ class EngineArgs:
         metadata=_flag("CUDA: fraction of GPU memory for weights + KV pool (as in SGLang)"),
     )
     max_running_requests: int = field(
-        default=256, metadata=_flag("most requests decoded together in one step")
+        default=256,
+        metadata=_flag("most requests running (decoded together) at once"),
     )
     chunked_prefill_size: int = field(
         default=2048,
@@ -74,7 +75,9 @@ class EngineArgs:
     )
     context_length: int | None = field(
         default=None,
-        metadata=_flag("override the model's max_position_embeddings (prompt + output limit)"),
+        metadata=_flag(
+            "the longest request, prompt + output (default: the model's max_position_embeddings)"
+        ),
     )
     disable_radix_cache: bool = field(
         default=False, metadata=_flag("turn off prefix sharing between requests")
@@ -171,15 +174,24 @@ class EngineArgs:
         return cls(model=model, **kwargs)
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    def add_cli_args(
+        parser: argparse.ArgumentParser,
+        only: tuple[str, ...] | None = None,
+        defaults: Mapping[str, Any] | None = None,
+    ) -> None:
+        """The engine's flags, one definition for `serve`, `batch`, `LLM(**kw)` and, for the
+        ones it shares (`only`, with its own `defaults`), `plan`."""
         for f in fields(EngineArgs):
+            if only is not None and f.name not in only:
+                continue
             meta = dict(f.metadata)
+            default = (defaults or {}).get(f.name, f.default)
             flags = ["--" + f.name.replace("_", "-"), *meta.pop("aliases", [])]
             if f.type in ("bool", bool):
                 parser.add_argument(*flags, action="store_true", help=meta["help"])
                 continue
             kind = {"int": int, "float": float}.get(str(f.type).split(" ")[0], str)
-            parser.add_argument(*flags, type=kind, default=f.default, dest=f.name, **meta)
+            parser.add_argument(*flags, type=kind, default=default, dest=f.name, **meta)
 
     @classmethod
     def from_cli(cls, ns: argparse.Namespace) -> EngineArgs:

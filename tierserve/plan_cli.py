@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tierserve import planner
 from tierserve.cli import JSON_SCHEMA_VERSION, emit
-from tierserve.config import read_hf_config
+from tierserve.config import EngineArgs, read_hf_config
 from tierserve.errors import TierserveError
 from tierserve.planner import HostRequest, Machine, Plan, PlanInputs
 from tierserve.presets import GPU_PRESETS, MODEL_PRESETS, ModelPreset, find_model_preset, gpu_preset
@@ -27,8 +27,28 @@ EPILOG = f"""{SIZES}. Exit status: 0 the plan fits, 1 it does not, 2 bad input.
 Per rank = one TP process (one GPU); per node = all ranks on one machine, sharing its RAM."""
 
 
+# Flags `plan` shares with `serve`, from the one definition (EngineArgs), with the plan's own
+# defaults: SGLang's page size of 1, and no length or concurrency to check unless asked.
+SHARED_FLAGS = (
+    "mem_fraction_static",
+    "max_total_tokens",
+    "page_size",
+    "context_length",
+    "max_running_requests",
+)
+PLAN_DEFAULTS = {"page_size": 1, "max_running_requests": None}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
+    EngineArgs.add_cli_args(parser, only=SHARED_FLAGS, defaults=PLAN_DEFAULTS)
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        dest="max_running_requests",
+        metavar="N",
+        help="the same as --max-running-requests: requests that must run at once",
+    )
     _add_model_arguments(parser)
     _add_machine_arguments(parser)
     _add_host_request(parser)
@@ -39,14 +59,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=4000,
         metavar="N",
         help="prompt + output tokens of an average request (4000)",
-    )
-    add("--concurrency", type=int, metavar="N", help="requests you want running at once")
-    add(
-        "--context-length",
-        type=int,
-        metavar="N",
-        help="the longest request (prompt + output) that must fit on the device; without it the "
-        "plan reports the longest the device pool holds",
     )
     add(
         "--check-sglang",
@@ -123,27 +135,8 @@ def _add_machine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PRESET_OR_SIZE",
         help=f"memory of one GPU: {', '.join(GPU_PRESETS)}, or a size (h100-80gb)",
     )
-    add("--gpus", type=int, metavar="N", help="GPUs per node (default: --tp)")
-    add(
-        "--mem-fraction-static",
-        type=float,
-        default=0.85,
-        metavar="F",
-        help="fraction of GPU memory for weights + KV pool, as SGLang's (0.85)",
-    )
-    add(
-        "--max-total-tokens",
-        type=int,
-        metavar="N",
-        help="device pool tokens per rank; overrides the memory formula",
-    )
-    add(
-        "--page-size",
-        type=int,
-        default=1,
-        metavar="N",
-        help="tokens per KV page; pools hold whole pages (1)",
-    )
+    add("--gpus", type=int, metavar="N", help="GPUs per node (default: tp × pp / --nnodes)")
+    add("--nnodes", type=int, default=1, metavar="N", help="nodes the tp × pp ranks span (1)")
     add(
         "--host-mem",
         metavar="SIZE",
@@ -305,6 +298,17 @@ def _gpu(text: str) -> tuple[str, int]:
     return format_gb(size), size
 
 
+def _gpus_per_node(ns: argparse.Namespace) -> int | None:
+    """--gpus, else SGLang's --nnodes: the ranks split evenly over the nodes."""
+    if ns.gpus is not None or ns.nnodes == 1:
+        return ns.gpus
+    ranks = ns.tp * ns.pp
+    if ns.nnodes <= 0 or ranks % ns.nnodes:
+        message = f"{ranks} ranks (tp × pp) do not split evenly over --nnodes {ns.nnodes}"
+        raise TierserveError(message, field="nnodes")
+    return ranks // ns.nnodes
+
+
 def _host_available(text: str | None) -> tuple[int, str]:
     if text is not None:
         return parse_size(text, field="host_mem"), "--host-mem"
@@ -333,7 +337,7 @@ def build_inputs(ns: argparse.Namespace, model: ModelSpec) -> PlanInputs:
         gpu_memory=gpu_memory,
         host_available=available,
         host_source=source,
-        gpus_per_node=ns.gpus,
+        gpus_per_node=_gpus_per_node(ns),
         host_overhead=_optional_size(ns.overhead, "overhead"),
         host_margin=parse_size(ns.margin, field="margin"),
     )
@@ -346,7 +350,7 @@ def build_inputs(ns: argparse.Namespace, model: ModelSpec) -> PlanInputs:
         mem_fraction_static=ns.mem_fraction_static,
         page_size=ns.page_size,
         host=_host_request(ns),
-        workload=planner.Workload(ns.avg_seq_len, ns.concurrency),
+        workload=planner.Workload(ns.avg_seq_len, ns.max_running_requests),
         kv_bytes_per_token_per_rank=ns.kv_bytes_per_token,
         device_tokens_per_rank=ns.max_total_tokens,
         context_length=ns.context_length,
