@@ -284,8 +284,9 @@ def test_fits_exactly_when_every_constraint_holds(data) -> None:
     assert plan.fits == every, [c for c in plan.constraints if not c.holds]
     if plan.fits:
         assert tokens > 0 and host_pools <= budget.usable
-    for c in plan.failed:  # what to do instead: never a zero size
+    for c in plan.failed:  # what to do instead: never a zero size, in words or in numbers
         assert c.fix and not re.search(r"(size|tokens|node-size) 0\b", c.fix), c.fix
+        assert all(value > 0 for value in c.suggest.values()), c
 
 
 @settings(

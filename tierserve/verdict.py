@@ -11,7 +11,7 @@ requests wanted at once must fit on the device too.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tierserve.cache.spec import KV_DTYPE_BYTES, kv_dtype_name
@@ -27,6 +27,8 @@ class Constraint:
     holds: bool
     arithmetic: str  # the numbers, as a reader can check them
     fix: str = ""  # what to change when it does not hold (never a zero size)
+    # The fix as numbers, for programs: flag name (as a field) → the value that would hold.
+    suggest: dict[str, int] = field(default_factory=dict)
 
 
 def constraints(plan: Plan) -> tuple[Constraint, ...]:
@@ -43,14 +45,17 @@ def _static(plan: Plan) -> int:
     return int(inputs.machine.gpu_memory * inputs.mem_fraction_static)
 
 
-def _more_gpus(plan: Plan) -> str:
+def _tp_needed(plan: Plan) -> int:
     """The smallest tp whose weights per rank leave at least a quarter of the static share."""
     inputs, static = plan.inputs, _static(plan)
     total = plan.weights_bytes_per_rank * inputs.tp * inputs.pp
-    tp = max(inputs.tp + 1, math.ceil(total / (0.75 * static)) if static else inputs.tp + 1)
+    return max(inputs.tp + 1, math.ceil(total / (0.75 * static)) if static else inputs.tp + 1)
+
+
+def _more_gpus(plan: Plan) -> str:
     return (
-        f"spread the weights over more GPUs (about --tp {tp}), use a quantized checkpoint, "
-        "or raise --mem-fraction-static"
+        f"spread the weights over more GPUs (about --tp {_tp_needed(plan)}), use a quantized "
+        "checkpoint, or raise --mem-fraction-static"
     )
 
 
@@ -70,12 +75,13 @@ def _device_memory(plan: Plan) -> Constraint:
             f"{'≤' if need <= static else '>'} {share}"
         )
         most = max(0, static - weights) // plan.kv.per_rank
-        fix = (
-            f"at most --max-total-tokens {format_count(most)} fits"
-            if most >= inputs.page_size
-            else _more_gpus(plan)
-        )
-        return Constraint("device memory", need <= static, arithmetic, fix)
+        if most >= inputs.page_size:
+            fix, suggest = f"at most --max-total-tokens {format_count(most)} fits", most
+            return Constraint(
+                "device memory", need <= static, arithmetic, fix, {"max_total_tokens": suggest}
+            )
+        fix, tp = _more_gpus(plan), _tp_needed(plan)
+        return Constraint("device memory", need <= static, arithmetic, fix, {"tp": tp})
     holds = plan.device_tokens_per_rank > 0
     relation = "<" if holds else "≥"
     arithmetic = f"weights per rank {format_gb(weights)} {relation} {share}"
@@ -86,7 +92,11 @@ def _device_memory(plan: Plan) -> Constraint:
         )
     else:
         arithmetic += ": no room for a KV pool"
-    return Constraint("device memory", holds, arithmetic, "" if holds else _more_gpus(plan))
+    if holds:
+        return Constraint("device memory", True, arithmetic)
+    return Constraint(
+        "device memory", False, arithmetic, _more_gpus(plan), {"tp": _tp_needed(plan)}
+    )
 
 
 def _host_ram(plan: Plan) -> Constraint:
@@ -106,16 +116,21 @@ def _host_ram(plan: Plan) -> Constraint:
         f"{budget.local_ranks} host pools × {format_gb(host.bytes_per_rank)} = "
         f"{format_gb(need)} {'≤' if host.fits else '>'} {processes} = {format_gb(budget.usable)}"
     )
-    fix = ""
-    if not host.fits:
-        best = plan.recommended
-        fix = (
-            f"at most {format_gb(best.bytes_per_rank)} per rank "
-            f"({format_gb(best.bytes_per_node)} per node) fits"
-            if best.bytes_per_rank > 0
-            else "no host cache fits here: run without one (--no-host-cache)"
-        )
-    return Constraint("host RAM", host.fits, arithmetic, fix)
+    if host.fits:
+        return Constraint("host RAM", True, arithmetic)
+    best = plan.recommended
+    if best.bytes_per_rank == 0:
+        fix = "no host cache fits here: run without one (--no-host-cache)"
+        return Constraint("host RAM", False, arithmetic, fix)
+    fix = (
+        f"at most {format_gb(best.bytes_per_rank)} per rank "
+        f"({format_gb(best.bytes_per_node)} per node) fits"
+    )
+    suggest = {
+        "host_bytes_per_rank": best.bytes_per_rank,
+        "host_bytes_per_node": best.bytes_per_node,
+    }
+    return Constraint("host RAM", False, arithmetic, fix, suggest)
 
 
 def _context_length(plan: Plan) -> Constraint:
@@ -126,8 +141,11 @@ def _context_length(plan: Plan) -> Constraint:
         f"{'≤' if holds else '>'} device pool {format_count(tokens)} tokens (a running request's "
         "KV is all on the device; a host tier does not change that)"
     )
-    fix = "" if holds else f"--context-length {format_count(tokens)} at most, or more device memory"
-    return Constraint("context length", holds, arithmetic, fix)
+    if holds:
+        return Constraint("context length", True, arithmetic)
+    fix = f"--context-length {format_count(tokens)} at most, or more device memory"
+    suggest = {"context_length": tokens} if tokens else {}
+    return Constraint("context length", False, arithmetic, fix, suggest)
 
 
 def _concurrency(plan: Plan) -> Constraint:
@@ -144,8 +162,11 @@ def _concurrency(plan: Plan) -> Constraint:
             f"; device + host keep the KV of {plan.cached_concurrency} cached, so the others "
             "wait without losing their prefixes"
         )
-    fix = "" if holds else _concurrency_levers(plan)
-    return Constraint("concurrency", holds, arithmetic, fix)
+    if holds:
+        return Constraint("concurrency", True, arithmetic)
+    running = plan.device_concurrency
+    suggest = {"max_running_requests": running} if running else {}
+    return Constraint("concurrency", False, arithmetic, _concurrency_levers(plan), suggest)
 
 
 def _concurrency_levers(plan: Plan) -> str:
