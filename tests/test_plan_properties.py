@@ -217,6 +217,7 @@ def plan_inputs(draw, roomy: bool = False) -> PlanInputs:
     preset = model_preset(draw(st.sampled_from(list(MODEL_PRESETS))))
     gpu = draw(st.sampled_from(GPUS))
     tp, pp = draw(st.sampled_from([1, 2, 4, 8, 16])), draw(st.sampled_from([1, 1, 2]))
+    dp = draw(st.sampled_from([1, 1, 2]))
     machine = Machine(
         gpu_name=gpu.name,
         gpu_memory=gpu.memory_bytes,
@@ -240,6 +241,7 @@ def plan_inputs(draw, roomy: bool = False) -> PlanInputs:
         machine=machine,
         tp=tp,
         pp=pp,
+        dp=dp,
         kv_dtype=draw(st.sampled_from(["bf16", "fp8", "fp32"])),
         mem_fraction_static=draw(st.floats(0.3, 0.97)),
         page_size=draw(st.sampled_from([1, 16, 64])),
@@ -279,7 +281,7 @@ def test_fits_exactly_when_every_constraint_holds(data) -> None:
     ram_ok = usable >= 0 and (inputs.host.mode == "off" or host_pools <= usable)
     length_ok = inputs.context_length is None or inputs.context_length <= tokens
     wanted = inputs.workload.concurrency
-    running_ok = wanted is None or wanted * inputs.workload.avg_seq_len <= tokens
+    running_ok = wanted is None or wanted * inputs.workload.avg_seq_len <= tokens * inputs.dp
     every = device_ok and ram_ok and length_ok and running_ok
     assert plan.fits == every, [c for c in plan.constraints if not c.holds]
     if plan.fits:

@@ -717,3 +717,17 @@ def test_nnodes_splits_the_ranks_over_nodes(capsys: pytest.CaptureFixture[str]) 
     assert data["local_ranks"] == 8 and data["nodes"] == 2
     code, _, err = run_plan(capsys, *base, "--tp", "16", "--nnodes", "3")
     assert code == 2 and "--nnodes 3" in err
+
+
+def test_data_parallel_replicas_are_processes_and_run_their_own_requests(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    base = ["--model", "llama-3-70b", "--gpu", "h200", "--host-mem", "1TB", "--json"]
+    _, one, _ = run_plan(capsys, *base, "--tp", "4")
+    _, two, _ = run_plan(capsys, *base, "--tp-size", "4", "--dp-size", "2")
+    one, two = json.loads(one), json.loads(two)
+    assert (one["local_ranks"], two["local_ranks"]) == (4, 8)
+    assert two["device_tokens_per_rank"] == one["device_tokens_per_rank"]
+    assert two["device_concurrency"] == 2 * one["device_concurrency"]
+    assert "--dp-size 2" in two["flags"]["sglang"]
+    assert "--data-parallel-size 2" in two["flags"]["vllm"]

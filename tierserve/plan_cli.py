@@ -130,6 +130,15 @@ def _add_machine_arguments(parser: argparse.ArgumentParser) -> None:
         help="pipeline stages; each holds layers/pp and is tp more processes (1)",
     )
     add(
+        "--dp",
+        "--dp-size",
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="data-parallel replicas; each is tp × pp more processes with their own pools (1)",
+    )
+    add(
         "--gpu",
         default="h100-80gb",
         metavar="PRESET_OR_SIZE",
@@ -302,9 +311,9 @@ def _gpus_per_node(ns: argparse.Namespace) -> int | None:
     """--gpus, else SGLang's --nnodes: the ranks split evenly over the nodes."""
     if ns.gpus is not None or ns.nnodes == 1:
         return ns.gpus
-    ranks = ns.tp * ns.pp
+    ranks = ns.tp * ns.pp * ns.dp
     if ns.nnodes <= 0 or ranks % ns.nnodes:
-        message = f"{ranks} ranks (tp × pp) do not split evenly over --nnodes {ns.nnodes}"
+        message = f"{ranks} ranks (tp × pp × dp) do not split evenly over --nnodes {ns.nnodes}"
         raise TierserveError(message, field="nnodes")
     return ranks // ns.nnodes
 
@@ -346,6 +355,7 @@ def build_inputs(ns: argparse.Namespace, model: ModelSpec) -> PlanInputs:
         machine=machine,
         tp=ns.tp,
         pp=ns.pp,
+        dp=ns.dp,
         kv_dtype=ns.kv_dtype,
         mem_fraction_static=ns.mem_fraction_static,
         page_size=ns.page_size,

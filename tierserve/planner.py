@@ -282,11 +282,12 @@ class PlanInputs:
     device_tokens_per_rank: int | None = None  # e.g. --max-total-tokens
     context_length: int | None = None  # the longest request that must fit, when asked
     pp: int = 1  # pipeline stages: each holds layers / pp, and is tp processes of its own
+    dp: int = 1  # data-parallel replicas: each a whole tp × pp group with its own pools
 
     def __post_init__(self) -> None:
         kv_dtype_name(self.kv_dtype)
         positive = {"tp": self.tp, "page_size": self.page_size, "gpus": self.gpus_per_node}
-        positive["pp"] = self.pp
+        positive["pp"], positive["dp"] = self.pp, self.dp
         positive["avg_seq_len"] = self.workload.avg_seq_len
         positive["gpu_memory"] = self.machine.gpu_memory
         optional = {
@@ -319,9 +320,9 @@ class PlanInputs:
             raise TierserveError(message, field="tp")
         if self.pp > cfg.num_layers:
             raise TierserveError(f"pp {self.pp} > the model's {cfg.num_layers} layers", "pp")
-        gpus, ranks = self.gpus_per_node, tp * self.pp
+        gpus, ranks = self.gpus_per_node, self.processes
         if ranks > gpus and ranks % gpus:
-            message = f"{ranks} ranks (tp × pp) do not fill nodes of {gpus} GPUs evenly"
+            message = f"{ranks} ranks (tp × pp × dp) do not fill nodes of {gpus} GPUs evenly"
             raise TierserveError(message, field="gpus")
         max_len = cfg.max_position_embeddings
         if self.context_length is not None and max_len and self.context_length > max_len:
@@ -333,7 +334,12 @@ class PlanInputs:
 
     @property
     def gpus_per_node(self) -> int:
-        return self.machine.gpus_per_node or self.tp * self.pp
+        return self.machine.gpus_per_node or self.processes
+
+    @property
+    def processes(self) -> int:
+        """One per GPU: every TP rank of every pipeline stage of every data-parallel replica."""
+        return self.tp * self.pp * self.dp
 
 
 @dataclass(frozen=True)
@@ -367,11 +373,12 @@ class Plan:
 
     @property
     def device_concurrency(self) -> int:
-        return self.device_tokens_per_rank // self.inputs.workload.avg_seq_len
+        """Requests running at once: each data-parallel replica runs its own."""
+        return self.device_tokens_per_rank // self.inputs.workload.avg_seq_len * self.inputs.dp
 
     @property
     def cached_concurrency(self) -> int:
-        return self.total_tokens_per_rank // self.inputs.workload.avg_seq_len
+        return self.total_tokens_per_rank // self.inputs.workload.avg_seq_len * self.inputs.dp
 
     @property
     def fits(self) -> bool:
@@ -409,6 +416,7 @@ def _inputs_dict(inputs: PlanInputs) -> dict[str, Any]:
         "page_size": inputs.page_size,
         "host_request": dataclasses.asdict(inputs.host),
         "pp": inputs.pp,
+        "dp": inputs.dp,
         "context_length": inputs.context_length,
         "avg_seq_len": inputs.workload.avg_seq_len,
         "wanted_concurrency": inputs.workload.concurrency,
@@ -484,7 +492,7 @@ def make_plan(inputs: PlanInputs) -> Plan:
     stage = dataclasses.replace(cfg, num_layers=math.ceil(cfg.num_layers / inputs.pp))
     spec = kv_spec(stage, inputs.kv_dtype, inputs.tp, inputs.page_size)
     kv = _kv_for(inputs, spec)
-    ranks = local_ranks(inputs.tp * inputs.pp, inputs.gpus_per_node)
+    ranks = local_ranks(inputs.processes, inputs.gpus_per_node)
     rank_weights, pool, device = _device_side(inputs, kv.per_rank)
     budget = host_budget(inputs.machine, ranks)
     host = size_host_cache(kv.per_rank, device, inputs.host, budget, inputs.page_size)
@@ -495,7 +503,7 @@ def make_plan(inputs: PlanInputs) -> Plan:
         kv=kv,
         kv_copies=spec.copies,
         local_ranks=ranks,
-        nodes=math.ceil(inputs.tp * inputs.pp / inputs.gpus_per_node),
+        nodes=math.ceil(inputs.processes / inputs.gpus_per_node),
         weights_bytes_per_rank=rank_weights,
         device_pool_bytes_per_rank=pool,
         device_tokens_per_rank=device,
@@ -615,12 +623,14 @@ def launch_flags(plan: Plan) -> LaunchFlags:
         tierserve += " --enable-hierarchical-cache"
         tierserve += f" --hicache-node-size {host.bytes_per_node // GB}GB"
     sglang = f"--tp-size {inputs.tp}" + (f" --pp-size {inputs.pp}" if inputs.pp > 1 else "")
+    sglang += f" --dp-size {inputs.dp}" if inputs.dp > 1 else ""
     sglang += f" --mem-fraction-static {frac}" + _pool_flags(plan, "--max-total-tokens")
     sglang += _kv_dtype_flag(plan, "fp8_e4m3")
     sglang += _sglang_host_flags(plan, host) if host is not None else ""
     # vLLM's --kv-offloading-size is GiB for the whole instance, split across its TP ranks.
     vllm = f"--tensor-parallel-size {inputs.tp} --gpu-memory-utilization {frac}"
     vllm += f" --pipeline-parallel-size {inputs.pp}" if inputs.pp > 1 else ""
+    vllm += f" --data-parallel-size {inputs.dp}" if inputs.dp > 1 else ""
     vllm += f" --block-size {inputs.page_size}" if inputs.page_size != 1 else ""
     # vLLM refuses to start unless one request of max_model_len (default: the model's
     # max_position_embeddings) fits in the pool: cap it at what the plan's pool holds.

@@ -155,6 +155,7 @@ def _sglang_inputs(flags: SGLangFlags, inputs: PlanInputs) -> PlanInputs:
         machine=dataclasses.replace(inputs.machine, gpus_per_node=flags.local_ranks),
         tp=flags.tp,
         pp=flags.pp,
+        dp=1 if flags.dp_attention else flags.dp,  # DP attention shares the TP group's GPUs
         kv_dtype=sglang_kv_dtype(flags.kv_cache_dtype, inputs.kv_dtype),
         mem_fraction_static=flags.mem_fraction_static or inputs.mem_fraction_static,
         page_size=flags.page_size,

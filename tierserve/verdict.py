@@ -149,12 +149,13 @@ def _context_length(plan: Plan) -> Constraint:
 
 
 def _concurrency(plan: Plan) -> Constraint:
-    wanted = plan.inputs.workload.concurrency or 0
-    length, tokens = plan.inputs.workload.avg_seq_len, plan.device_tokens_per_rank
+    wanted, dp = plan.inputs.workload.concurrency or 0, plan.inputs.dp
+    length, tokens = plan.inputs.workload.avg_seq_len, plan.device_tokens_per_rank * dp
     holds = wanted * length <= tokens
+    pool = f"{dp} replicas × device pool" if dp > 1 else "device pool"
     arithmetic = (
         f"{wanted} requests × {format_count(length)} tokens = {format_count(wanted * length)} "
-        f"{'≤' if holds else '>'} device pool {format_count(tokens)} tokens: "
+        f"{'≤' if holds else '>'} {pool} {format_count(tokens)} tokens: "
         f"{plan.device_concurrency} run at once"
     )
     if not holds and plan.cached_concurrency > plan.device_concurrency:

@@ -129,6 +129,7 @@ def _vllm_inputs(flags: VLLMFlags, inputs: PlanInputs) -> PlanInputs:
         machine=dataclasses.replace(inputs.machine, gpus_per_node=flags.local_ranks),
         tp=flags.tp,
         pp=flags.pp,
+        dp=flags.dp,
         kv_dtype=kv_dtype,
         mem_fraction_static=min(flags.gpu_memory_utilization, 0.999),
         page_size=flags.block_size,
