@@ -53,6 +53,13 @@ class EngineArgs:
         default="auto",
         metadata=_flag("auto = cuda when available", choices=["auto", "cpu", "cuda"]),
     )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=_flag(
+            "what every KV tier stores: auto (the model's dtype), bf16, fp16, fp32, fp8_e4m3, "
+            "fp8_e5m2 (fp8 = fp8_e4m3, vLLM's name); attention computes in the model's dtype"
+        ),
+    )
     page_size: int = field(default=16, metadata=_flag("tokens per KV page"))
     max_total_tokens: int | None = field(
         default=None,
@@ -115,6 +122,13 @@ class EngineArgs:
     seed: int = field(default=0, metadata=_flag("seed for requests that do not give their own"))
 
     def __post_init__(self) -> None:
+        if self.kv_cache_dtype != "auto":
+            from tierserve.cache.spec import kv_dtype_name
+
+            try:
+                kv_dtype_name(self.kv_cache_dtype)
+            except TierserveError as err:
+                raise TierserveError(err.message, field="kv_cache_dtype") from None
         positive = {
             "page_size": self.page_size,
             "max_running_requests": self.max_running_requests,

@@ -34,8 +34,14 @@ class PagedKV:
         device: torch.device,
         host_tier: bool = False,
         pin_memory: bool = False,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.spec = spec
+        # Attention computes in the model's dtype whatever the pool stores (fp8 KV: bytes of
+        # float8 values, no scale, as SGLang's and vLLM's default fp8 KV without k/v scales).
+        self.compute_dtype = compute_dtype or spec.torch_dtype()
+        self._float8 = spec.float8()
+        self.lossy = self._float8 is not None or self.compute_dtype != spec.torch_dtype()
         self.num_pages = num_pages
         self.page_size = spec.page_size
         self.device = torch.device(device)
@@ -75,15 +81,33 @@ class PagedKV:
         page, offset = slots // self.page_size, slots % self.page_size
         view = self.data[:, layer]
         for i, x in enumerate(parts):
-            view[:, i][page, :, offset] = x.to(view.dtype)
+            view[:, i][page, :, offset] = self._stored(x)
 
     def gather(self, layer: int, pages: torch.Tensor) -> torch.Tensor:
-        """One layer of `pages` ([..., P]) as `[parts, heads, ..., P * page_size, dim]`."""
+        """One layer of `pages` ([..., P]) as `[parts, heads, ..., P * page_size, dim]`, in the
+        compute dtype."""
         spec = self.spec
         rows = self.data[:, layer].view(self.num_pages, spec.parts, spec.heads, -1)
         out = rows.permute(1, 2, 0, 3).index_select(2, pages.reshape(-1))
         tokens = (*pages.shape[:-1], pages.shape[-1] * self.page_size)
-        return out.view(spec.parts, spec.heads, *tokens, spec.dim)
+        return self._loaded(out.view(spec.parts, spec.heads, *tokens, spec.dim))
+
+    def as_stored(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` as attention will read it back from this pool (rounded to the stored dtype), so
+        fresh tokens and cached ones look the same whichever path a request takes."""
+        return self._loaded(self._stored(x)) if self.lossy else x
+
+    def _stored(self, x: torch.Tensor) -> torch.Tensor:
+        if self._float8 is not None:  # torch's CPU index_put has no float8 kernel: bytes
+            # Saturate, as e4m3's cast already does: e5m2 would turn large values into inf.
+            top = torch.finfo(self._float8).max
+            return x.clamp(-top, top).to(self._float8).view(torch.uint8)
+        return x.to(self.data.dtype)
+
+    def _loaded(self, x: torch.Tensor) -> torch.Tensor:
+        if self._float8 is not None:
+            x = x.view(self._float8)
+        return x.to(self.compute_dtype)
 
 
 def _page_lock(t: torch.Tensor) -> None:

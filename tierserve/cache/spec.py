@@ -42,7 +42,8 @@ KV_DTYPE_ALIASES: dict[str, str] = {
     "bf16": "bfloat16",
     "fp16": "float16",
     "half": "float16",
-    "fp8": "fp8_e4m3",
+    "float": "float32",
+    "fp8": "fp8_e4m3",  # vLLM's name
 }
 
 
@@ -131,3 +132,9 @@ class KVSpec:
 
         names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
         return names.get(self.dtype, torch.uint8)
+
+    def float8(self) -> torch.dtype | None:
+        """The float8 type whose bytes the pools hold, for fp8 KV; None otherwise."""
+        import torch
+
+        return {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(self.dtype)

@@ -59,7 +59,8 @@ class Engine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
         model = load_model(startup.model_path, cfg, self.dtype, self.device)
-        pool = PagedKV(plan.spec, plan.device_tokens // plan.spec.page_size, self.device)
+        pages = plan.device_tokens // plan.spec.page_size
+        pool = PagedKV(plan.spec, pages, self.device, compute_dtype=self.dtype)
         host = self._host_tier(pool, plan, transfer) if plan.host else None
         self.kv = KVCacheManager(pool, not args.disable_radix_cache, host)
         sched_cfg = SchedulerConfig(

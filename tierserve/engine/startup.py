@@ -59,9 +59,11 @@ class Startup:
         cfg = ModelConfig.from_dir(model_path)
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, cfg, device)
-        spec = KVSpec.from_model(cfg, str(dtype).removeprefix("torch."), args.page_size)
+        model_dtype = str(dtype).removeprefix("torch.")
+        kv_dtype = model_dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+        spec = KVSpec.from_model(cfg, kv_dtype, args.page_size)
         weight_bytes = checkpoint_numel(model_path) * dtype.itemsize
-        plan = _kv_plan(args, device, spec, weight_bytes)
+        plan = _kv_plan(args, device, spec, weight_bytes, dtype.itemsize)
         context = _context_length(args, cfg)
         return cls(model_path, cfg, device, dtype, context, weight_bytes, plan)
 
@@ -77,12 +79,16 @@ def _context_length(args: EngineArgs, cfg: ModelConfig) -> int:
     return limit
 
 
-def _kv_plan(args: EngineArgs, device: torch.device, spec: KVSpec, weight_bytes: int) -> KVPlan:
+def _kv_plan(
+    args: EngineArgs, device: torch.device, spec: KVSpec, weight_bytes: int, compute_width: int
+) -> KVPlan:
     num_pages = check_pool_size(_pool_tokens(args, device, spec, weight_bytes), spec.page_size)
     device_tokens = num_pages * spec.page_size
     on_cpu = device.type == "cpu"
-    # On CPU the decode workspace keeps a padded copy of the decode batch's KV (bounded).
-    workspace = DecodeWorkspace.MAX_PADDING * device_tokens * spec.bytes_per_token
+    # On CPU the decode workspace keeps a padded copy of the decode batch's KV (bounded), in
+    # the compute dtype: with fp8 KV it is 4× the pool's bytes per token in float32.
+    per_token = spec.bytes_per_token // spec.dtype_bytes * compute_width
+    workspace = DecodeWorkspace.MAX_PADDING * device_tokens * per_token
     workspace = workspace if on_cpu else 0
     plan = KVPlan(spec, device_tokens, None, args.hicache_write_policy, workspace)
     if on_cpu:

@@ -210,6 +210,7 @@ class TorchAttention(AttentionBackend):
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     ) -> torch.Tensor:
         self.pool.write(layer, self.batch.out_slots, k, v)
+        k, v = self.pool.as_stored(k), self.pool.as_stored(v)
         nd = self.num_decode
         if nd == len(q):
             return self._decode(layer, q, k, v)
