@@ -48,6 +48,7 @@ class Result:
     ttft_later_rounds: float
     hit_rate: float
     host_hit_tokens: int
+    peak_running: int = 0  # most requests running in one step
 
     @property
     def throughput(self) -> float:
@@ -94,11 +95,13 @@ def run_once(name: str, engine: Engine, ns: argparse.Namespace, vocab: int) -> R
         by_rid[c.rid] = c
 
     ready = deque(clients)
-    start = time.perf_counter()
+    start, peak = time.perf_counter(), 0
     while ready or engine.has_unfinished():
         while ready and len(by_rid) < ns.max_in_flight:
             send(ready.popleft())
-        for out in engine.step():
+        outputs = engine.step()
+        peak = max(peak, len(engine.scheduler.running))
+        for out in outputs:
             c = by_rid[out.request_id]
             c.answer.append(out.token_id)
             if c.first is None:
@@ -117,7 +120,8 @@ def run_once(name: str, engine: Engine, ns: argparse.Namespace, vocab: int) -> R
     seconds = time.perf_counter() - start
     later = [t for c in clients for r, t in c.ttfts if r >= 1]
     host = (engine.kv.host.stats.host_hit_tokens - host_before) if engine.kv.host else 0
-    return Result(name, seconds, done, statistics.mean(later), cached_tokens / prompt_tokens, host)
+    hit_rate = cached_tokens / prompt_tokens
+    return Result(name, seconds, done, statistics.mean(later), hit_rate, host, peak)
 
 
 def main() -> None:
