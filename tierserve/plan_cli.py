@@ -218,10 +218,10 @@ def _json(data: dict) -> str:
 
 def _kv_dtype(text: str) -> str:
     """The planner's short KV dtype names, from ours, SGLang's or vLLM's spelling."""
-    name = planner.KV_DTYPE_SPELLINGS.get(text.lower())
-    if name is None:
-        known = ", ".join(planner.KV_DTYPE_SPELLINGS)
-        raise argparse.ArgumentTypeError(f"unknown KV dtype {text!r}; known: {known}")
+    try:
+        name = planner.short_kv_dtype(text)
+    except TierserveError as err:
+        raise argparse.ArgumentTypeError(f"{err.message}, auto") from None
     return name or "bf16"  # auto: the model's dtype, bf16 for the checkpoints planned here
 
 

@@ -34,18 +34,19 @@ from tierserve.weights import ModelSpec
 
 # The planner speaks SGLang/vLLM-style short names for KV dtypes; the spec knows their widths.
 KV_DTYPE_CHOICES = ("fp32", "bf16", "fp16", "fp8")
-# Every spelling of a KV dtype our users type (tierserve, SGLang, vLLM); "" = auto (the model's).
-KV_DTYPE_SPELLINGS = {
-    "auto": "",
-    **{name: name for name in KV_DTYPE_CHOICES},
-    "bfloat16": "bf16",
-    "float16": "fp16",
-    "half": "fp16",
-    "float32": "fp32",
-    "float": "fp32",
-    "fp8_e4m3": "fp8",
-    "fp8_e5m2": "fp8",
-}
+# The planner's short name of each canonical KV dtype (what its tables print).
+_SHORT_KV_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def short_kv_dtype(text: str) -> str:
+    """The planner's short name for any spelling users bring (tierserve's, SGLang's, vLLM's:
+    cache/spec.py knows them all); "" for auto (the model's dtype)."""
+    if text.lower() == "auto":
+        return ""
+    canonical = kv_dtype_name(text.lower())
+    return _SHORT_KV_DTYPE.get(canonical, "fp8" if canonical.startswith("fp8") else canonical)
+
+
 # Host RAM one serving process needs beyond its KV cache (CUDA context, torch, pinned staging,
 # tokenizer); the seed's 8-rank server took ~40 GB, i.e. ~5 GB a rank.
 DEFAULT_OVERHEAD_PER_RANK = 5 * GB

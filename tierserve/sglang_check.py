@@ -18,12 +18,12 @@ from typing import Any
 
 from tierserve.errors import TierserveError
 from tierserve.planner import (
-    KV_DTYPE_SPELLINGS,
     HostRequest,
     Plan,
     PlanInputs,
     make_plan,
     sglang_size_gb,
+    short_kv_dtype,
 )
 from tierserve.units import GB, GiB, format_bytes, format_count, format_gb
 
@@ -102,7 +102,12 @@ def parse_sglang_flags(flags: str) -> SGLangFlags:
 def sglang_kv_dtype(kv_cache_dtype: str | None, default: str) -> str:
     if kv_cache_dtype is None:
         return default
-    return KV_DTYPE_SPELLINGS.get(kv_cache_dtype.lower()) or default
+    try:
+        return short_kv_dtype(kv_cache_dtype) or default
+    except TierserveError:
+        raise TierserveError(
+            f"SGLang --kv-cache-dtype {kv_cache_dtype!r} is not one SGLang takes", "check_sglang"
+        ) from None
 
 
 def sglang_host_tokens(bytes_per_token: int, device_tokens: int, flags: SGLangFlags) -> int:

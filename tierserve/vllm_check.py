@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierserve.errors import TierserveError
-from tierserve.planner import KV_DTYPE_SPELLINGS, HostRequest, Plan, PlanInputs, make_plan
+from tierserve.planner import HostRequest, Plan, PlanInputs, make_plan, short_kv_dtype
 from tierserve.units import GiB
 
 VLLM_DEFAULT_UTILIZATION = 0.9
@@ -82,9 +82,11 @@ def parse_vllm_flags(flags: str) -> VLLMFlags:
     if not 0 <= parsed.kv_offloading_size < 1e6:
         message = f"vLLM --kv-offloading-size must be in [0, 1e6) GiB, got {ns.kv_offloading_size}"
         raise TierserveError(message, field="check_vllm")
-    if parsed.kv_cache_dtype.lower() not in KV_DTYPE_SPELLINGS:
+    try:
+        short_kv_dtype(parsed.kv_cache_dtype)
+    except TierserveError:
         message = f"vLLM --kv-cache-dtype {parsed.kv_cache_dtype!r} is not one vLLM takes"
-        raise TierserveError(message, field="check_vllm")
+        raise TierserveError(message, field="check_vllm") from None
     return parsed
 
 
@@ -116,7 +118,7 @@ class VLLMCheck:
 
 
 def _vllm_inputs(flags: VLLMFlags, inputs: PlanInputs) -> PlanInputs:
-    kv_dtype = KV_DTYPE_SPELLINGS[flags.kv_cache_dtype.lower()] or inputs.kv_dtype
+    kv_dtype = short_kv_dtype(flags.kv_cache_dtype) or inputs.kv_dtype
     device = inputs.device_tokens_per_rank
     if flags.num_gpu_blocks_override is not None:
         device = flags.num_gpu_blocks_override * flags.block_size
