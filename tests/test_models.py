@@ -135,3 +135,73 @@ def test_decode_workspace_stays_within_twice_the_live_kv(checkpoints):
     assert max(padded_to_longest) > 3  # the case the bound is for did occur
     got = [outs[f"req-{i}"] for i in range(len(prompts))]
     assert got == hf_greedy(path, prompts, 40)
+
+
+def _fp8_block_quantize(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A weight as DeepSeek-V3 ships it: float8_e4m3fn values and one float32 `weight_scale_inv`
+    per block (the block's absmax / 448)."""
+    rows, cols = weight.shape
+    nr, nc = -(-rows // block), -(-cols // block)
+    padded = torch.zeros(nr * block, nc * block)
+    padded[:rows, :cols] = weight
+    blocks = padded.view(nr, block, nc, block)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
+    q = (blocks / scale[:, None, :, None]).view(nr * block, nc * block)[:rows, :cols]
+    return q.to(torch.float8_e4m3fn), scale
+
+
+def test_fp8_block_scaled_checkpoints_load_dequantized_and_mtp_is_skipped(checkpoints, tmp_path):
+    """A checkpoint stored the way DeepSeek-V3 stores one (fp8 blocks + weight_scale_inv, an MTP
+    layer past num_hidden_layers) loads, and matches transformers on the dequantized weights."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tierserve.models.loader import dequantize
+
+    source, fp8_dir, ref_dir = checkpoints["llama"], tmp_path / "fp8", tmp_path / "ref"
+    for d in (fp8_dir, ref_dir):
+        shutil.copytree(source, d)
+    state = load_file(str(source / "model.safetensors"))
+    block, quantized, reference = 16, {}, {}
+    for name, w in state.items():
+        if w.dim() == 2 and "proj" in name:  # linear layers; norms and embeddings stay
+            q, scale = _fp8_block_quantize(w, block)
+            quantized[name], quantized[name + "_scale_inv"] = q, scale
+            reference[name] = dequantize(q, scale, (block, block))
+        else:
+            quantized[name] = reference[name] = w
+    layers = json.loads((source / "config.json").read_text())["num_hidden_layers"]
+    quantized[f"model.layers.{layers}.mlp.up_proj.weight"] = torch.randn(3, 3)  # MTP: skipped
+    save_file(quantized, str(fp8_dir / "model.safetensors"))
+    save_file(reference, str(ref_dir / "model.safetensors"))
+    config = json.loads((fp8_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block]}
+    (fp8_dir / "config.json").write_text(json.dumps(config))
+
+    prompts = random_prompts(4, [5, 40, 130], seed=9)
+    llm = LLM(str(fp8_dir), max_total_tokens=4096)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outs] == hf_greedy(ref_dir, prompts, 12)
+    # The plan counts the parameters the model holds: no scales, no MTP layer.
+    assert llm.engine.startup.weight_bytes == sum(t.numel() for t in reference.values()) * 4
+
+
+def test_a_checkpoint_that_does_not_match_names_the_tensors(checkpoints, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tierserve import TierserveError
+
+    broken = tmp_path / "broken"
+    shutil.copytree(checkpoints["llama"], broken)
+    state = load_file(str(broken / "model.safetensors"))
+    del state["model.layers.0.mlp.up_proj.weight"]
+    state["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
+    save_file(state, str(broken / "model.safetensors"))
+    with pytest.raises(TierserveError) as err:
+        LLM(str(broken), max_total_tokens=256)
+    assert "model.layers.0.mlp.up_proj.weight" in err.value.message
+    assert "model.layers.0.mlp.extra.weight" in err.value.message

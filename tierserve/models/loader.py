@@ -1,19 +1,33 @@
-"""Builds a model from a local Hugging Face directory: config.json + one or sharded safetensors."""
+"""Builds a model from a local Hugging Face directory: config.json + one or sharded safetensors.
+
+Weights are read tensor by tensor into parameters already allocated at the model's dtype, so
+loading never holds a second full copy of the model (peak ≈ the model + its largest tensor).
+Checkpoints as DeepSeek-V3 ships them load too: fp8 block-scaled weights (`weight_scale_inv`,
+blocks of `quantization_config.weight_block_size`) are dequantized as they arrive, and the
+multi-token-prediction layer (`model.layers.{num_hidden_layers}`, for speculative decoding) is
+skipped.
+"""
 
 from __future__ import annotations
 
 import json
 import math
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
+from tqdm import tqdm
 
-from tierserve.config import ModelConfig
+from tierserve.config import ModelConfig, read_hf_config, text_config
 from tierserve.errors import TierserveError
 from tierserve.models.registry import model_class
+
+SCALE_SUFFIX = "_scale_inv"
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def weight_files(path: Path) -> list[Path]:
@@ -27,14 +41,56 @@ def weight_files(path: Path) -> list[Path]:
     raise TierserveError(f"no model.safetensors (or index) in {path}", field="model")
 
 
+def _served(key: str, num_layers: int) -> bool:
+    """Whether the model uses this tensor: not a dequantization scale, not an MTP layer."""
+    if key.endswith(SCALE_SUFFIX):
+        return False
+    layer = _LAYER.match(key)
+    return layer is None or int(layer[1]) < num_layers
+
+
 def checkpoint_numel(path: str | Path) -> int:
-    """Parameters in the checkpoint, read from the safetensors headers without loading them."""
+    """Parameters the model will hold, read from the safetensors headers without loading them."""
+    num_layers = ModelConfig.from_dict(read_hf_config(path)).num_layers
     total = 0
     for file in weight_files(Path(path)):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                total += math.prod(f.get_slice(key).get_shape())
+                if _served(key, num_layers):
+                    total += math.prod(f.get_slice(key).get_shape())
     return total
+
+
+def _block_size(path: Path) -> tuple[int, int]:
+    quant = text_config(read_hf_config(path)).get("quantization_config") or {}
+    block = quant.get("weight_block_size") or (128, 128)
+    return int(block[0]), int(block[1])
+
+
+def dequantize(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """fp8 weight × its per-block scale (DeepSeek-V3's `weight_scale_inv`), in float32."""
+    rows, cols = weight.shape
+    scale = scale_inv.float().repeat_interleave(block[0], 0)[:rows]
+    return weight.float() * scale.repeat_interleave(block[1], 1)[:, :cols]
+
+
+def _tensors(path: Path, num_layers: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every tensor the model uses, one at a time, fp8 ones dequantized."""
+    block = _block_size(path)
+    for file in weight_files(path):
+        # Memory-mapped: a shard's tensors are page cache until copied into the model, so
+        # only one tensor at a time (dequantized, for fp8) takes memory of its own.
+        shard = load_file(str(file))
+        for key in sorted(shard):
+            if not _served(key, num_layers):
+                continue
+            tensor = shard[key]
+            if key + SCALE_SUFFIX in shard:
+                tensor = dequantize(tensor, shard[key + SCALE_SUFFIX], block)
+            yield key, tensor
+        del shard
 
 
 def load_model(
@@ -44,24 +100,40 @@ def load_model(
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg)
     model = model.to_empty(device=device).to(dtype)
-    state = {}
-    for file in weight_files(path):
-        state.update(load_file(str(file), device=str(device)))
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    params = dict(model.named_parameters())
+    assigned, unexpected = set(), []
+    total = sum(1 for f in weight_files(path) for _ in _keys(f, cfg.num_layers))
+    bar = tqdm(total=total, desc="loading weights", unit="tensor", leave=False)
+    with torch.no_grad():
+        for name, tensor in _tensors(path, cfg.num_layers):
+            bar.update(1)
+            if cfg.tie_word_embeddings and name == "lm_head.weight":
+                continue
+            target = params.get(name)
+            if target is None or target.shape != tensor.shape:
+                if not name.endswith("rotary_emb.inv_freq"):
+                    unexpected.append(name)
+                continue
+            target.copy_(tensor)  # converts to the model's dtype and device in place
+            assigned.add(name)
+    bar.close()
+    missing = [n for n in params if n not in assigned]
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
-    unexpected = [u for u in unexpected if not u.endswith("rotary_emb.inv_freq")]
     if missing or unexpected:
         raise TierserveError(
             f"checkpoint {path} does not match {cfg.architecture}: "
-            f"missing {missing[:5]}, unexpected {unexpected[:5]}",
+            f"missing {missing[:5]}, unexpected or misshapen {unexpected[:5]}",
             field="model",
         )
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     _rebuild_buffers(model, cfg, device)
     return model.eval()
+
+
+def _keys(file: Path, num_layers: int) -> list[str]:
+    with safe_open(str(file), framework="pt") as f:
+        return [k for k in f.keys() if _served(k, num_layers)]  # noqa: SIM118
 
 
 def _rebuild_buffers(model: nn.Module, cfg: ModelConfig, device: torch.device) -> None:
