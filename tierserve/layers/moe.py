@@ -1,0 +1,139 @@
+"""Mixture of experts as DeepSeek-V2 and V3 (and Kimi-K2, which reuses V3) route it.
+
+A router scores every expert per token and keeps `top_k`:
+- V3 (`scoring="sigmoid"`, "noaux_tc"): sigmoid scores; the choice adds the learned
+  `e_score_correction_bias` (load balancing without an auxiliary loss) but the weights do not;
+  only the `topk_group` groups whose two best biased scores sum highest are eligible; weights
+  are optionally renormalized (`norm_topk_prob`), then scaled by `routed_scaling_factor`.
+- V2 (`scoring="softmax"`): softmax scores, plain top-k ("greedy") or top-k within the
+  `topk_group` groups with the highest single score ("group_limited_greedy"), then scaled.
+Shared experts see every token. Parameter names are those of transformers' modules, with the
+routed experts stacked ([experts, 2 × intermediate, hidden] gate/up, [experts, hidden,
+intermediate] down) so one index picks an expert's matrices.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    hidden_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    n_shared_experts: int
+    scoring: Literal["sigmoid", "softmax"]  # V3 / V2
+    topk_method: Literal["noaux_tc", "greedy", "group_limited_greedy"]
+    n_group: int = 1
+    topk_group: int = 1
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+
+
+class TopKRouter(nn.Module):
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        # V3's load-balancing bias: it changes which experts are chosen, not their weights.
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[tokens, top_k] weights and expert indices; routing runs in float32."""
+        cfg = self.cfg
+        logits = F.linear(x.float(), self.weight.float())
+        if cfg.scoring == "sigmoid":
+            scores = logits.sigmoid()
+            choice = self._in_top_groups(scores + self.e_score_correction_bias, by_top2=True)
+            indices = choice.topk(cfg.top_k, dim=-1, sorted=False).indices
+            weights = scores.gather(1, indices)
+            if cfg.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        else:
+            scores = logits.softmax(dim=-1)
+            if cfg.topk_method == "group_limited_greedy":
+                scores = self._in_top_groups(scores, by_top2=False, fill=0.0)
+            weights, indices = scores.topk(cfg.top_k, dim=-1, sorted=False)
+        return weights * cfg.routed_scaling_factor, indices
+
+    def _in_top_groups(
+        self, scores: torch.Tensor, by_top2: bool, fill: float = float("-inf")
+    ) -> torch.Tensor:
+        """`scores` with every expert outside the `topk_group` best groups set to `fill`. A
+        group's score is the sum of its two best (V3) or its best (V2)."""
+        cfg = self.cfg
+        grouped = scores.view(-1, cfg.n_group, cfg.num_experts // cfg.n_group)
+        if by_top2:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.max(dim=-1).values
+        keep = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
+        mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        return grouped.masked_fill(~mask.unsqueeze(-1), fill).view_as(scores)
+
+
+class Experts(nn.Module):
+    """The routed experts' gated MLPs, stacked."""
+
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
+        self.down_proj = nn.Parameter(torch.empty(e, h, i))
+
+    def forward(
+        self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Each token through its chosen experts, weighted; one matmul per expert in use."""
+        out = torch.zeros_like(x)
+        flat = indices.reshape(-1)
+        order = flat.argsort()
+        token_of = order // indices.shape[1]  # the token each sorted choice belongs to
+        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        start = 0
+        for expert, count in enumerate(counts):
+            if count == 0:
+                continue
+            picks = order[start : start + count]
+            tokens = token_of[start : start + count]
+            start += count
+            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            w = weights.reshape(-1)[picks].unsqueeze(-1).to(y.dtype)
+            out.index_add_(0, tokens, y * w)
+        return out
+
+
+class SharedExperts(nn.Module):
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: MoEConfig) -> None:
+        super().__init__()
+        self.gate = TopKRouter(cfg)
+        self.experts = Experts(cfg)
+        shared = cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.shared_experts = SharedExperts(cfg.hidden_size, shared) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[tokens, hidden] → [tokens, hidden]."""
+        weights, indices = self.gate(x)
+        out = self.experts(x, indices, weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
