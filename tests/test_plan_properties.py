@@ -165,7 +165,14 @@ BASE_CONFIG = {
     "max_position_embeddings": 8192,
     "torch_dtype": "bfloat16",
 }
-BAD_VALUES = st.sampled_from([0, -1, 1.5, "x", None, [], {}, True, 10**40, float("nan")])
+BAD_VALUES = st.sampled_from(
+    [
+        0, -1, 1.5, "x", None, [], {}, True, 10**40, float("nan"),
+        {"quant_method": "compressed-tensors", "config_groups": {"group_0": 5}},
+        {"quant_method": "gptq", "bits": 4, "config_groups": [], "ignore": 3},
+        {"quant_method": "awq", "config_groups": {"group_0": {"weights": {"group_size": 0}}}},
+    ]
+)  # fmt: skip
 
 
 @settings(
@@ -176,7 +183,9 @@ BAD_VALUES = st.sampled_from([0, -1, 1.5, "x", None, [], {}, True, 10**40, float
 )
 @given(
     mutations=st.dictionaries(
-        st.sampled_from([*BASE_CONFIG, "head_dim", "kv_lora_rank", "text_config"]),
+        st.sampled_from(
+            [*BASE_CONFIG, "head_dim", "kv_lora_rank", "text_config", "quantization_config"]
+        ),
         BAD_VALUES,
         min_size=1,
         max_size=3,
@@ -190,6 +199,7 @@ def test_random_config_mutations_never_end_in_a_traceback(tmp_path: Path, mutati
     (tmp_path / "config.json").write_text(json.dumps(config))
     argv = ["--model", str(tmp_path), "--host-mem", "500GB", "--tp", "8"]
     fields = set(BASE_CONFIG) | {"head_dim", "kv_lora_rank", "text_config", "config", "model"}
+    fields.add("quantization_config")
     check(argv, fields | {"tp", "heads"})
 
 

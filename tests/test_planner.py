@@ -190,8 +190,7 @@ def test_device_pool_is_static_fraction_minus_weights() -> None:
 def test_local_ranks() -> None:
     assert planner.local_ranks(8, 8) == 8
     assert planner.local_ranks(16, 8) == 8  # TP across two nodes
-    assert planner.local_ranks(4, 8) == 8  # two TP groups share the node
-    assert planner.local_ranks(3, 8) == 6
+    assert planner.local_ranks(4, 8) == 4  # replicas are counted when asked for (--dp), only
     assert planner.local_ranks(1, 1) == 1
 
 
@@ -662,6 +661,8 @@ def test_vllm_command_lines_are_checked_with_vllms_semantics() -> None:
     two = check_vllm(f"-tp 8 -dp 2 --kv-offloading-size 300 {fits}", inputs)  # two engines
     assert two.plan.local_ranks == 16 and not two.fits
     assert any("--kv-offloading-size 183 at most" in line for line in two.lines), two.lines
+    host = next(c for c in two.to_dict()["constraints"] if c["name"] == "host RAM")
+    assert host["suggest"] == {"kv_offloading_size": 183}  # the JSON speaks vLLM's unit too
     assert two.plan.host.bytes_per_node == pytest.approx(2 * 300 * GiB, abs=16 * 64 * 2**17)
     long = check_vllm("-tp 8 --max-model-len 130000", inputs)  # pool: 127,000 tokens
     assert not long.fits and any("vLLM refuses to start" in line for line in long.lines)

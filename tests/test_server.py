@@ -669,3 +669,23 @@ def test_batch_rerun_retries_failed_lines_and_names_a_corrupt_one(llama_dir, tmp
     assert corrupt.returncode == 2
     assert f"{out}:3: not a batch output line" in corrupt.stderr
     assert "Traceback" not in corrupt.stderr
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        ("[1, 2]", ":2: not a JSON object"),
+        ('{"custom_id": 5, "url": "/v1/completions", "body": {}}', ":2: custom_id must be"),
+        ('{"custom_id": "b", "url": "/v1/completions", "body": "x"}', ":2: custom_id must be"),
+    ],
+)
+def test_batch_input_lines_of_the_wrong_shape_are_named(tmp_path, line, message):
+    from tierserve import TierserveError
+    from tierserve.batch import read_input
+
+    good = '{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "hi"}}'
+    src = tmp_path / "in.jsonl"
+    src.write_text(good + "\n" + line + "\n")
+    with pytest.raises(TierserveError) as err:
+        read_input(src)
+    assert message in err.value.message

@@ -55,9 +55,14 @@ def read_input(path: Path) -> list[dict[str, Any]]:
             line = json.loads(raw)
         except json.JSONDecodeError as err:
             raise TierserveError(f"{path}:{number}: not JSON ({err.msg})", "input") from None
+        if not isinstance(line, dict):
+            raise TierserveError(f"{path}:{number}: not a JSON object", "input")
         missing = [k for k in ("custom_id", "url", "body") if k not in line]
         if missing:
             raise TierserveError(f"{path}:{number}: missing {missing}", "input")
+        if not isinstance(line["custom_id"], str) or not isinstance(line["body"], dict):
+            message = f"{path}:{number}: custom_id must be a string and body an object"
+            raise TierserveError(message, "input")
         if line["custom_id"] in seen:
             raise TierserveError(f"{path}:{number}: duplicate custom_id {line['custom_id']!r}")
         seen.add(line["custom_id"])
@@ -87,7 +92,10 @@ def read_output(path: Path) -> dict[str, bool]:
 def _parse_record(raw: bytes, where: str) -> tuple[str, bool]:
     try:
         record = json.loads(raw)
-        return record["custom_id"], record["response"]["status_code"] == 200
+        custom_id = record["custom_id"]
+        if not isinstance(custom_id, str):
+            raise TypeError(custom_id)
+        return custom_id, record["response"]["status_code"] == 200
     except (ValueError, KeyError, TypeError):
         message = f"{where}: not a batch output line; fix or remove it, then rerun"
         raise TierserveError(message, "output") from None
@@ -204,6 +212,8 @@ class BatchRunner:
 def run(ns: argparse.Namespace) -> int:
     if ns.concurrency <= 0:
         raise TierserveError("--concurrency must be > 0", "concurrency")
+    if ns.max_retries < 0:
+        raise TierserveError("--max-retries must be >= 0", "max_retries")
     lines = read_input(Path(ns.input))
     out = Path(ns.output)
     done = read_output(out)

@@ -144,8 +144,8 @@ def _add_machine_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="PRESET_OR_SIZE",
         help=f"memory of one GPU: {', '.join(GPU_PRESETS)}, or a size (h100-80gb)",
     )
-    add("--gpus", type=int, metavar="N", help="GPUs per node (default: tp × pp / --nnodes)")
-    add("--nnodes", type=int, default=1, metavar="N", help="nodes the tp × pp ranks span (1)")
+    add("--gpus", type=int, metavar="N", help="GPUs per node (default: tp × pp × dp / --nnodes)")
+    add("--nnodes", type=int, default=1, metavar="N", help="nodes the tp × pp × dp ranks span (1)")
     add(
         "--host-mem",
         metavar="SIZE",

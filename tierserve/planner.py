@@ -32,8 +32,6 @@ from tierserve.units import GB, GiB, format_count, format_gb
 from tierserve.verdict import Constraint, constraints
 from tierserve.weights import ModelSpec
 
-# The planner speaks SGLang/vLLM-style short names for KV dtypes; the spec knows their widths.
-KV_DTYPE_CHOICES = ("fp32", "bf16", "fp16", "fp8")
 # The planner's short name of each canonical KV dtype (what its tables print).
 _SHORT_KV_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
@@ -107,12 +105,10 @@ def tokens_in(pool_bytes: int, bytes_per_token: int, page_size: int = 1) -> int:
     return tokens - tokens % page_size
 
 
-def local_ranks(tp: int, gpus_per_node: int) -> int:
-    """Ranks sharing one node's host RAM: all of them when TP spans nodes, else every TP group
-    (data-parallel copies) that fits on the node's GPUs."""
-    if tp >= gpus_per_node:
-        return gpus_per_node
-    return gpus_per_node // tp * tp
+def local_ranks(processes: int, gpus_per_node: int) -> int:
+    """Processes sharing one node's host RAM: a node's worth when they span nodes. Data-parallel
+    replicas are counted only when asked for (--dp), never assumed to fill spare GPUs."""
+    return min(processes, gpus_per_node)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -618,8 +614,14 @@ def launch_flags(plan: Plan) -> LaunchFlags:
     inputs, host = plan.inputs, _fitting_host(plan)
     cfg_max = inputs.model.config.max_position_embeddings
     frac = repr(inputs.mem_fraction_static)  # exact: the launch gets the plan's pool, not ±1
-    # Only flags `tierserve serve` has today (no --tp or KV dtype yet: one GPU per server).
-    tierserve = f"--mem-fraction-static {frac}" + _pool_flags(plan, "--max-total-tokens")
+    # Only flags `tierserve serve` has today (no --tp yet: one GPU per server). Its page size
+    # and KV dtype always, since its defaults (16 tokens, the model's dtype) differ from the plan's.
+    tierserve = f"--mem-fraction-static {frac}"
+    if inputs.device_tokens_per_rank is not None:
+        tierserve += f" --max-total-tokens {inputs.device_tokens_per_rank}"
+    tierserve += f" --page-size {inputs.page_size}" + _kv_dtype_flag(plan, "fp8_e4m3")
+    if inputs.context_length is not None:
+        tierserve += f" --context-length {inputs.context_length}"
     if host is not None:
         tierserve += " --enable-hierarchical-cache"
         tierserve += f" --hicache-node-size {host.bytes_per_node // GB}GB"

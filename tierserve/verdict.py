@@ -74,7 +74,10 @@ def _device_memory(plan: Plan) -> Constraint:
             f"+ weights {format_gb(weights)} = {format_gb(need)} "
             f"{'≤' if need <= static else '>'} {share}"
         )
+        if need <= static:
+            return Constraint("device memory", True, arithmetic)
         most = max(0, static - weights) // plan.kv.per_rank
+        most -= most % inputs.page_size  # whole pages
         if most >= inputs.page_size:
             fix, suggest = f"at most --max-total-tokens {format_count(most)} fits", most
             return Constraint(

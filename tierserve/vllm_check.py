@@ -20,6 +20,7 @@ from typing import Any
 from tierserve.errors import TierserveError
 from tierserve.planner import HostRequest, Plan, PlanInputs, make_plan, short_kv_dtype
 from tierserve.units import GiB
+from tierserve.verdict import Constraint
 
 VLLM_DEFAULT_UTILIZATION = 0.9
 VLLM_DEFAULT_BLOCK = 16
@@ -94,6 +95,7 @@ def parse_vllm_flags(flags: str) -> VLLMFlags:
 class VLLMCheck:
     flags: VLLMFlags
     plan: Plan  # the plan under the command line's layout, utilization, dtype and block size
+    constraints: tuple[Constraint, ...]  # the plan's, in vLLM's words and units
     lines: tuple[str, ...]
 
     @property
@@ -112,7 +114,7 @@ class VLLMCheck:
             "host_bytes_per_node": plan.host.bytes_per_node,
             "host_usable_bytes": plan.budget.usable,
             "fits": self.fits,
-            "constraints": [dataclasses.asdict(c) for c in plan.constraints],
+            "constraints": [dataclasses.asdict(c) for c in self.constraints],
             "explanation": list(self.lines),
         }
 
@@ -149,6 +151,7 @@ def check_vllm(flags: str, inputs: PlanInputs) -> VLLMCheck:
     layout = f"{parsed.tp} TP × {parsed.pp} PP workers"
     layout += f" × {parsed.dp} data-parallel engines" if parsed.dp > 1 else ""
     lines = [f"vLLM starts {layout}: {parsed.local_ranks} processes on this node"]
+    said = []
     for c in plan.constraints:
         if c.name == "context length":  # vLLM's word for it, and its reaction
             c = dataclasses.replace(
@@ -157,14 +160,16 @@ def check_vllm(flags: str, inputs: PlanInputs) -> VLLMCheck:
                 arithmetic=c.arithmetic.replace("--context-length", "--max-model-len")
                 + ("" if c.holds else "; vLLM refuses to start"),
                 fix=c.fix.replace("--context-length", "--max-model-len"),
+                suggest={"max_model_len": c.suggest["context_length"]} if c.suggest else {},
             )
         if c.name == "host RAM" and not c.holds and plan.budget.usable > 0:
             # vLLM's unit: GiB for one engine (its tp × pp workers), one buffer per dp engine.
             workers = parsed.tp * parsed.pp
             gib = plan.recommended.bytes_per_rank * workers // GiB
             fix = f"--kv-offloading-size {gib} at most" if gib else "no offloading buffer fits"
-            c = dataclasses.replace(c, fix=fix)
+            c = dataclasses.replace(c, fix=fix, suggest={"kv_offloading_size": gib} if gib else {})
+        said.append(c)
         lines.append(f"{'ok' if c.holds else 'does NOT fit'}: {c.name}: {c.arithmetic}")
         if c.fix:
             lines.append(f"  instead: {c.fix}")
-    return VLLMCheck(parsed, plan, tuple(lines))
+    return VLLMCheck(parsed, plan, tuple(said), tuple(lines))

@@ -56,10 +56,12 @@ def _dense_layers(raw: Mapping[str, Any], layers: int) -> int:
     if not isinstance(only, list | tuple) or not all(isinstance(i, int) for i in only):
         message = f"model config 'mlp_only_layers' must be a list of ints, got {only!r}"
         raise TierserveError(message, "mlp_only_layers")
-    step_key = "decoder_sparse_step" if "decoder_sparse_step" in raw else "moe_layer_freq"
-    step = config_int(raw, step_key, 1) or 1
+    # Qwen-MoE: layer i is sparse when (i + 1) % decoder_sparse_step == 0; DeepSeek: when
+    # i % moe_layer_freq == 0 (past first_k_dense_replace).
+    qwen = "decoder_sparse_step" in raw
+    step = config_int(raw, "decoder_sparse_step" if qwen else "moe_layer_freq", 1) or 1
     dense = set(range(min(first_dense, layers))) | {i for i in only if 0 <= i < layers}
-    return len(dense) + sum(1 for i in range(layers) if i % step and i not in dense)
+    return len(dense) + sum(1 for i in range(layers) if (i + qwen) % step and i not in dense)
 
 
 def _num_experts(raw: Mapping[str, Any]) -> int:
@@ -111,10 +113,9 @@ def checkpoint_dtypes(config: Mapping[str, Any]) -> dict[str, str]:
     if not isinstance(quant, Mapping):
         raise TierserveError("model config 'quantization_config' must be an object")
     method = str(quant.get("quant_method", "")).lower()
-    groups = quant.get("config_groups") or {}
-    weights = (groups.get("group_0") or {}).get("weights") or {} if isinstance(groups, dict) else {}
-    bits = quant.get("bits") or (weights.get("num_bits") if isinstance(weights, dict) else None)
-    group_size = weights.get("group_size") if isinstance(weights, dict) else None
+    weights = _object(_object(_object(quant, "config_groups"), "group_0"), "weights")
+    bits = _positive_int(quant.get("bits")) or _positive_int(weights.get("num_bits"))
+    group_size = _positive_int(weights.get("group_size"))
     if method == "mxfp4":  # gpt-oss: experts only, 32-value blocks with an 8-bit scale
         return {"experts": "int4/g32", "other": base, "embeddings": base}
     if method == "fp8":
@@ -123,10 +124,21 @@ def checkpoint_dtypes(config: Mapping[str, Any]) -> dict[str, str]:
         low = ("int4" if bits == 4 else "int8") + (f"/g{group_size}" if group_size else "")
         # compressed-tensors lists what it leaves alone; attention left alone means only the
         # experts (and any other MLP it does not ignore) are quantized.
-        ignored = " ".join(str(i) for i in quant.get("ignore") or ())
+        ignore = quant.get("ignore")
+        ignored = " ".join(map(str, ignore)) if isinstance(ignore, list | tuple) else ""
         other = base if "attn" in ignored else low
         return {"experts": low, "other": other, "embeddings": base}
     return dict.fromkeys(GROUPS, base)
+
+
+def _object(parent: Mapping[str, Any], key: str) -> Mapping[str, Any]:
+    """A nested object of quantization_config, or {} when it is absent or not an object."""
+    value = parent.get(key)
+    return value if isinstance(value, Mapping) else {}
+
+
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 def dtype_bytes(dtype: str) -> float:

@@ -16,10 +16,22 @@ REPLACEMENT = "\ufffd"
 MAX_UNSETTLED = 8  # a character is at most 4 bytes, so 4 byte tokens; twice that is stray bytes
 
 
+def _rust_backend(tokenizer: Any) -> Any:
+    """The tokenizers.Tokenizer behind a fast tokenizer, when this tokenizers has DecodeStream
+    (0.21 and later); None sends decoding down the window path."""
+    try:
+        from tokenizers import Tokenizer
+        from tokenizers.decoders import DecodeStream  # noqa: F401
+    except ImportError:
+        return None
+    backend = getattr(tokenizer, "_tokenizer", None)
+    return backend if isinstance(backend, Tokenizer) else None
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._backend = getattr(tokenizer, "_tokenizer", None)  # tokenizers.Tokenizer, if fast
+        self._backend = _rust_backend(tokenizer)
         self._unsettled: list[int] = []  # ids whose text has not been released yet
         self._settled_tail: list[int] = []  # the window's context: the last released ids
         self._stream = self._new_stream()
@@ -40,7 +52,8 @@ class IncrementalDetokenizer:
         else:
             piece = self._window_step()
         if piece is not None:
-            self._settled_tail = self._unsettled[-4:]
+            if self._stream is None:  # the window path decodes with this context
+                self._settled_tail = self._unsettled[-4:]
             self._unsettled = []
             return piece
         if len(self._unsettled) > MAX_UNSETTLED:

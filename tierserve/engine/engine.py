@@ -39,7 +39,7 @@ def load_tokenizer(path: str) -> Any:  # a transformers PreTrainedTokenizerBase
 
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, TypeError, KeyError) as err:  # what transformers raises
+    except (OSError, ValueError, TypeError, KeyError, ImportError) as err:  # transformers
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         message = f"cannot load a tokenizer from {path} ({first}); give --tokenizer DIR"
         raise TierserveError(message, field="tokenizer") from None

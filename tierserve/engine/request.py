@@ -91,7 +91,3 @@ class RequestOutput:
     num_preemptions: int = 0
     token_ids: list[int] = field(default_factory=list)  # the final output only
     text: str = ""  # the final output only
-
-    @property
-    def completion_tokens(self) -> int:
-        return self.num_output_tokens

@@ -54,10 +54,13 @@ def checkpoint_numel(path: str | Path) -> int:
     num_layers = ModelConfig.from_dict(read_hf_config(path)).num_layers
     total = 0
     for file in weight_files(Path(path)):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                if _served(key, num_layers):
-                    total += math.prod(f.get_slice(key).get_shape())
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    if _served(key, num_layers):
+                        total += math.prod(f.get_slice(key).get_shape())
+        except Exception as err:  # safetensors raises its own error type for a bad header
+            raise TierserveError(f"cannot read {file}: {err}", field="model") from None
     return total
 
 
@@ -89,6 +92,10 @@ def _tensors(path: Path, num_layers: int) -> Iterator[tuple[str, torch.Tensor]]:
             tensor = shard[key]
             if key + SCALE_SUFFIX in shard:
                 tensor = dequantize(tensor, shard[key + SCALE_SUFFIX], block)
+            elif tensor.element_size() == 1 and tensor.is_floating_point():
+                # Its scale sits in another shard (or nowhere): cast alone it would be wrong.
+                message = f"{file}: fp8 tensor {key} has no {key + SCALE_SUFFIX} in its shard"
+                raise TierserveError(message, field="model")
             yield key, tensor
         del shard
 

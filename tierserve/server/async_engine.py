@@ -168,14 +168,21 @@ class AsyncEngine:
         for loop, items in by_loop.items():
             try:
                 loop.call_soon_threadsafe(self._build_outputs, items)
-            except RuntimeError:  # that event loop is closed
+            except RuntimeError:  # that event loop is closed: nobody reads these any more
                 for stream, _ in items:
                     self._streams.pop(stream.builder.request_id, None)
+                    self.engine.abort(stream.builder.request_id)
 
     def _build_outputs(self, items: list[tuple[Stream, StepOutput]]) -> None:
         """On the event loop: token ids to text, stop strings, and the abort they cause."""
         for stream, step in items:
-            out = stream.builder.add(step)
+            try:
+                out = stream.builder.add(step)
+            except Exception as err:  # a detokenizer failure ends this request, not the loop
+                logger.exception("building the output of %s failed", step.request_id)
+                self._post("abort", step.request_id)
+                stream.outputs.put_nowait(err)
+                continue
             if out is None:
                 continue
             if stream.builder.stopped_here:
@@ -190,6 +197,7 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
         except RuntimeError:  # that event loop is closed
             self._streams.pop(rid, None)
+            self.engine.abort(rid)
 
 
 @dataclass(frozen=True)

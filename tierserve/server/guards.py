@@ -76,7 +76,7 @@ class BodyLimit:
                 return await receive()
             try:
                 message = await asyncio.wait_for(receive(), deadline - time.monotonic())
-            except TimeoutError:
+            except (TimeoutError, asyncio.TimeoutError):  # the same class from Python 3.11
                 refusal = (408, f"request body not received within {self.timeout_s:g} s")
                 return {"type": "http.disconnect"}  # the app sees a client that left
             if message["type"] == "http.request":
