@@ -1,0 +1,153 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2/V3 and Kimi-K2): its projections, the latent a
+KV pool stores, and the two ways to attend over it.
+
+Per token, a layer keeps one latent: `kv_lora_rank` values (the normalised compressed KV) and
+`qk_rope_head_dim` values (the rotated key part every head shares). Keys and values per head
+are that latent up-projected by `kv_b_proj`. Two equal ways to attend:
+- expanded (prefill): up-project the context's latents to per-head keys and values, then plain
+  attention; cheap when many queries share the context;
+- absorbed (decode, as SGLang and vLLM do): fold `kv_b_proj`'s key half into the query and its
+  value half into the output, so scores and the weighted sum run in the latent space and cached
+  latents are never up-projected.
+Parameter names are transformers'; rotary cos/sin come from the caller (interleaved pairs when
+`interleave`, DeepSeek's layout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tierserve.layers.norm import RMSNorm
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    scaling: float  # softmax scale: qk_head_dim ** -0.5, times yarn's mscale² when scaled
+    rms_norm_eps: float = 1e-6
+    interleave: bool = True
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:
+    """Rotary embedding of x [tokens, heads, dim] with cos/sin [tokens, dim] (`cat(f, f)`)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if interleave:  # pairs (x0, x1), (x2, x3)… each by one frequency; output de-interleaved
+        half = x.shape[-1] // 2
+        c, s = cos[..., :half], sin[..., :half]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class MLA(nn.Module):
+    def __init__(self, cfg: MLAConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, heads, qk = cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        if cfg.q_lora_rank:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, heads * qk, bias=False)
+        else:
+            self.q_proj = nn.Linear(h, heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        out = cfg.qk_nope_head_dim + cfg.v_head_dim
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, heads * out, bias=False)
+        self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=False)
+
+    # --- what goes in --------------------------------------------------------------------------
+
+    def queries(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """([tokens, heads, nope], [tokens, heads, rope]) of hidden states x [tokens, hidden]."""
+        cfg = self.cfg
+        if cfg.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(len(x), cfg.num_heads, -1)
+        q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
+        return q_nope, rotate(q_rope, cos, sin, cfg.interleave)
+
+    def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """[tokens, kv_lora_rank + rope]: what a KV pool stores for these tokens."""
+        cfg = self.cfg
+        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split(
+            [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1
+        )
+        k_rope = rotate(k_rope.unsqueeze(1), cos, sin, cfg.interleave).squeeze(1)
+        return torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)
+
+    def _up(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b_proj as [heads, nope, rank] (keys) and [heads, v, rank] (values)."""
+        cfg = self.cfg
+        w = self.kv_b_proj.weight.view(cfg.num_heads, -1, cfg.kv_lora_rank)
+        return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
+
+    # --- the two forms -------------------------------------------------------------------------
+
+    def attend_expanded(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """[queries, heads, v] over the context `latent` [context, rank + rope], with its
+        latents up-projected to per-head keys and values. `mask` [queries, context] (True =
+        attend), None for causal with queries at the end of the context."""
+        cfg = self.cfg
+        c_kv, k_rope = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(c_kv).view(len(c_kv), cfg.num_heads, -1).transpose(0, 1)
+        k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(cfg.num_heads, -1, -1)], dim=-1)
+        q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)  # [heads, queries, qk]
+        if mask is None:
+            mask = _bottom_right_causal(q.shape[1], k.shape[1], q.device)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.scaling)
+        return out.transpose(0, 1)
+
+    def attend_absorbed(
+        self,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        mask: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The same result as `attend_expanded`, in the latent space: the cached latents are
+        read as they are, never up-projected."""
+        cfg = self.cfg
+        c_kv, k_rope = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        w_k, w_v = self._up()
+        q_latent = torch.einsum("qhn,hnr->hqr", q_nope, w_k)  # the key half folded into q
+        scores = q_latent @ c_kv.T + torch.einsum("qhe,ce->hqc", q_rope, k_rope)
+        if mask is None:
+            mask = _bottom_right_causal(q_nope.shape[0], latent.shape[0], latent.device)
+        scores = (scores * cfg.scaling).masked_fill(~mask, float("-inf"))
+        ctx = scores.softmax(-1) @ c_kv  # [heads, queries, rank]
+        return torch.einsum("hqr,hvr->qhv", ctx, w_v)  # the value half folded into the output
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Causal self-attention of x [tokens, hidden] over itself (a prefill with no cache)."""
+        q_nope, q_rope = self.queries(x, cos, sin)
+        out = self.attend_expanded(q_nope, q_rope, self.latent(x, cos, sin), None)
+        return self.o_proj(out.reshape(len(x), -1))
+
+
+def _bottom_right_causal(queries: int, context: int, device: torch.device) -> torch.Tensor:
+    """Query i (the last `queries` of the context) sees context positions ≤ its own."""
+    rows = torch.arange(queries, device=device)[:, None] + (context - queries)
+    return torch.arange(context, device=device)[None, :] <= rows
