@@ -9,7 +9,7 @@ import torch
 import transformers
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
 
-from tierserve.layers.mla import MLA, MLAConfig
+from tierserve.layers.mla import MLA, MLAConfig, softmax_scale
 
 YARN = {
     "rope_type": "yarn",
@@ -54,7 +54,7 @@ def ours_like(config, attn) -> MLA:
         qk_nope_head_dim=16,
         qk_rope_head_dim=8,
         v_head_dim=12,
-        scaling=attn.scaling,
+        scaling=softmax_scale(16 + 8, config.rope_parameters),
         rms_norm_eps=config.rms_norm_eps,
         interleave=config.rope_interleave,
     )
@@ -98,3 +98,20 @@ def test_absorbed_decode_equals_expanded_and_never_up_projects_the_cache():
     torch.testing.assert_close(absorbed, expanded, atol=1e-5, rtol=1e-5)
     assert calls == [(n, 32)]  # the absorbed one never applies kv_b_proj to them
     assert latent.shape == (n, 32 + 8)
+
+
+@pytest.mark.parametrize("rope", [None, YARN, {**YARN, "mscale": 0.7, "beta_fast": 16}])
+def test_rotary_tables_match_transformers_including_yarn(rope):
+    """cos/sin as transformers' DeepSeek-V3 rotary makes them: YaRN's ramp over dimensions and
+    its magnitude correction (mscale / mscale_all_dim)."""
+    from tierserve.layers.rotary import RotaryEmbedding
+
+    config, _ = hf_attention(24, rope, seed=1)
+    n = 200
+    ref_cos, ref_sin = v3.DeepseekV3RotaryEmbedding(config)(
+        torch.zeros(1, dtype=torch.float32), torch.arange(n)[None]
+    )
+    ours = RotaryEmbedding(8, 256, 10000.0, rope)
+    half = 4
+    torch.testing.assert_close(ours.cos[:n], ref_cos[0, :, :half], atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(ours.sin[:n], ref_sin[0, :, :half], atol=2e-6, rtol=1e-5)

@@ -16,12 +16,14 @@ Parameter names are transformers'; rotary cos/sin come from the caller (interlea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from tierserve.layers.norm import RMSNorm
+from tierserve.layers.rotary import yarn_mscale
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,16 @@ class MLAConfig:
     scaling: float  # softmax scale: qk_head_dim ** -0.5, times yarn's mscale² when scaled
     rms_norm_eps: float = 1e-6
     interleave: bool = True
+
+
+def softmax_scale(qk_head_dim: int, rope_scaling: dict[str, Any] | None) -> float:
+    """qk_head_dim ** -0.5, times YaRN's mscale² when the rope is scaled with mscale_all_dim
+    (DeepSeek-V3 and Kimi-K2 scale attention this way, beside scaling cos/sin)."""
+    scale = qk_head_dim**-0.5
+    rope = rope_scaling or {}
+    if rope.get("rope_type", "default") != "default" and rope.get("mscale_all_dim"):
+        scale *= yarn_mscale(rope["factor"], rope["mscale_all_dim"]) ** 2
+    return scale
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool) -> torch.Tensor:

@@ -23,6 +23,43 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
     return torch.where(mid, blended, scaled)
 
 
+def _yarn_inv_freq(
+    inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any]
+) -> torch.Tensor:
+    # YaRN: high frequencies (many rotations within the original context) kept, low ones divided
+    # by `factor`, a linear ramp over the dimensions between beta_fast and beta_slow rotations.
+    factor, old_ctx = scaling["factor"], scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:
+        return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if high == low else high
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def attention_factor(scaling: dict[str, Any] | None) -> float:
+    """What cos/sin are multiplied by: YaRN's magnitude correction, 1 for every other kind."""
+    if (scaling or {}).get("rope_type") != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = scaling["factor"]
+    mscale, all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+    return yarn_mscale(factor)
+
+
 def inverse_frequencies(
     head_dim: int, theta: float, scaling: dict[str, Any] | None
 ) -> torch.Tensor:
@@ -34,6 +71,8 @@ def inverse_frequencies(
         return inv_freq / scaling["factor"]
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
+    if kind == "yarn":
+        return _yarn_inv_freq(inv_freq, head_dim, theta, scaling)
     raise TierserveError(f"unsupported rope scaling type {kind!r}", field="rope_scaling")
 
 
@@ -46,8 +85,9 @@ class RotaryEmbedding(torch.nn.Module):
         super().__init__()
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
-        self.register_buffer("cos", angles.cos().float(), persistent=False)
-        self.register_buffer("sin", angles.sin().float(), persistent=False)
+        magnitude = attention_factor(scaling)
+        self.register_buffer("cos", (angles.cos() * magnitude).float(), persistent=False)
+        self.register_buffer("sin", (angles.sin() * magnitude).float(), persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
