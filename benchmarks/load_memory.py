@@ -60,31 +60,19 @@ print(json.dumps({"before": before, "peak": max(top[0], rss())}))
 """
 
 
-def fp8_blocks(w, block: int = 128):
-    """DeepSeek-V3's storage of a linear weight: float8 values and a scale per 128 × 128 block."""
-    import torch
-
-    rows, cols = w.shape
-    nr, nc = -(-rows // block), -(-cols // block)
-    padded = torch.zeros(nr * block, nc * block)
-    padded[:rows, :cols] = w
-    blocks = padded.view(nr, block, nc, block)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-    q = (blocks / scale[:, None, :, None]).view(nr * block, nc * block)[:rows, :cols]
-    return q.to(torch.float8_e4m3fn), scale
-
-
 def to_fp8(path: Path) -> None:
     """Rewrite the checkpoint with fp8 block-scaled linear weights, as DeepSeek-V3 ships."""
     import json
 
     from safetensors.torch import load_file, save_file
 
+    from tierserve.models.loader import quantize_fp8_blocks
+
     file = path / "model.safetensors"
     state, out = load_file(str(file)), {}
     for name, w in state.items():
         if w.dim() == 2 and "proj" in name:
-            out[name], out[name + "_scale_inv"] = fp8_blocks(w)
+            out[name], out[name + "_scale_inv"] = quantize_fp8_blocks(w, (128, 128))
         else:
             out[name] = w
     save_file(out, str(file))

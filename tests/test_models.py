@@ -137,19 +137,6 @@ def test_decode_workspace_stays_within_twice_the_live_kv(checkpoints):
     assert got == hf_greedy(path, prompts, 40)
 
 
-def _fp8_block_quantize(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A weight as DeepSeek-V3 ships it: float8_e4m3fn values and one float32 `weight_scale_inv`
-    per block (the block's absmax / 448)."""
-    rows, cols = weight.shape
-    nr, nc = -(-rows // block), -(-cols // block)
-    padded = torch.zeros(nr * block, nc * block)
-    padded[:rows, :cols] = weight
-    blocks = padded.view(nr, block, nc, block)
-    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / 448.0
-    q = (blocks / scale[:, None, :, None]).view(nr * block, nc * block)[:rows, :cols]
-    return q.to(torch.float8_e4m3fn), scale
-
-
 def test_fp8_block_scaled_checkpoints_load_dequantized_and_mtp_is_skipped(checkpoints, tmp_path):
     """A checkpoint stored the way DeepSeek-V3 stores one (fp8 blocks + weight_scale_inv, an MTP
     layer past num_hidden_layers) loads, and matches transformers on the dequantized weights."""
@@ -158,7 +145,7 @@ def test_fp8_block_scaled_checkpoints_load_dequantized_and_mtp_is_skipped(checkp
 
     from safetensors.torch import load_file, save_file
 
-    from tierserve.models.loader import dequantize
+    from tierserve.models.loader import dequantize, quantize_fp8_blocks
 
     source, fp8_dir, ref_dir = checkpoints["llama"], tmp_path / "fp8", tmp_path / "ref"
     for d in (fp8_dir, ref_dir):
@@ -167,7 +154,7 @@ def test_fp8_block_scaled_checkpoints_load_dequantized_and_mtp_is_skipped(checkp
     block, quantized, reference = 16, {}, {}
     for name, w in state.items():
         if w.dim() == 2 and "proj" in name:  # linear layers; norms and embeddings stay
-            q, scale = _fp8_block_quantize(w, block)
+            q, scale = quantize_fp8_blocks(w, (block, block))
             quantized[name], quantized[name + "_scale_inv"] = q, scale
             reference[name] = dequantize(q, scale, (block, block))
         else:

@@ -62,7 +62,8 @@ class Startup:
         model_dtype = str(dtype).removeprefix("torch.")
         kv_dtype = model_dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
         spec = KVSpec.from_model(cfg, kv_dtype, args.page_size)
-        weight_bytes = checkpoint_numel(model_path) * dtype.itemsize
+        numel = checkpoint_numel(model_path, cfg.num_layers)  # MTP layers past them skipped
+        weight_bytes = numel * dtype.itemsize
         plan = _kv_plan(args, device, spec, weight_bytes, dtype.itemsize)
         context = _context_length(args, cfg)
         return cls(model_path, cfg, device, dtype, context, weight_bytes, plan)

@@ -49,9 +49,9 @@ def _served(key: str, num_layers: int) -> bool:
     return layer is None or int(layer[1]) < num_layers
 
 
-def checkpoint_numel(path: str | Path) -> int:
-    """Parameters the model will hold, read from the safetensors headers without loading them."""
-    num_layers = ModelConfig.from_dict(read_hf_config(path)).num_layers
+def checkpoint_numel(path: str | Path, num_layers: int) -> int:
+    """Parameters a model of `num_layers` will hold, read from the safetensors headers without
+    loading them."""
     total = 0
     for file in weight_files(Path(path)):
         try:
@@ -68,6 +68,22 @@ def _block_size(path: Path) -> tuple[int, int]:
     quant = text_config(read_hf_config(path)).get("quantization_config") or {}
     block = quant.get("weight_block_size") or (128, 128)
     return int(block[0]), int(block[1])
+
+
+def quantize_fp8_blocks(
+    weight: torch.Tensor, block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`dequantize`'s inverse: a weight as DeepSeek-V3 ships it, float8_e4m3fn values and one
+    float32 `weight_scale_inv` per block (the block's absmax / 448). Tests and benchmarks make
+    fp8 checkpoints with it."""
+    rows, cols = weight.shape
+    nr, nc = -(-rows // block[0]), -(-cols // block[1])
+    padded = torch.zeros(nr * block[0], nc * block[1])
+    padded[:rows, :cols] = weight
+    blocks = padded.view(nr, block[0], nc, block[1])
+    scale = blocks.abs().amax(dim=(1, 3)).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    q = (blocks / scale[:, None, :, None]).view(nr * block[0], nc * block[1])[:rows, :cols]
+    return q.to(torch.float8_e4m3fn), scale
 
 
 def dequantize(
