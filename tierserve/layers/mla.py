@@ -111,6 +111,16 @@ class MLA(nn.Module):
 
     # --- the two forms -------------------------------------------------------------------------
 
+    def _context(
+        self, latent: torch.Tensor, queries: int, mask: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The context's c_kv and k_rope, and the mask (causal, queries at the end, when None)."""
+        cfg = self.cfg
+        c_kv, k_rope = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        if mask is None:
+            mask = _bottom_right_causal(queries, len(latent), latent.device)
+        return c_kv, k_rope, mask
+
     def attend_expanded(
         self,
         q_nope: torch.Tensor,
@@ -122,13 +132,11 @@ class MLA(nn.Module):
         latents up-projected to per-head keys and values. `mask` [queries, context] (True =
         attend), None for causal with queries at the end of the context."""
         cfg = self.cfg
-        c_kv, k_rope = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        c_kv, k_rope, mask = self._context(latent, len(q_nope), mask)
         kv = self.kv_b_proj(c_kv).view(len(c_kv), cfg.num_heads, -1).transpose(0, 1)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(cfg.num_heads, -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)  # [heads, queries, qk]
-        if mask is None:
-            mask = _bottom_right_causal(q.shape[1], k.shape[1], q.device)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.scaling)
         return out.transpose(0, 1)
 
@@ -141,14 +149,11 @@ class MLA(nn.Module):
     ) -> torch.Tensor:
         """The same result as `attend_expanded`, in the latent space: the cached latents are
         read as they are, never up-projected."""
-        cfg = self.cfg
-        c_kv, k_rope = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
+        c_kv, k_rope, mask = self._context(latent, len(q_nope), mask)
         w_k, w_v = self._up()
         q_latent = torch.einsum("qhn,hnr->hqr", q_nope, w_k)  # the key half folded into q
         scores = q_latent @ c_kv.T + torch.einsum("qhe,ce->hqc", q_rope, k_rope)
-        if mask is None:
-            mask = _bottom_right_causal(q_nope.shape[0], latent.shape[0], latent.device)
-        scores = (scores * cfg.scaling).masked_fill(~mask, float("-inf"))
+        scores = (scores * self.cfg.scaling).masked_fill(~mask, float("-inf"))
         ctx = scores.softmax(-1) @ c_kv  # [heads, queries, rank]
         return torch.einsum("hqr,hvr->qhv", ctx, w_v)  # the value half folded into the output
 
