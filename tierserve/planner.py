@@ -599,52 +599,64 @@ def _sglang_host_flags(plan: Plan, host: HostSizing) -> str:
     return f" --enable-hierarchical-cache --hicache-size {size_gb}" if size_gb > 0 else ""
 
 
-def _pool_flags(plan: Plan, tokens_flag: str) -> str:
-    """--max-total-tokens and --page-size when the plan was made with them."""
-    inputs, flags = plan.inputs, ""
-    if inputs.device_tokens_per_rank is not None and tokens_flag:
-        flags += f" {tokens_flag} {inputs.device_tokens_per_rank}"
-    if inputs.page_size != 1:
-        flags += f" --page-size {inputs.page_size}"
+def launch_flags(plan: Plan) -> LaunchFlags:
+    """Flags that give each server the plan's device pool and a host cache that fits."""
+    host = _fitting_host(plan)
+    # Exact: the launch gets the plan's pool, not one token more or less.
+    frac = repr(plan.inputs.mem_fraction_static)
+    return LaunchFlags(
+        _tierserve_flags(plan, host, frac),
+        _sglang_flags(plan, host, frac),
+        _vllm_flags(plan, host, frac),
+    )
+
+
+def _tierserve_flags(plan: Plan, host: HostSizing | None, frac: str) -> str:
+    # Only flags `tierserve serve` has today (no --tp yet: one GPU per server). Its page size
+    # and KV dtype always, since its defaults (16 tokens, the model's dtype) differ from the plan's.
+    inputs = plan.inputs
+    flags = f"--mem-fraction-static {frac}"
+    if inputs.device_tokens_per_rank is not None:
+        flags += f" --max-total-tokens {inputs.device_tokens_per_rank}"
+    flags += f" --page-size {inputs.page_size}" + _kv_dtype_flag(plan, "fp8_e4m3")
+    if inputs.context_length is not None:
+        flags += f" --context-length {inputs.context_length}"
+    if host is not None:
+        flags += f" --enable-hierarchical-cache --hicache-node-size {host.bytes_per_node // GB}GB"
     return flags
 
 
-def launch_flags(plan: Plan) -> LaunchFlags:
-    """Flags that give each server the plan's device pool and a host cache that fits."""
-    inputs, host = plan.inputs, _fitting_host(plan)
-    cfg_max = inputs.model.config.max_position_embeddings
-    frac = repr(inputs.mem_fraction_static)  # exact: the launch gets the plan's pool, not ±1
-    # Only flags `tierserve serve` has today (no --tp yet: one GPU per server). Its page size
-    # and KV dtype always, since its defaults (16 tokens, the model's dtype) differ from the plan's.
-    tierserve = f"--mem-fraction-static {frac}"
+def _sglang_flags(plan: Plan, host: HostSizing | None, frac: str) -> str:
+    inputs = plan.inputs
+    flags = f"--tp-size {inputs.tp}" + (f" --pp-size {inputs.pp}" if inputs.pp > 1 else "")
+    flags += f" --dp-size {inputs.dp}" if inputs.dp > 1 else ""
+    flags += f" --mem-fraction-static {frac}"
     if inputs.device_tokens_per_rank is not None:
-        tierserve += f" --max-total-tokens {inputs.device_tokens_per_rank}"
-    tierserve += f" --page-size {inputs.page_size}" + _kv_dtype_flag(plan, "fp8_e4m3")
-    if inputs.context_length is not None:
-        tierserve += f" --context-length {inputs.context_length}"
-    if host is not None:
-        tierserve += " --enable-hierarchical-cache"
-        tierserve += f" --hicache-node-size {host.bytes_per_node // GB}GB"
-    sglang = f"--tp-size {inputs.tp}" + (f" --pp-size {inputs.pp}" if inputs.pp > 1 else "")
-    sglang += f" --dp-size {inputs.dp}" if inputs.dp > 1 else ""
-    sglang += f" --mem-fraction-static {frac}" + _pool_flags(plan, "--max-total-tokens")
-    sglang += _kv_dtype_flag(plan, "fp8_e4m3")
-    sglang += _sglang_host_flags(plan, host) if host is not None else ""
-    # vLLM's --kv-offloading-size is GiB for the whole instance, split across its TP ranks.
-    vllm = f"--tensor-parallel-size {inputs.tp} --gpu-memory-utilization {frac}"
-    vllm += f" --pipeline-parallel-size {inputs.pp}" if inputs.pp > 1 else ""
-    vllm += f" --data-parallel-size {inputs.dp}" if inputs.dp > 1 else ""
-    vllm += f" --block-size {inputs.page_size}" if inputs.page_size != 1 else ""
+        flags += f" --max-total-tokens {inputs.device_tokens_per_rank}"
+    if inputs.page_size != 1:  # SGLang's default page is 1 token, as the plan's
+        flags += f" --page-size {inputs.page_size}"
+    flags += _kv_dtype_flag(plan, "fp8_e4m3")
+    return flags + (_sglang_host_flags(plan, host) if host is not None else "")
+
+
+def _vllm_flags(plan: Plan, host: HostSizing | None, frac: str) -> str:
+    inputs = plan.inputs
+    flags = f"--tensor-parallel-size {inputs.tp} --gpu-memory-utilization {frac}"
+    flags += f" --pipeline-parallel-size {inputs.pp}" if inputs.pp > 1 else ""
+    flags += f" --data-parallel-size {inputs.dp}" if inputs.dp > 1 else ""
+    flags += f" --block-size {inputs.page_size}" if inputs.page_size != 1 else ""
     # vLLM refuses to start unless one request of max_model_len (default: the model's
     # max_position_embeddings) fits in the pool: cap it at what the plan's pool holds.
     block = inputs.page_size if inputs.page_size != 1 else 16  # vLLM's default block
+    cfg_max = inputs.model.config.max_position_embeddings
     max_len = min(inputs.context_length or cfg_max, plan.device_tokens_per_rank // block * block)
     if max_len < cfg_max or inputs.context_length:
-        vllm += f" --max-model-len {max_len}"
+        flags += f" --max-model-len {max_len}"
     if inputs.device_tokens_per_rank is not None:  # vLLM's --max-total-tokens, in blocks
-        vllm += f" --num-gpu-blocks-override {inputs.device_tokens_per_rank // block}"
-    vllm += _kv_dtype_flag(plan, "fp8")
-    vllm_gib = host.bytes_per_rank * inputs.tp * inputs.pp // GiB if host is not None else 0
-    if vllm_gib > 0:
-        vllm += f" --kv-offloading-backend native --kv-offloading-size {vllm_gib}"
-    return LaunchFlags(tierserve, sglang, vllm)
+        flags += f" --num-gpu-blocks-override {inputs.device_tokens_per_rank // block}"
+    flags += _kv_dtype_flag(plan, "fp8")
+    # vLLM's --kv-offloading-size is GiB for the whole instance, split across its workers.
+    gib = host.bytes_per_rank * inputs.tp * inputs.pp // GiB if host is not None else 0
+    if gib > 0:
+        flags += f" --kv-offloading-backend native --kv-offloading-size {gib}"
+    return flags
