@@ -274,6 +274,63 @@ def _config_of_type(raw: Mapping[str, Any], key: str, kind: type, default: Any) 
 
 
 @dataclass(frozen=True)
+class MoEFields:
+    """A DeepSeek-style mixture of experts as config.json describes it (V3 and Kimi-K2: sigmoid
+    scores, "noaux_tc"; V2: softmax, "greedy" or "group_limited_greedy")."""
+
+    num_experts: int
+    top_k: int
+    moe_intermediate_size: int
+    n_shared_experts: int
+    scoring: str
+    topk_method: str
+    n_group: int
+    topk_group: int
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+    moe_layer_freq: int
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return layer >= self.first_k_dense_replace and layer % self.moe_layer_freq == 0
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], architecture: str) -> MoEFields | None:
+        experts = config_int(raw, "n_routed_experts", 0)
+        if not experts:
+            return None
+        v3 = architecture != "DeepseekV2ForCausalLM"
+        scoring = _config_of_type(raw, "scoring_func", str, "sigmoid" if v3 else "softmax")
+        method = _config_of_type(raw, "topk_method", str, "noaux_tc" if v3 else "greedy")
+        known = {"sigmoid": ("noaux_tc",), "softmax": ("greedy", "group_limited_greedy")}
+        if method not in known.get(scoring, ()):
+            message = f"unsupported MoE routing: scoring_func {scoring!r}, topk_method {method!r}"
+            raise TierserveError(message, "topk_method")
+        fields_ = cls(
+            num_experts=experts,
+            top_k=config_int(raw, "num_experts_per_tok"),
+            moe_intermediate_size=config_int(raw, "moe_intermediate_size"),
+            n_shared_experts=config_int(raw, "n_shared_experts", 0),
+            scoring=scoring,
+            topk_method=method,
+            n_group=config_int(raw, "n_group", 1) or 1,
+            topk_group=config_int(raw, "topk_group", 1) or 1,
+            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            routed_scaling_factor=_config_float(raw, "routed_scaling_factor", 1.0),
+            first_k_dense_replace=config_int(raw, "first_k_dense_replace", 0),
+            moe_layer_freq=config_int(raw, "moe_layer_freq", 1) or 1,
+        )
+        eligible = fields_.topk_group * (experts // fields_.n_group)
+        if experts % fields_.n_group or not 0 < fields_.top_k <= eligible:
+            message = (
+                f"{experts} routed experts in {fields_.n_group} groups, {fields_.topk_group} "
+                f"eligible: cannot pick top {fields_.top_k}"
+            )
+            raise TierserveError(message, "n_group")
+        return fields_
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What a Hugging Face config.json says, reduced to what the engine and the planner need.
 
@@ -299,6 +356,15 @@ class ModelConfig:
     # MLA (DeepSeek-V2/V3, Kimi-K2): one latent of kv_lora_rank + qk_rope_head_dim per token.
     kv_lora_rank: int = 0
     qk_rope_head_dim: int = 0
+    q_lora_rank: int = 0  # 0: queries projected directly (DeepSeek-V2-Lite)
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    moe: MoEFields | None = None
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions the rotary embedding turns: MLA rotates only its rope part."""
+        return self.qk_rope_head_dim if self.kv_lora_rank else self.head_dim
 
     @property
     def attention(self) -> str:
@@ -353,4 +419,8 @@ class ModelConfig:
             eos_token_ids=tuple(e for e in eos_ids if isinstance(e, int)),
             kv_lora_rank=config_int(raw, "kv_lora_rank", 0),
             qk_rope_head_dim=config_int(raw, "qk_rope_head_dim", 0),
+            q_lora_rank=config_int(raw, "q_lora_rank", 0),
+            qk_nope_head_dim=config_int(raw, "qk_nope_head_dim", 0),
+            v_head_dim=config_int(raw, "v_head_dim", 0),
+            moe=MoEFields.from_dict(raw, archs[0] if archs else ""),
         )

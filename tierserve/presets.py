@@ -48,6 +48,7 @@ def _dense(layers: int, hidden: int, inter: int, heads: int, kv: int, vocab: int
 # DeepSeek-V3 architecture (MLA + MoE); Kimi-K2 reuses it with 64 heads and 384 experts.
 _DEEPSEEK_V3 = {
     **_dense(61, 7168, 18432, 128, 128, 129280, max_position_embeddings=163840),
+    "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",
     "q_lora_rank": 1536,
     "kv_lora_rank": 512,
@@ -59,6 +60,21 @@ _DEEPSEEK_V3 = {
     "n_shared_experts": 1,
     "num_experts_per_tok": 8,
     "first_k_dense_replace": 3,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "n_group": 8,
+    "topk_group": 4,
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 2.5,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
     "num_nextn_predict_layers": 1,  # MTP layer: loaded only for speculative decoding
     "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
 }
@@ -71,6 +87,11 @@ _KIMI_K2 = {
     "max_position_embeddings": 131072,
     "n_routed_experts": 384,
     "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.827,
+    "rope_theta": 50000.0,
+    "rope_scaling": {**_DEEPSEEK_V3["rope_scaling"], "factor": 32.0, "beta_fast": 1.0},
     "num_nextn_predict_layers": 0,
 }
 # Kimi-K2.5 is multimodal: its language model nests under text_config (the vision tower's
@@ -80,6 +101,7 @@ _KIMI_K2_5 = {
     "text_config": {
         **_KIMI_K2,
         "max_position_embeddings": 262144,
+        "rope_scaling": {**_KIMI_K2["rope_scaling"], "factor": 64.0},
         "quantization_config": {
             "quant_method": "compressed-tensors",
             "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 32}}},
