@@ -40,6 +40,71 @@ def make_tokenizer(path: Path, vocab_size: int = VOCAB) -> None:
     fast.save_pretrained(path)
 
 
+# Tiny DeepSeek-V3 / V2: MLA, dense first layer then MoE; the variants cover q_lora_rank or a
+# direct query projection, yarn, grouped (V3) and group-limited (V2) routing, shared experts.
+DEEPSEEK_COMMON = dict(
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    num_experts_per_tok=2,
+    first_k_dense_replace=1,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+)
+YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 512,  # × factor = max_position_embeddings
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
+def _deepseek_families() -> dict[str, tuple[type, type, dict]]:
+    import transformers
+
+    v3 = (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM)
+    v2 = (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM)
+    return {
+        "deepseek-v3": (
+            *v3,
+            dict(q_lora_rank=24, n_group=4, topk_group=2, n_shared_experts=1,
+                 norm_topk_prob=True, routed_scaling_factor=2.5, rope_parameters=YARN),
+        ),
+        "deepseek-v3-direct-q": (
+            *v3,
+            dict(q_lora_rank=None, n_group=1, topk_group=1, n_shared_experts=2,
+                 norm_topk_prob=False, routed_scaling_factor=1.0),
+        ),
+        "deepseek-v2": (
+            *v2,
+            dict(q_lora_rank=None, topk_method="group_limited_greedy", n_group=4, topk_group=2,
+                 n_shared_experts=2, routed_scaling_factor=1.5),
+        ),
+    }  # fmt: skip
+
+
+DEEPSEEK_FAMILIES = _deepseek_families()
+
+
+def randomise_all(model: torch.nn.Module, seed: int) -> None:
+    """Every parameter and persistent buffer random: transformers starts the router's
+    e_score_correction_bias at zero, which would hide a router that ignores it; norms stay
+    near one so activations keep their scale through the layers."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            noise = torch.randn(t.shape, generator=g)
+            t.copy_(1 + 0.2 * noise if "norm" in name else 0.2 * noise)
+
+
 def make_checkpoint(path: Path, family: str, seed: int = 0, **overrides) -> Path:
     """A 2-layer GQA model of the given family with random weights and our test tokenizer."""
     import transformers
@@ -78,15 +143,20 @@ def make_checkpoint(path: Path, family: str, seed: int = 0, **overrides) -> Path
             {"tie_word_embeddings": True},
         ),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
+        **DEEPSEEK_FAMILIES,
     }
     config_cls, model_cls, extra = configs[family]
     torch.manual_seed(seed)
+    if family in DEEPSEEK_FAMILIES:
+        common = {**common, **DEEPSEEK_COMMON}
     config = config_cls(**{**common, **extra, **overrides})
     model = model_cls(config).eval()
     if family == "qwen2":  # biases start at zero; make them matter
         for layer in model.model.layers:
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
+    if family in DEEPSEEK_FAMILIES:
+        randomise_all(model, seed)
     model.save_pretrained(path)
     make_tokenizer(path)
     return path
@@ -95,7 +165,8 @@ def make_checkpoint(path: Path, family: str, seed: int = 0, **overrides) -> Path
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("ckpt")
-    return {f: make_checkpoint(root / f, f) for f in ("llama", "llama3", "qwen2", "qwen3")}
+    families = ("llama", "llama3", "qwen2", "qwen3", *DEEPSEEK_FAMILIES)
+    return {f: make_checkpoint(root / f, f) for f in families}
 
 
 @pytest.fixture(scope="session")

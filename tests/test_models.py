@@ -6,7 +6,7 @@ import pytest
 import torch
 import transformers
 
-from tests.conftest import random_prompts
+from tests.conftest import DEEPSEEK_FAMILIES, random_prompts
 from tierserve import LLM, SamplingParams
 from tierserve.cache.pool import PagedKV
 from tierserve.cache.spec import KVSpec
@@ -14,7 +14,7 @@ from tierserve.config import ModelConfig
 from tierserve.layers.attention import ForwardBatch, SeqSpan, TorchAttention
 from tierserve.models.loader import load_model
 
-FAMILIES = ["llama", "llama3", "qwen2", "qwen3"]
+FAMILIES = ["llama", "llama3", "qwen2", "qwen3", *DEEPSEEK_FAMILIES]
 LENGTHS = [3, 9, 16, 17, 40, 64, 129, 300]
 
 
@@ -137,9 +137,13 @@ def test_decode_workspace_stays_within_twice_the_live_kv(checkpoints):
     assert got == hf_greedy(path, prompts, 40)
 
 
-def test_fp8_block_scaled_checkpoints_load_dequantized_and_mtp_is_skipped(checkpoints, tmp_path):
-    """A checkpoint stored the way DeepSeek-V3 stores one (fp8 blocks + weight_scale_inv, an MTP
-    layer past num_hidden_layers) loads, and matches transformers on the dequantized weights."""
+@pytest.mark.parametrize("family", ["llama", "deepseek-v3"])
+def test_fp8_block_scaled_checkpoints_load_dequantized_and_mtp_is_skipped(
+    checkpoints, tmp_path, family
+):
+    """A checkpoint stored the way DeepSeek-V3 stores one (fp8 blocks + weight_scale_inv, one
+    tensor per expert, an MTP layer past num_hidden_layers) loads, and matches transformers on
+    the dequantized weights."""
     import json
     import shutil
 
@@ -147,7 +151,7 @@ def test_fp8_block_scaled_checkpoints_load_dequantized_and_mtp_is_skipped(checkp
 
     from tierserve.models.loader import dequantize, quantize_fp8_blocks
 
-    source, fp8_dir, ref_dir = checkpoints["llama"], tmp_path / "fp8", tmp_path / "ref"
+    source, fp8_dir, ref_dir = checkpoints[family], tmp_path / "fp8", tmp_path / "ref"
     for d in (fp8_dir, ref_dir):
         shutil.copytree(source, d)
     state = load_file(str(source / "model.safetensors"))

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierserve.layers.batch import causal_mask
 from tierserve.layers.norm import RMSNorm
 from tierserve.layers.rotary import yarn_mscale
 
@@ -57,9 +58,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bo
         half = x.shape[-1] // 2
         c, s = cos[..., :half], sin[..., :half]
         x1, x2 = x[..., 0::2], x[..., 1::2]
-        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return (x * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
 
 
 class MLA(nn.Module):
@@ -118,7 +119,7 @@ class MLA(nn.Module):
         cfg = self.cfg
         c_kv, k_rope = latent.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         if mask is None:
-            mask = _bottom_right_causal(queries, len(latent), latent.device)
+            mask = causal_mask(queries, latent.shape[-2], latent.device)
         return c_kv, k_rope, mask
 
     def attend_expanded(
@@ -148,23 +149,22 @@ class MLA(nn.Module):
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """The same result as `attend_expanded`, in the latent space: the cached latents are
-        read as they are, never up-projected."""
-        c_kv, k_rope, mask = self._context(latent, len(q_nope), mask)
+        read as they are, never up-projected. Takes leading batch dimensions: queries
+        [..., queries, heads, *], `latent` [..., context, rank + rope], `mask` [..., queries,
+        context] → [..., queries, heads, v]."""
+        c_kv, k_rope, mask = self._context(latent, q_nope.shape[-3], mask)
         w_k, w_v = self._up()
-        q_latent = torch.einsum("qhn,hnr->hqr", q_nope, w_k)  # the key half folded into q
-        scores = q_latent @ c_kv.T + torch.einsum("qhe,ce->hqc", q_rope, k_rope)
-        scores = (scores * self.cfg.scaling).masked_fill(~mask, float("-inf"))
-        ctx = scores.softmax(-1) @ c_kv  # [heads, queries, rank]
-        return torch.einsum("hqr,hvr->qhv", ctx, w_v)  # the value half folded into the output
+        q_latent = torch.einsum("...qhn,hnr->...hqr", q_nope, w_k)  # the key half folded into q
+        shared = c_kv.unsqueeze(-3)  # [..., 1, context, rank]: one latent serves every head
+        scores = q_latent @ shared.transpose(-1, -2)
+        scores = scores + torch.einsum("...qhe,...ce->...hqc", q_rope, k_rope)
+        scores = (scores * self.cfg.scaling).masked_fill(~mask.unsqueeze(-3), float("-inf"))
+        ctx = scores.softmax(-1) @ shared  # [..., heads, queries, rank]
+        # The value half folded into the output.
+        return torch.einsum("...hqr,hvr->...qhv", ctx, w_v)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Causal self-attention of x [tokens, hidden] over itself (a prefill with no cache)."""
         q_nope, q_rope = self.queries(x, cos, sin)
         out = self.attend_expanded(q_nope, q_rope, self.latent(x, cos, sin), None)
         return self.o_proj(out.reshape(len(x), -1))
-
-
-def _bottom_right_causal(queries: int, context: int, device: torch.device) -> torch.Tensor:
-    """Query i (the last `queries` of the context) sees context positions ≤ its own."""
-    rows = torch.arange(queries, device=device)[:, None] + (context - queries)
-    return torch.arange(context, device=device)[None, :] <= rows

@@ -42,8 +42,9 @@ class TopKRouter(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
-        # V3's load-balancing bias: it changes which experts are chosen, not their weights.
-        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
+        if cfg.scoring == "sigmoid":  # V2 checkpoints have none
+            # V3's load-balancing bias: it changes which experts are chosen, not their weights.
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[tokens, top_k] weights and expert indices; routing runs in float32."""

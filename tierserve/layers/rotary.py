@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tierserve.errors import TierserveError
+
+if TYPE_CHECKING:
+    from tierserve.config import ModelConfig
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -95,6 +98,20 @@ class RotaryEmbedding(torch.nn.Module):
         cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim/2]
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin as [tokens, head_dim] (each frequency twice, `cat(f, f)`), for layers
+        that rotate in their own layout (MLA's interleaved pairs)."""
+        cos, sin = self.cos[positions], self.sin[positions]
+        return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+
+def rotary_for(cfg: ModelConfig) -> RotaryEmbedding:
+    """The rotary tables a model of `cfg` uses, built in one place for the models and the
+    loader (which rebuilds them after a meta-device construction)."""
+    return RotaryEmbedding(
+        cfg.rope_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+    )
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

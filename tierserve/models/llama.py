@@ -13,7 +13,7 @@ from torch import nn
 from tierserve.config import ModelConfig
 from tierserve.layers.attention import AttentionBackend
 from tierserve.layers.norm import RMSNorm
-from tierserve.layers.rotary import RotaryEmbedding
+from tierserve.layers.rotary import RotaryEmbedding, rotary_for
 
 
 class LlamaAttention(nn.Module):
@@ -79,9 +79,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-        )
+        self.rotary = rotary_for(cfg)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers)

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from tierserve.config import ModelConfig, read_hf_config, text_config
 from tierserve.errors import TierserveError
+from tierserve.layers.rotary import rotary_for
 from tierserve.models.registry import model_class
 
 SCALE_SUFFIX = "_scale_inv"
@@ -123,8 +124,14 @@ def load_model(
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg)
     model = model.to_empty(device=device).to(dtype)
-    params = dict(model.named_parameters())
-    assigned, unexpected = set(), []
+    # Parameters and persistent buffers (V3's e_score_correction_bias is one), by name.
+    targets = model.state_dict(keep_vars=True)
+    if cfg.tie_word_embeddings:
+        targets.pop("lm_head.weight", None)
+    # Elements written per target: a stacked tensor fills from many checkpoint tensors.
+    filled = dict.fromkeys(targets, 0)
+    unexpected: list[str] = []
+    place = getattr(model, "checkpoint_target", lambda name: None)
     total = sum(1 for f in weight_files(path) for _ in _keys(f, cfg.num_layers))
     bar = tqdm(total=total, desc="loading weights", unit="tensor", leave=False)
     with torch.no_grad():
@@ -132,16 +139,18 @@ def load_model(
             bar.update(1)
             if cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue
-            target = params.get(name)
-            if target is None or target.shape != tensor.shape:
+            target_name, index = place(name) or (name, ())
+            target = targets.get(target_name)
+            view = target[index] if target is not None else None
+            if view is None or view.shape != tensor.shape:
                 if not name.endswith("rotary_emb.inv_freq"):
                     unexpected.append(name)
                 continue
-            target.copy_(tensor)  # converts to the model's dtype and device in place
-            assigned.add(name)
+            view.copy_(tensor)  # converts to the model's dtype and device in place
+            filled[target_name] += tensor.numel()
     bar.close()
-    missing = [n for n in params if n not in assigned]
-    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    # A target is loaded when exactly its elements arrived (a stacked one: every expert once).
+    missing = [n for n, t in targets.items() if filled[n] != t.numel()]
     if missing or unexpected:
         raise TierserveError(
             f"checkpoint {path} does not match {cfg.architecture}: "
@@ -150,21 +159,12 @@ def load_model(
         )
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    _rebuild_buffers(model, cfg, device)
+    # Buffers made on the meta device hold no values: compute the rotary tables for real.
+    fresh, rotary = rotary_for(cfg).to(device), model.model.rotary
+    rotary.cos, rotary.sin = fresh.cos, fresh.sin
     return model.eval()
 
 
 def _keys(file: Path, num_layers: int) -> list[str]:
     with safe_open(str(file), framework="pt") as f:
         return [k for k in f.keys() if _served(k, num_layers)]  # noqa: SIM118
-
-
-def _rebuild_buffers(model: nn.Module, cfg: ModelConfig, device: torch.device) -> None:
-    # Buffers made on the meta device hold no values: recompute the rotary tables for real.
-    from tierserve.layers.rotary import RotaryEmbedding
-
-    fresh = RotaryEmbedding(
-        cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-    ).to(device)
-    rotary = model.model.rotary
-    rotary.cos, rotary.sin = fresh.cos, fresh.sin

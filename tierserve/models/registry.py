@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from tierserve.errors import TierserveError
+from tierserve.models.deepseek import DeepseekForCausalLM
 from tierserve.models.llama import LlamaForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
@@ -12,6 +13,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "DeepseekV2ForCausalLM": DeepseekForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekForCausalLM,
 }
 
 

@@ -1,0 +1,35 @@
+"""What one forward step runs: a flat batch of tokens from many sequences, and where each
+sequence's tokens and context are."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """One sequence in the batch: its new tokens `q_start : q_start + q_len` of the flat batch
+    attend to `kv_len` tokens of context (cached prefix + new), stored in `pages`."""
+
+    seq_id: int
+    q_start: int
+    q_len: int
+    kv_len: int
+    pages: torch.Tensor
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [tokens]
+    positions: torch.Tensor  # [tokens]
+    out_slots: torch.Tensor  # [tokens]: where each new token's K/V goes
+    spans: list[SeqSpan]
+
+
+def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+    """[q_len, kv_len], True where query i, at context position kv_len - q_len + i (the new
+    tokens end the context), may attend: keys up to its own position."""
+    rows = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+    return torch.arange(kv_len, device=device)[None, :] <= rows

@@ -1,0 +1,150 @@
+"""DeepSeek-V2 and V3 (and Kimi-K2, K2.5, which reuse V3) in plain PyTorch: MLA attention whose
+KV pool holds one latent per token, and mixture-of-experts MLPs after the first dense layers.
+
+Parameter names follow the Hugging Face checkpoints except the routed experts, which are stacked
+(`experts.gate_up_proj` [experts, 2 × intermediate, hidden], `experts.down_proj`); checkpoints
+ship one tensor per expert, and `checkpoint_target` says where each one goes.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from tierserve.config import ModelConfig
+from tierserve.errors import TierserveError
+from tierserve.layers.attention import AttentionBackend
+from tierserve.layers.mla import MLA, MLAConfig, softmax_scale
+from tierserve.layers.moe import MoE, MoEConfig
+from tierserve.layers.norm import RMSNorm
+from tierserve.layers.rotary import RotaryEmbedding, rotary_for
+from tierserve.models.llama import LlamaMLP
+
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def mla_config(cfg: ModelConfig) -> MLAConfig:
+    if not (cfg.kv_lora_rank and cfg.qk_rope_head_dim and cfg.qk_nope_head_dim and cfg.v_head_dim):
+        raise TierserveError(
+            f"{cfg.architecture} needs kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim and "
+            "v_head_dim in config.json",
+            field="model",
+        )
+    return MLAConfig(
+        hidden_size=cfg.hidden_size,
+        num_heads=cfg.num_heads,
+        q_lora_rank=cfg.q_lora_rank or None,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_nope_head_dim=cfg.qk_nope_head_dim,
+        qk_rope_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        scaling=softmax_scale(cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.rope_scaling),
+        rms_norm_eps=cfg.rms_norm_eps,
+    )
+
+
+def moe_config(cfg: ModelConfig) -> MoEConfig:
+    moe = cfg.moe
+    assert moe is not None
+    return MoEConfig(
+        hidden_size=cfg.hidden_size,
+        moe_intermediate_size=moe.moe_intermediate_size,
+        num_experts=moe.num_experts,
+        top_k=moe.top_k,
+        n_shared_experts=moe.n_shared_experts,
+        scoring=moe.scoring,  # type: ignore[arg-type]  # checked by MoEFields.from_dict
+        topk_method=moe.topk_method,  # type: ignore[arg-type]
+        n_group=moe.n_group,
+        topk_group=moe.topk_group,
+        norm_topk_prob=moe.norm_topk_prob,
+        routed_scaling_factor=moe.routed_scaling_factor,
+    )
+
+
+class DeepseekAttention(MLA):
+    """MLA as a decoder layer runs it: the latent goes to the pool, the backend attends."""
+
+    def __init__(self, cfg: MLAConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__(cfg)
+        self.layer_id = layer_id
+        self.rotary = [rotary]  # a list so the shared module is not registered once per layer
+
+    def forward(  # type: ignore[override]
+        self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        cos, sin = self.rotary[0].tables(positions)
+        q_nope, q_rope = self.queries(x, cos, sin)
+        out = attn.forward_latent(self.layer_id, self, q_nope, q_rope, self.latent(x, cos, sin))
+        return self.o_proj(out.reshape(len(x), -1))
+
+
+class DeepseekDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DeepseekAttention(mla_config(cfg), layer_id, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        moe = cfg.moe is not None and cfg.moe.is_moe_layer(layer_id)
+        self.mlp: nn.Module = MoE(moe_config(cfg)) if moe else LlamaMLP(cfg)
+
+    def forward(
+        self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x), attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DeepseekModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.rotary = rotary_for(cfg)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DeepseekDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            x = layer(positions, x, attn)
+        return self.norm(x)
+
+
+class DeepseekForCausalLM(nn.Module):
+    """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM: the config tells them apart (routing)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DeepseekModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+    ) -> torch.Tensor:
+        """Final hidden states for every token; call `logits` on the rows that sample."""
+        return self.model(input_ids, positions, attn)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def checkpoint_target(self, name: str) -> tuple[str, tuple[int | slice, ...]] | None:
+        """Where a per-expert checkpoint tensor goes in the stacked experts: (parameter,
+        index); None for a tensor loaded by its own name."""
+        match = _EXPERT.match(name)
+        if match is None:
+            return None
+        prefix, expert, proj = match[1], int(match[2]), match[3]
+        if proj == "down":
+            return f"{prefix}.down_proj", (expert,)
+        moe = self.config.moe
+        inter = moe.moe_intermediate_size if moe else 0
+        half = slice(0, inter) if proj == "gate" else slice(inter, 2 * inter)
+        return f"{prefix}.gate_up_proj", (expert, half)
