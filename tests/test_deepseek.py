@@ -103,3 +103,34 @@ def test_fp8_latents_give_the_fp8_run_without_a_cache(checkpoints):
     assert mixed_workload(cached) == reference
     assert cached.engine.kv.host.stats.load_backs > 0
     assert cached.engine.kv.pool.data.dtype == torch.uint8  # float8 values, kept as bytes
+
+
+def test_a_kimi_k25_style_checkpoint_serves_its_text_model(checkpoints, tmp_path):
+    """config.json nests the text model under text_config (no architecture of its own, only
+    model_type kimi_k2), tensors carry a language_model. prefix, and a vision tower sits
+    beside them: the text model loads and generates what the plain checkpoint does."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source, nested = checkpoints[V3], tmp_path / "kimi-k2.5"
+    shutil.copytree(source, nested)
+    state = load_file(str(source / "model.safetensors"))
+    state = {f"language_model.{k}": v for k, v in state.items()}
+    state["vision_tower.patch_embed.weight"] = torch.randn(8, 3)
+    save_file(state, str(nested / "model.safetensors"))
+    text = json.loads((source / "config.json").read_text())
+    del text["architectures"]
+    text["model_type"] = "kimi_k2"
+    config = {"architectures": ["KimiK25ForConditionalGeneration"], "text_config": text}
+    (nested / "config.json").write_text(json.dumps(config))
+
+    prompts = random_prompts(3, [7, 90], seed=12)
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    plain, kimi = LLM(str(source)), LLM(str(nested))
+    assert kimi.engine.model_config.architecture == "DeepseekV3ForCausalLM"
+    assert [o.token_ids for o in kimi.generate(prompts, params)] == [
+        o.token_ids for o in plain.generate(prompts, params)
+    ]
+    assert kimi.engine.startup.weight_bytes == plain.engine.startup.weight_bytes

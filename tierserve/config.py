@@ -236,6 +236,13 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
     return raw
 
 
+# The language model of a multimodal checkpoint whose text_config names no architecture.
+TEXT_MODEL_TYPES = {
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",  # Kimi-K2.5's text model is Kimi-K2's
+    "deepseek_v2": "DeepseekV2ForCausalLM",
+}
+
 # Past any real model (the largest have ~100 layers and vocabularies of ~10^6): a larger value
 # is a broken config, and refusing it keeps every product of sizes a finite float.
 CONFIG_INT_MAX = 2**40
@@ -383,7 +390,10 @@ class ModelConfig:
         if not isinstance(config, Mapping):
             raise TierserveError("model config is not a JSON object", field="model")
         raw = text_config(config)
-        archs = _config_of_type(raw, "architectures", list, None) or config.get("architectures")
+        archs = _config_of_type(raw, "architectures", list, None)
+        if not archs and raw is not config:  # a nested text model named only by its type
+            archs = [TEXT_MODEL_TYPES.get(str(raw.get("model_type")), "")]
+        archs = archs or config.get("architectures")
         if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
             archs = [""]
         heads = config_int(raw, "num_attention_heads")

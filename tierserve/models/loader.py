@@ -5,7 +5,9 @@ loading never holds a second full copy of the model (peak ≈ the model + its la
 Checkpoints as DeepSeek-V3 ships them load too: fp8 block-scaled weights (`weight_scale_inv`,
 blocks of `quantization_config.weight_block_size`) are dequantized as they arrive, and the
 multi-token-prediction layer (`model.layers.{num_hidden_layers}`, for speculative decoding) is
-skipped.
+skipped; one tensor per expert lands in the model's stacked experts (`checkpoint_target`). A
+multimodal checkpoint whose config nests the text model (Kimi-K2.5: `text_config`) loads its
+`language_model.` tensors and leaves the vision tower.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import math
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,23 +45,37 @@ def weight_files(path: Path) -> list[Path]:
     raise TierserveError(f"no model.safetensors (or index) in {path}", field="model")
 
 
-def _served(key: str, num_layers: int) -> bool:
-    """Whether the model uses this tensor: not a dequantization scale, not an MTP layer."""
-    if key.endswith(SCALE_SUFFIX):
-        return False
-    layer = _LAYER.match(key)
-    return layer is None or int(layer[1]) < num_layers
+@dataclass(frozen=True)
+class CheckpointLayout:
+    """Which of a checkpoint's tensors the model holds, and under what name."""
+
+    num_layers: int
+    prefix: str = ""  # "language_model." when config.json nests the text model (Kimi-K2.5)
+
+    @classmethod
+    def of(cls, path: Path, num_layers: int) -> CheckpointLayout:
+        nested = isinstance(read_hf_config(path).get("text_config"), dict)
+        return cls(num_layers, "language_model." if nested else "")
+
+    def model_name(self, key: str) -> str | None:
+        """The model's name for checkpoint tensor `key`; None for a dequantization scale, an
+        MTP layer, or another tower of a multimodal checkpoint (vision, projector)."""
+        if key.endswith(SCALE_SUFFIX) or not key.startswith(self.prefix):
+            return None
+        name = key[len(self.prefix) :]
+        layer = _LAYER.match(name)
+        return name if layer is None or int(layer[1]) < self.num_layers else None
 
 
 def checkpoint_numel(path: str | Path, num_layers: int) -> int:
     """Parameters a model of `num_layers` will hold, read from the safetensors headers without
     loading them."""
-    total = 0
+    total, layout = 0, CheckpointLayout.of(Path(path), num_layers)
     for file in weight_files(Path(path)):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if _served(key, num_layers):
+                    if layout.model_name(key):
                         total += math.prod(f.get_slice(key).get_shape())
         except Exception as err:  # safetensors raises its own error type for a bad header
             raise TierserveError(f"cannot read {file}: {err}", field="model") from None
@@ -96,15 +113,17 @@ def dequantize(
     return weight.float() * scale.repeat_interleave(block[1], 1)[:, :cols]
 
 
-def _tensors(path: Path, num_layers: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, tensor) for every tensor the model uses, one at a time, fp8 ones dequantized."""
+def _tensors(path: Path, layout: CheckpointLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    """(model name, tensor) for every tensor the model uses, one at a time, fp8 ones
+    dequantized."""
     block = _block_size(path)
     for file in weight_files(path):
         # Memory-mapped: a shard's tensors are page cache until copied into the model, so
         # only one tensor at a time (dequantized, for fp8) takes memory of its own.
         shard = load_file(str(file))
         for key in sorted(shard):
-            if not _served(key, num_layers):
+            name = layout.model_name(key)
+            if name is None:
                 continue
             tensor = shard[key]
             if key + SCALE_SUFFIX in shard:
@@ -113,7 +132,7 @@ def _tensors(path: Path, num_layers: int) -> Iterator[tuple[str, torch.Tensor]]:
                 # Its scale sits in another shard (or nowhere): cast alone it would be wrong.
                 message = f"{file}: fp8 tensor {key} has no {key + SCALE_SUFFIX} in its shard"
                 raise TierserveError(message, field="model")
-            yield key, tensor
+            yield name, tensor
         del shard
 
 
@@ -132,10 +151,11 @@ def load_model(
     filled = dict.fromkeys(targets, 0)
     unexpected: list[str] = []
     place = getattr(model, "checkpoint_target", lambda name: None)
-    total = sum(1 for f in weight_files(path) for _ in _keys(f, cfg.num_layers))
+    layout = CheckpointLayout.of(path, cfg.num_layers)
+    total = sum(1 for f in weight_files(path) for _ in _keys(f, layout))
     bar = tqdm(total=total, desc="loading weights", unit="tensor", leave=False)
     with torch.no_grad():
-        for name, tensor in _tensors(path, cfg.num_layers):
+        for name, tensor in _tensors(path, layout):
             bar.update(1)
             if cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue
@@ -165,6 +185,6 @@ def load_model(
     return model.eval()
 
 
-def _keys(file: Path, num_layers: int) -> list[str]:
+def _keys(file: Path, layout: CheckpointLayout) -> list[str]:
     with safe_open(str(file), framework="pt") as f:
-        return [k for k in f.keys() if _served(k, num_layers)]  # noqa: SIM118
+        return [k for k in f.keys() if layout.model_name(k)]  # noqa: SIM118
