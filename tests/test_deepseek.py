@@ -134,3 +134,24 @@ def test_a_kimi_k25_style_checkpoint_serves_its_text_model(checkpoints, tmp_path
         o.token_ids for o in plain.generate(prompts, params)
     ]
     assert kimi.engine.startup.weight_bytes == plain.engine.startup.weight_bytes
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"v_head_dim": None}, "v_head_dim"),
+        ({"scoring_func": "softmax"}, "topk_method"),  # V3's noaux_tc needs sigmoid scores
+        ({"topk_method": "aux_free"}, "topk_method"),
+        ({"n_group": 7}, "n_group"),  # 256 experts do not split into 7 groups
+        ({"num_experts_per_tok": 200, "topk_group": 1}, "n_group"),  # more than one group holds
+    ],
+)
+def test_a_config_the_model_cannot_run_is_refused_naming_the_field(change, field):
+    from tierserve import TierserveError
+    from tierserve.config import ModelConfig
+    from tierserve.presets import model_preset
+
+    config = {**model_preset("deepseek-v3").config, **change}
+    with pytest.raises(TierserveError) as err:
+        ModelConfig.from_dict({k: v for k, v in config.items() if v is not None})
+    assert err.value.field == field

@@ -408,6 +408,10 @@ class ModelConfig:
         eos = raw.get("eos_token_id", config.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         dtype = raw.get("dtype") or raw.get("torch_dtype") or config.get("torch_dtype")
+        if config_int(raw, "kv_lora_rank", 0):  # MLA: every head dimension is needed
+            for key in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"):
+                if not config_int(raw, key, 0):
+                    raise TierserveError(f"an MLA model config needs {key!r} > 0", key)
         return cls(
             architecture=archs[0] if archs else "",
             vocab_size=config_int(raw, "vocab_size", 0),

@@ -33,14 +33,13 @@ GROUPS = ("experts", "other", "embeddings")  # routed experts; everything else; 
 # --- parameters ---------------------------------------------------------------------------
 
 
-def _attention_params(raw: Mapping[str, Any], model: ModelConfig) -> int:
+def _attention_params(model: ModelConfig) -> int:
     hidden, heads = model.hidden_size, model.num_heads
     if not model.kv_lora_rank:  # MHA/GQA: q, o + k, v
         return (
             2 * hidden * heads * model.head_dim + 2 * hidden * model.num_kv_heads * model.head_dim
         )
-    q_rank = config_int(raw, "q_lora_rank", 0)
-    nope, v_dim = config_int(raw, "qk_nope_head_dim"), config_int(raw, "v_head_dim")
+    q_rank, nope, v_dim = model.q_lora_rank, model.qk_nope_head_dim, model.v_head_dim
     rope, kv_rank = model.qk_rope_head_dim, model.kv_lora_rank
     q_out = heads * (nope + rope)
     q = q_rank * (hidden + 1 + q_out) if q_rank else hidden * q_out
@@ -82,7 +81,7 @@ def parameter_groups(config: Mapping[str, Any]) -> dict[str, int]:
     shared = config_int(raw, "n_shared_experts", 0) * expert_inter
     shared += config_int(raw, "shared_expert_intermediate_size", 0)
     moe_layers = layers - dense
-    other = layers * (_attention_params(raw, model) + 2 * hidden)  # two RMSNorms a layer
+    other = layers * (_attention_params(model) + 2 * hidden)  # two RMSNorms a layer
     other += dense * 3 * hidden * inter + moe_layers * (3 * hidden * shared + experts * hidden)
     embeddings = model.vocab_size * hidden * (1 if model.tie_word_embeddings else 2)
     return {

@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from tierserve.config import ModelConfig
-from tierserve.errors import TierserveError
 from tierserve.layers.attention import AttentionBackend
 from tierserve.layers.mla import MLA, MLAConfig, softmax_scale
 from tierserve.layers.moe import MoE, MoEConfig
@@ -26,12 +25,6 @@ _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$"
 
 
 def mla_config(cfg: ModelConfig) -> MLAConfig:
-    if not (cfg.kv_lora_rank and cfg.qk_rope_head_dim and cfg.qk_nope_head_dim and cfg.v_head_dim):
-        raise TierserveError(
-            f"{cfg.architecture} needs kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim and "
-            "v_head_dim in config.json",
-            field="model",
-        )
     return MLAConfig(
         hidden_size=cfg.hidden_size,
         num_heads=cfg.num_heads,
