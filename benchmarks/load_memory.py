@@ -8,7 +8,7 @@ each method loads it in a fresh subprocess that samples its anonymous resident m
 (RssAnon: the checkpoint's mmapped pages are page cache and not counted) and reports the peak's
 growth over the start. 1.0× is the model itself; the old way held the model and a full copy.
 
-    .venv/bin/python benchmarks/load_memory.py [--hidden 768] [--layers 8]
+    .venv/bin/python benchmarks/load_memory.py [--hidden 768] [--layers 8] [--arch deepseek-v3]
 """
 
 from __future__ import annotations
@@ -81,21 +81,52 @@ def to_fp8(path: Path) -> None:
     (path / "config.json").write_text(json.dumps(config))
 
 
-def make_checkpoint(path: Path, hidden: int, layers: int) -> int:
+def make_checkpoint(path: Path, hidden: int, layers: int, arch: str) -> None:
     import torch
     import transformers
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(
+            vocab_size=32000,
+            hidden_size=hidden,
+            intermediate_size=4 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=hidden // 64,
+            num_key_value_heads=hidden // 256,
+        )
+        transformers.LlamaForCausalLM(cfg).save_pretrained(path)
+        return
+    # DeepSeek-V3's shape at small width: MLA, a dense first layer, then 32 experts a layer,
+    # saved one tensor per expert (the loader stacks them).
+    cfg = transformers.DeepseekV3Config(
         vocab_size=32000,
         hidden_size=hidden,
         intermediate_size=4 * hidden,
+        moe_intermediate_size=hidden // 2,
         num_hidden_layers=layers,
         num_attention_heads=hidden // 64,
-        num_key_value_heads=hidden // 256,
+        num_key_value_heads=hidden // 64,
+        q_lora_rank=hidden // 2,
+        kv_lora_rank=hidden // 4,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=32,
+        v_head_dim=64,
+        n_routed_experts=32,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
     )
-    transformers.LlamaForCausalLM(cfg).save_pretrained(path)
-    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    transformers.DeepseekV3ForCausalLM(cfg).save_pretrained(path)
+
+
+def model_bytes(path: Path) -> int:
+    """The float32 model's bytes: what the loader's parameters take."""
+    from tierserve.config import ModelConfig
+    from tierserve.models.loader import checkpoint_numel
+
+    return 4 * checkpoint_numel(path, ModelConfig.from_dir(path).num_layers)
 
 
 def measure(path: Path, how: str) -> dict:
@@ -109,20 +140,29 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--arch", choices=["llama", "deepseek-v3"], default="llama")
     args = parser.parse_args()
+    # The old way loaded names as they are: it never loaded per-expert DeepSeek checkpoints.
+    ways = ("tierserve", "state_dict") if args.arch == "llama" else ("tierserve",)
     for fp8 in (False, True):
         with tempfile.TemporaryDirectory() as tmp:
-            size = make_checkpoint(Path(tmp), args.hidden, args.layers)
+            make_checkpoint(Path(tmp), args.hidden, args.layers, args.arch)
             if fp8:
                 to_fp8(Path(tmp))
-            model_bytes = size  # the model is float32 either way
-            rows = {how: measure(Path(tmp), how) for how in ("tierserve", "state_dict")}
+            size = sum(f.stat().st_size for f in Path(tmp).glob("*.safetensors"))
+            model = model_bytes(Path(tmp))
+            rows = {how: measure(Path(tmp), how) for how in ways}
         kind = "fp8 block-scaled checkpoint" if fp8 else "float32 checkpoint"
-        print(f"{kind}; model {model_bytes / 1e9:.3f} GB in float32")
+        print(f"{args.arch}, {kind} of {size / 1e9:.3f} GB; model {model / 1e9:.3f} GB in float32")
         grown = {how: r["peak"] - r["before"] for how, r in rows.items()}
         for how, g in grown.items():
-            print(f"  {how:<11} peak growth {g / 1e9:6.3f} GB = {g / model_bytes:4.2f}× the model")
-        print(f"  tierserve / state dict first: {grown['tierserve'] / grown['state_dict']:.2f}×")
+            print(
+                f"  {how:<11} peak growth {g / 1e9:6.3f} GB = {g / model:4.2f}× the model "
+                f"= {g / size:4.2f}× the checkpoint"
+            )
+        if len(grown) == 2:
+            ratio = grown["tierserve"] / grown["state_dict"]
+            print(f"  tierserve / state dict first: {ratio:.2f}×")
 
 
 if __name__ == "__main__":
