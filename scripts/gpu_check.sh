@@ -14,7 +14,7 @@ fi
 # test_async_copies runs the copy bookkeeping with late-landing copies between CUDA and pinned
 # host pages; the others take the StreamTransfer path (side stream, events, no staging).
 "$PY" -m pytest -q -x tests/test_models.py tests/test_engine.py tests/test_hicache.py \
-  tests/test_async_copies.py tests/test_radix.py \
+  tests/test_async_copies.py tests/test_radix.py tests/test_deepseek.py tests/test_kv_dtype.py \
   -k "not serve_exits and not auto_size"
 "$PY" benchmarks/offline_throughput.py --num-prompts 64
 "$PY" benchmarks/hicache_multiturn.py --clients 16 --rounds 4
