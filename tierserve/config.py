@@ -116,6 +116,27 @@ class EngineArgs:
             choices=["write_through", "write_through_selective", "write_back"],
         ),
     )
+    hicache_storage_backend: str | None = field(
+        default=None,
+        metadata=_flag(
+            "storage tier under the host tier: file (a local directory several servers may "
+            "share, kept across restarts) or mooncake (Mooncake Store); off by default"
+        ),
+    )
+    hicache_storage_backend_extra_config: str | None = field(
+        default=None,
+        metadata=_flag(
+            'JSON for the storage backend and tier, e.g. \'{"path": "/data/kv", '
+            '"max_bytes": "200GB"}\' (docs/kv-cache.md lists the keys)'
+        ),
+    )
+    hicache_storage_prefetch_policy: str = field(
+        default="best_effort",
+        metadata=_flag(
+            "how long a request waits for its prefix to be fetched from storage",
+            choices=["best_effort", "wait_complete", "timeout"],
+        ),
+    )
     attention_backend: str = field(
         default="torch", metadata=_flag("attention kernel backend", choices=["torch"])
     )
@@ -162,6 +183,8 @@ class EngineArgs:
             "hicache_write_policy": (
                 None if self.hicache_write_policy == "write_through" else self.hicache_write_policy
             ),
+            "hicache_storage_backend": self.hicache_storage_backend,
+            "hicache_storage_backend_extra_config": self.hicache_storage_backend_extra_config,
         }
         given = [name for name, value in host_flags.items() if value is not None]
         if given and not self.enable_hierarchical_cache:

@@ -108,6 +108,7 @@ class KVPlan:
     host: HostSizing | None
     write_policy: str
     workspace_bytes: int = 0  # CPU decode workspace, at most (layers/attention.py)
+    storage_ram_bytes: int = 0  # a storage client's RAM on this node (Mooncake's segment)
 
     @property
     def device_bytes(self) -> int:
@@ -133,5 +134,7 @@ def startup_table(plan: KVPlan) -> str:
             ("host budget", sizing.formula),
             ("write policy", plan.write_policy),
         ]
+    if plan.storage_ram_bytes:
+        rows.append(("storage client RAM", format_gb(plan.storage_ram_bytes, 3)))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

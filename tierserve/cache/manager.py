@@ -10,11 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from tierserve.cache.pool import PageAllocator, PagedKV, pages_for
 from tierserve.cache.radix import RadixCache, RadixNode
 from tierserve.cache.tiers import HostTier
 from tierserve.cache.transfer import CopyOp
+
+if TYPE_CHECKING:
+    from tierserve.storage.tier import StorageTier
 
 
 @dataclass(eq=False)
@@ -56,6 +60,7 @@ class KVCacheManager:
             self.radix = RadixCache(self.page_size, self.allocator.free, free_host)
         if host is not None:
             host.radix = self.radix
+        self.storage: StorageTier | None = host.storage if host is not None else None
 
     @property
     def num_pages(self) -> int:
@@ -69,9 +74,13 @@ class KVCacheManager:
     # --- the step's copies ------------------------------------------------------------------
 
     def poll(self) -> None:
-        """Observe copies that landed: the one point in a step where completion is seen."""
+        """Observe copies that landed and pages fetched from storage: the one point in a step
+        where completion is seen."""
         if self.host is not None:
             self.host.poll()
+        if self.storage is not None:
+            for pf, start, payloads in self.storage.take_fetched():
+                self._place_fetched(pf.tokens, pf.first_page + start, payloads)
 
     def issue(self) -> None:
         """Start the step's batched backup and load."""
@@ -95,6 +104,48 @@ class KVCacheManager:
         h.host_nodes = host_nodes
         h.host_hit = (m.host_page_count if self.host else 0) * self.page_size
         return h
+
+    # --- the storage tier -------------------------------------------------------------------
+
+    def wait_for_storage(self, tokens: Sequence[int], h: KVHandle, busy: bool) -> bool:
+        """Whether a request matched as `h` should stay out of this step while its prefix is
+        fetched from storage. A miss of at least the threshold starts a prefetch (shared by
+        requests with that prefix) when the cached part ends with a host copy for the fetched
+        pages to hang from; the prefetch policy says how long to wait."""
+        storage, radix, ps = self.storage, self.radix, self.page_size
+        if storage is None or radix is None:
+            return False
+        whole = (len(tokens) - 1) // ps * ps  # the last token is recomputed anyway
+        have = h.computed + h.host_hit
+        if whole - have < max(storage.cfg.prefetch_threshold, ps):
+            storage.stats.add(short_prefixes=whole > have)
+            return False
+        if h.node is not None and h.node is not radix.root and h.node.host_pages is None:
+            return False  # a device-only prefix: host copies must form a prefix of the tree
+        last = radix.page_keys(h.node, storage.namespace.chain) if h.node else []
+        pf = storage.prefetch(tuple(tokens[:whole]), have // ps, last[-1] if last else None)
+        if storage.should_wait(pf, busy):
+            return True
+        storage.end(pf)
+        return False
+
+    def _place_fetched(
+        self, tokens: tuple[int, ...], first_page: int, payloads: list[bytes]
+    ) -> None:
+        """Fetched pages into free host pages and the tree (host-only); dropped and counted
+        when the host has no room or the tree no longer holds the prefix they follow."""
+        assert self.host is not None and self.radix is not None and self.storage is not None
+        n, host = len(payloads), self.host
+        if host.allocator.num_free < n:
+            self.radix.evict_host(n - host.allocator.num_free)
+        pages = host.allocator.alloc(n)
+        if pages is None:
+            self.storage.stats.add(dropped_prefetch_pages=n)
+            return
+        host.host_pool.write_page_bytes(pages, payloads)
+        unused = self.radix.insert_host(tokens, first_page, pages)
+        host.allocator.free(pages[:unused])
+        self.storage.stats.add(hit_pages=n - unused, dropped_prefetch_pages=unused)
 
     def load_back(self, h: KVHandle) -> bool:
         """Queue the host part's copy to the device; False (it stays behind) if no room."""
@@ -202,10 +253,20 @@ class KVCacheManager:
 
     # --- inspection -------------------------------------------------------------------------
 
-    def flush(self) -> int:
+    def flush(self) -> dict[str, int | str]:
+        """Drop every cached page no request holds, from the device and host tiers; what each
+        tier did. Storage is left alone: other servers may share it, and surviving a restart
+        is what it is for (its cap and LRU bound it)."""
         if self.host is not None:
             self.host.drain()  # nothing may be dropped while a copy of it is on the way
-        return self.radix.reset() if self.radix else 0
+        host_before = self.radix.host_pages if self.radix else 0
+        device = self.radix.reset() if self.radix else 0
+        report: dict[str, int | str] = {"device_pages": device}
+        if self.host is not None and self.radix is not None:
+            report["host_pages"] = host_before - self.radix.host_pages
+        if self.storage is not None:
+            report["storage"] = "kept: shared with other servers and across restarts"
+        return report
 
     def cached_pages(self) -> int:
         return self.radix.num_pages if self.radix else 0

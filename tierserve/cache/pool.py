@@ -73,6 +73,18 @@ class PagedKV:
     def write_pages(self, pages: torch.Tensor, data: torch.Tensor) -> None:
         self.data.index_copy_(0, pages.to(self.data.device), data.to(self.data.device))
 
+    def page_bytes(self, pages: list[int]) -> list[bytes]:
+        """Each page's block as bytes (what a store keeps), in `pages` order."""
+        block = self.read_pages(torch.tensor(pages, dtype=torch.long)).cpu()
+        raw = block.view(torch.uint8).reshape(len(pages), -1).numpy()
+        return [row.tobytes() for row in raw]
+
+    def write_page_bytes(self, pages: list[int], payloads: list[bytes]) -> None:
+        """`page_bytes`' inverse."""
+        raw = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
+        block = raw.view(self.data.dtype).view(len(pages), *self.spec.page_shape)
+        self.write_pages(torch.tensor(pages, dtype=torch.long), block)
+
     # --- per-layer views for attention ------------------------------------------------------
 
     def write(self, layer: int, slots: torch.Tensor, *parts: torch.Tensor) -> None:

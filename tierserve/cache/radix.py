@@ -36,6 +36,7 @@ class RadixNode:
         "key",
         "last_access",
         "lock_ref",
+        "page_keys",
         "pages",
         "parent",
     )
@@ -50,6 +51,7 @@ class RadixNode:
         self.last_access = 0
         self.hit_count = 0
         self.copy: CopyOp | None = None  # the tier copy of this node's pages, until it lands
+        self.page_keys: list[str] | None = None  # storage keys of its pages, once asked for
 
     @property
     def on_device(self) -> bool:
@@ -153,6 +155,40 @@ class RadixCache:
             node = self._add_leaf(node, tuple(tokens[end:]), list(pages[end // ps :]))
         return present, node
 
+    def insert_host(self, tokens: Sequence[int], first_page: int, host_pages: list[int]) -> int:
+        """Add pages fetched from storage: whole pages `first_page ...` of `tokens`, host-only,
+        below a prefix the tree holds with a host copy. Returns how many of `host_pages` (from
+        the front) the tree did not take: it already held those tokens, or it no longer holds
+        the prefix with a host copy (then none are taken)."""
+        ps = self.page_size
+        end = (first_page + len(host_pages)) * ps
+        node, _, reached = [(self.root, 0, 0), *self._walk(tokens[:end])][-1]
+        if reached < first_page * ps or node.host_pages is None:
+            return len(host_pages)
+        skip = reached // ps - first_page
+        if reached < end:
+            leaf = RadixNode(tuple(tokens[reached:end]), [], node)
+            leaf.pages = None
+            node.children[leaf.key[:ps]] = leaf
+            self._touch(leaf)
+            self.set_host_pages(leaf, host_pages[skip:])
+        return skip
+
+    def page_keys(
+        self, node: RadixNode, chain: Callable[[str | None, Sequence[int]], list[str]]
+    ) -> list[str]:
+        """Storage keys of `node`'s pages: `chain(key of the page before, tokens)`, computed
+        once per node, ancestors first ([] for the root)."""
+        path = []
+        while node is not self.root and node.page_keys is None:
+            path.append(node)
+            node = node.parent
+        parent = node.page_keys[-1] if node is not self.root and node.page_keys else None
+        for n in reversed(path):
+            n.page_keys = chain(parent, n.key)
+            parent = n.page_keys[-1]
+        return (path[0] if path else node).page_keys or []
+
     def _walk(self, tokens: Sequence[int]) -> Iterator[tuple[RadixNode, int, int]]:
         """The nodes along the longest whole-page match of `tokens`, split where the match ends
         inside an edge: (node, start, end) with `tokens[start:end]` its key."""
@@ -205,6 +241,8 @@ class RadixCache:
         upper = RadixNode(node.key[:n], node.pages[:cut] if node.on_device else None, parent)
         if node.host_pages is not None:
             upper.host_pages, node.host_pages = node.host_pages[:cut], node.host_pages[cut:]
+        if node.page_keys is not None:
+            upper.page_keys, node.page_keys = node.page_keys[:cut], node.page_keys[cut:]
         upper.lock_ref, upper.last_access, upper.hit_count, upper.copy = (
             node.lock_ref,
             node.last_access,

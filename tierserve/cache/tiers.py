@@ -15,10 +15,14 @@ issued by `issue()`; `poll()` observes what landed (see cache/transfer.py).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from tierserve.cache.pool import PageAllocator, PagedKV
 from tierserve.cache.radix import RadixCache, RadixNode
 from tierserve.cache.transfer import CopyOp, TransferBackend, page_runs
+
+if TYPE_CHECKING:
+    from tierserve.storage.tier import StorageTier
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 MATCH_WORK = 20_000  # source runs × free runs beyond which pages are paired by rank
@@ -82,6 +86,7 @@ class HostTier:
         write_policy: str,
         transfer: TransferBackend,
         selective_threshold: int = 2,
+        storage: StorageTier | None = None,
     ) -> None:
         self.host_pool = host_pool
         self.page_size = host_pool.page_size
@@ -93,6 +98,9 @@ class HostTier:
         self.radix: RadixCache | None = None  # set by the manager that owns both
         self._backups: CopyOp | None = None  # this step's batch, until issued
         self._loads: CopyOp | None = None
+        # Below the host: what reaches the host tier is written to storage once it has landed.
+        self.storage = storage
+        self._to_store: list[tuple[CopyOp, list[str], list[int]]] = []
 
     # --- device -> host ---------------------------------------------------------------------
 
@@ -119,6 +127,10 @@ class HostTier:
         device_pages = [p for n in path for p in n.pages]
         host_pages = matched_runs(device_pages, host_pages)
         self._backups.add(device_pages, host_pages)
+        if self.storage is not None:
+            chain = self.storage.namespace.chain
+            keys = [k for n in path for k in self.radix.page_keys(n, chain)]
+            self._to_store.append((self._backups, keys, host_pages))
         for n in path:
             self.radix.set_host_pages(n, host_pages[: len(n.pages)])
             host_pages = host_pages[len(n.pages) :]
@@ -198,6 +210,8 @@ class HostTier:
         return sum(not op.landed for op in self.transfer.in_flight)
 
     def _account(self, landed: list[CopyOp]) -> None:
+        if self._to_store and landed:
+            self._store_landed()
         nbytes = self.host_pool.spec.bytes_per_page
         for op in landed:
             if op.kind == "load":
@@ -206,6 +220,18 @@ class HostTier:
             else:
                 self.stats.backup_bytes += op.pages * nbytes
                 self.stats.backup_seconds += op.seconds
+
+    def _store_landed(self) -> None:
+        """Hand pages whose host copy just landed to the storage tier (read now: the host pages
+        cannot be reused before the engine thread's next decision)."""
+        assert self.storage is not None
+        pending = []
+        for op, keys, pages in self._to_store:
+            if op.landed:
+                self.storage.write(keys, self.host_pool.page_bytes(pages))
+            else:
+                pending.append((op, keys, pages))
+        self._to_store = pending
 
     @property
     def used_pages(self) -> int:

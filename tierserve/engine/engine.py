@@ -27,6 +27,8 @@ from tierserve.errors import TierserveError
 from tierserve.layers.attention import ATTENTION_BACKENDS
 from tierserve.models.loader import load_model
 from tierserve.sampling_params import SamplingParams
+from tierserve.storage.keys import Namespace, model_fingerprint
+from tierserve.storage.tier import StorageTier
 
 logger = logging.getLogger("tierserve")
 
@@ -58,6 +60,8 @@ class Engine:
         self.eos_token_ids = set(cfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
+        # Before the weights: a store that cannot be reached refuses the start at no cost.
+        self.storage = self._storage_tier(startup) if startup.storage else None
         model = load_model(startup.model_path, cfg, self.dtype, self.device)
         pages = plan.device_tokens // plan.spec.page_size
         pool = PagedKV(plan.spec, pages, self.device, compute_dtype=self.dtype)
@@ -86,7 +90,14 @@ class Engine:
             host_tier=True,
             pin_memory=self.device.type == "cuda",
         )
-        return HostTier(host_pool, self.args.hicache_write_policy, transfer(pool, host_pool))
+        policy = self.args.hicache_write_policy
+        return HostTier(host_pool, policy, transfer(pool, host_pool), storage=self.storage)
+
+    @staticmethod
+    def _storage_tier(startup: Startup) -> StorageTier:
+        assert startup.storage is not None
+        namespace = Namespace(model_fingerprint(startup.model_path), startup.plan.spec)
+        return StorageTier(startup.storage, namespace)
 
     # --- requests --------------------------------------------------------------------------
 
@@ -199,6 +210,9 @@ class Engine:
         """Run one batch; returns the token of every request that sampled one."""
         chunks = self.scheduler.schedule()
         if not chunks:
+            if self.storage is not None and self.storage.pending:
+                self.storage.wait_for_fetches(0.01)  # requests wait for storage, not for us
+                return []
             if self.scheduler.waiting and not self.scheduler.running:
                 # Admission with nothing running always fits (requests are checked against the
                 # pool at submission); reaching here is a bug, and a loud one beats a hang.
@@ -240,5 +254,13 @@ class Engine:
     def check_accounting(self) -> None:
         self.kv.check_accounting([r.kv for r in self.scheduler.running])
 
-    def flush_cache(self) -> int:
+    def close(self, write_timeout_s: float = 5.0) -> None:
+        """Let queued storage writes finish (bounded: a restarted server finds them), then
+        release the store's client."""
+        if self.storage is not None:
+            self.storage.flush_writes(write_timeout_s)
+            self.storage.close()
+
+    def flush_cache(self) -> dict[str, int | str]:
+        """Pages dropped per tier (device, host) and what storage did (nothing)."""
         return self.kv.flush()

@@ -117,10 +117,19 @@ class Scheduler:
         self.add(req)
 
     def _admit(self, budget: int, reserve: int) -> list[ScheduledChunk]:
-        chunks = []
-        while self.waiting and budget > 0 and len(self.running) < self.cfg.max_running_requests:
-            req = self.waiting[0]
+        chunks: list[ScheduledChunk] = []
+        i = 0  # requests waiting for a storage prefetch stay queued; the next may go first
+        while (
+            i < len(self.waiting)
+            and budget > 0
+            and len(self.running) < self.cfg.max_running_requests
+        ):
+            req = self.waiting[i]
             req.kv = h = self.kv.match(req.all_ids)
+            if self.kv.wait_for_storage(req.all_ids, h, busy=bool(self.running or chunks)):
+                req.kv = self.kv.release(h, req.all_ids, keep_in_cache=False)
+                i += 1
+                continue
             cached = h.computed + h.host_hit
             n = min(req.num_tokens - cached, budget)
             need = pages_for(cached + n, self.kv.page_size) - len(h.pages)
@@ -133,7 +142,7 @@ class Scheduler:
             if not self.kv.grow(h, req.num_computed + n):
                 req.kv = self.kv.release(h, req.all_ids, keep_in_cache=False)
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self.kv.commit(h, first_admission=req.cached_tokens is None)
             self._start(req, h.cached)
             chunks.append(ScheduledChunk(req, n))

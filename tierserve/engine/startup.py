@@ -20,6 +20,8 @@ from tierserve.config import EngineArgs, ModelConfig, default_model
 from tierserve.errors import TierserveError
 from tierserve.layers.attention import DecodeWorkspace
 from tierserve.models.loader import checkpoint_numel
+from tierserve.storage.backend import backend_class
+from tierserve.storage.tier import StorageConfig
 
 CPU_DEFAULT_POOL_TOKENS = 32768
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -50,6 +52,7 @@ class Startup:
     context_length: int
     weight_bytes: int
     plan: KVPlan
+    storage: StorageConfig | None = None
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> Startup:
@@ -64,9 +67,20 @@ class Startup:
         spec = KVSpec.from_model(cfg, kv_dtype, args.page_size)
         numel = checkpoint_numel(model_path, cfg.num_layers)  # MTP layers past them skipped
         weight_bytes = numel * dtype.itemsize
-        plan = _kv_plan(args, device, spec, weight_bytes, dtype.itemsize)
+        storage = _storage_config(args)
+        plan = _kv_plan(args, device, spec, weight_bytes, dtype.itemsize, storage)
         context = _context_length(args, cfg)
-        return cls(model_path, cfg, device, dtype, context, weight_bytes, plan)
+        return cls(model_path, cfg, device, dtype, context, weight_bytes, plan, storage)
+
+
+def _storage_config(args: EngineArgs) -> StorageConfig | None:
+    if args.hicache_storage_backend is None:
+        return None
+    return StorageConfig.parse(
+        args.hicache_storage_backend,
+        args.hicache_storage_backend_extra_config,
+        args.hicache_storage_prefetch_policy,
+    )
 
 
 def _context_length(args: EngineArgs, cfg: ModelConfig) -> int:
@@ -81,7 +95,12 @@ def _context_length(args: EngineArgs, cfg: ModelConfig) -> int:
 
 
 def _kv_plan(
-    args: EngineArgs, device: torch.device, spec: KVSpec, weight_bytes: int, compute_width: int
+    args: EngineArgs,
+    device: torch.device,
+    spec: KVSpec,
+    weight_bytes: int,
+    compute_width: int,
+    storage: StorageConfig | None,
 ) -> KVPlan:
     num_pages = check_pool_size(_pool_tokens(args, device, spec, weight_bytes), spec.page_size)
     device_tokens = num_pages * spec.page_size
@@ -101,9 +120,12 @@ def _kv_plan(
                 "the hierarchical cache needs the radix cache; drop --disable-radix-cache",
                 field="enable_hierarchical_cache",
             )
-        # On CPU the weights, the "device" pool and the workspace are host RAM too.
+        # On CPU the weights, the "device" pool and the workspace are host RAM too; a store's
+        # client (Mooncake's segment and buffer) is host RAM on any device.
         overhead = device_tokens * spec.bytes_per_token + weight_bytes + workspace
-        host = size_host_tier(args, spec, device_tokens, overhead if on_cpu else 0)
+        store = backend_class(storage.backend).ram_bytes(storage.extra) if storage else 0
+        host = size_host_tier(args, spec, device_tokens, (overhead if on_cpu else 0) + store)
+        plan = dataclasses.replace(plan, storage_ram_bytes=store)
     return dataclasses.replace(plan, host=host)
 
 

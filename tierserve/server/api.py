@@ -152,8 +152,9 @@ def _add_routes(
         return Response(metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.post("/flush_cache")
-    async def flush_cache() -> dict[str, int]:
-        return {"flushed_pages": await engine.call(lambda e: e.flush_cache())}
+    async def flush_cache() -> dict[str, Any]:
+        tiers = await engine.call(lambda e: e.flush_cache())
+        return {"flushed_pages": tiers["device_pages"], "tiers": tiers}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -51,6 +51,7 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout=30)
+        self.engine.close()
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str

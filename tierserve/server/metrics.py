@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tierserve.engine.engine import Engine
+from tierserve.storage.tier import StorageTier
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -47,6 +48,8 @@ class EngineCollector(Collector):
         preempt.add_metric(["recompute"], sched.stats.num_preemptions - offload)
         yield preempt
         yield from self._tiers()
+        if e.storage is not None:
+            yield from _storage(e.storage)
 
     def _tiers(self) -> Iterator[Metric]:
         kv = self.engine.kv
@@ -101,6 +104,37 @@ class EngineCollector(Collector):
             "times device pages were needed before copies landed",
             s.forced_waits,
         )
+
+
+# The storage tier's counters, tierserve_storage_<field>: (StorageStats field, help).
+STORAGE_COUNTERS = (
+    ("hit_pages", "pages found in storage and loaded into the host tier"),
+    ("miss_pages", "pages looked up in storage and not fetched"),
+    ("read_bytes", "bytes read from storage"),
+    ("read_seconds", "time in storage reads"),
+    ("written_pages", "pages written to storage"),
+    ("written_bytes", "bytes written to storage"),
+    ("write_seconds", "time in storage writes"),
+    ("prefetches", "prefetches started"),
+    ("timeouts", "storage calls abandoned after their timeout"),
+    ("errors", "storage calls that failed"),
+    ("corrupt_objects", "objects whose header or checksum did not match"),
+    ("dropped_writes", "pages not written: queue full or store unavailable"),
+    ("breaker_opens", "times the circuit breaker opened"),
+    ("breaker_skips", "storage calls skipped while the breaker was open"),
+)
+
+
+def _storage(storage: StorageTier) -> Iterator[Metric]:
+    stats = storage.stats.as_dict()
+    for field, doc in STORAGE_COUNTERS:
+        yield _counter(f"tierserve_storage_{field}", doc, stats[field])
+    state = GaugeMetricFamily(
+        "tierserve_storage_breaker", "circuit breaker state (1 = current)", labels=["state"]
+    )
+    for name in ("closed", "open", "half-open"):
+        state.add_metric([name], float(storage.store.state == name))
+    yield state
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

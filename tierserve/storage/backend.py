@@ -1,0 +1,82 @@
+"""The storage backend interface: a key-value store of page objects, chosen by name
+(`--hicache-storage-backend`). A backend only moves bytes; timeouts, retries, integrity and
+keys are the storage tier's. A third store is one file: a subclass registered here."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from tierserve.errors import TierserveError
+from tierserve.units import parse_size
+
+EXTRA_FIELD = "hicache_storage_backend_extra_config"
+
+
+def config_bytes(extra: Mapping[str, Any], key: str, default: int) -> int:
+    """A size in the extra config: an int is bytes (Mooncake's convention), a string needs its
+    unit ("200GB", "1GiB")."""
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise TierserveError(f"{key} in the storage config must be bytes or a size", EXTRA_FIELD)
+    if isinstance(value, int):
+        if value < 0:
+            raise TierserveError(f"{key} in the storage config must be >= 0", EXTRA_FIELD)
+        return value
+    if value.strip().replace(".", "", 1).isdigit():
+        raise TierserveError(f"{key} {value!r} needs a unit (or give an int of bytes)", EXTRA_FIELD)
+    return parse_size(value, key)
+
+
+class StorageBackend(ABC):
+    name: str = ""
+
+    @abstractmethod
+    def exists(self, keys: list[str]) -> list[bool]: ...
+
+    @abstractmethod
+    def get(self, keys: list[str]) -> list[bytes | None]:
+        """Each key's object, None where there is none."""
+
+    @abstractmethod
+    def put(self, items: Mapping[str, bytes]) -> None: ...
+
+    def close(self) -> None:  # noqa: B027 (optional)
+        """Release what the backend holds (connections, segments)."""
+
+    @classmethod
+    def ram_bytes(cls, extra: Mapping[str, Any]) -> int:
+        """RAM a backend of this config takes on this node beyond the tiers, known before it
+        starts (Mooncake's segment and buffer; a file backend's page cache is the kernel's
+        to reclaim)."""
+        return 0
+
+
+BackendFactory = Callable[[Mapping[str, Any]], StorageBackend]
+STORAGE_BACKENDS: dict[str, BackendFactory] = {}
+
+
+def register(name: str) -> Callable[[type[StorageBackend]], type[StorageBackend]]:
+    def wrap(cls: type[StorageBackend]) -> type[StorageBackend]:
+        cls.name = name
+        STORAGE_BACKENDS[name] = cls  # type: ignore[assignment]
+        return cls
+
+    return wrap
+
+
+def backend_class(name: str) -> type[StorageBackend]:
+    # Importing the modules registers them; mooncake's client is imported only when started.
+    from tierserve.storage import file, mooncake  # noqa: F401
+
+    if name not in STORAGE_BACKENDS:
+        known = ", ".join(sorted(STORAGE_BACKENDS))
+        raise TierserveError(
+            f"unknown storage backend {name!r}; known: {known}", "hicache_storage_backend"
+        )
+    return STORAGE_BACKENDS[name]  # type: ignore[return-value]
+
+
+def make_backend(name: str, extra: Mapping[str, Any]) -> StorageBackend:
+    return backend_class(name)(extra)

@@ -1,0 +1,126 @@
+"""Calls into a store's client that cannot hang the server: each runs on a bounded pool of
+worker threads and is waited for at most `timeout_s`. A call that outlives it is abandoned and
+counted (a blocking C++ call cannot be cancelled; its worker stays taken until it returns, and
+with every worker taken a call fails at once). A circuit breaker stops calling after
+`failures_to_open` consecutive failures and lets one call through after `cooldown_s`: a store
+that is down costs hits, not time."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
+
+from tierserve.storage.backend import StorageBackend
+
+T = TypeVar("T")
+
+
+class StorageUnavailable(Exception):
+    """The store did not answer in time, failed, or the breaker is open."""
+
+
+@dataclass
+class StorageStats:
+    hit_pages: int = 0  # pages found in storage and delivered to the host tier
+    miss_pages: int = 0  # pages looked up and not found (or not fetched: outage, corruption)
+    read_bytes: int = 0
+    read_seconds: float = 0.0
+    written_pages: int = 0
+    written_bytes: int = 0
+    write_seconds: float = 0.0
+    prefetches: int = 0
+    short_prefixes: int = 0  # misses under the prefetch threshold: not worth fetching
+    timeouts: int = 0
+    errors: int = 0
+    corrupt_objects: int = 0
+    dropped_writes: int = 0  # pages not written: the queue was full or the store unavailable
+    dropped_prefetch_pages: int = 0  # fetched, but no host room or no prefix to attach to
+    breaker_opens: int = 0
+    breaker_skips: int = 0  # calls not made while the breaker was open
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def add(self, **counts: float) -> None:
+        """Counters change from worker threads and the engine thread alike."""
+        with self._lock:
+            for name, n in counts.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def as_dict(self) -> dict[str, float]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+class GuardedStore:
+    def __init__(
+        self,
+        backend: StorageBackend,
+        stats: StorageStats,
+        timeout_s: float = 2.0,
+        workers: int = 4,
+        failures_to_open: int = 3,
+        cooldown_s: float = 5.0,
+    ) -> None:
+        self.backend, self.stats = backend, stats
+        self.timeout_s, self.failures_to_open, self.cooldown_s = (
+            timeout_s,
+            failures_to_open,
+            cooldown_s,
+        )
+        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tierserve-storage")
+        self._slots = threading.Semaphore(workers)  # workers not stuck in a call
+        self._lock = threading.Lock()
+        self._failures = 0
+        self._open_until = 0.0
+
+    @property
+    def state(self) -> str:
+        """closed (calls go through), open (none do), half-open (the next one tests)."""
+        with self._lock:
+            if self._failures < self.failures_to_open:
+                return "closed"
+            return "open" if time.monotonic() < self._open_until else "half-open"
+
+    def call(self, fn: Callable[..., T], *args: Any) -> T:
+        with self._lock:
+            if time.monotonic() < self._open_until:
+                self.stats.add(breaker_skips=1)
+                raise StorageUnavailable("the store is not answering (circuit breaker open)")
+        if not self._slots.acquire(blocking=False):
+            self._failed(errors=1)
+            raise StorageUnavailable("every storage worker is stuck in an earlier call")
+        future = self._pool.submit(self._run, fn, args)
+        try:
+            result = future.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            self._failed(timeouts=1)
+            raise StorageUnavailable(f"no answer within {self.timeout_s} s") from None
+        except Exception as err:  # any failure of a third-party client: counted, not raised on
+            self._failed(errors=1)
+            raise StorageUnavailable(f"{type(err).__name__}: {err}") from None
+        with self._lock:
+            self._failures = 0
+        return result
+
+    def _run(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+        try:
+            return fn(*args)
+        finally:
+            self._slots.release()
+
+    def _failed(self, **counts: int) -> None:
+        self.stats.add(**counts)
+        with self._lock:
+            self._failures += 1
+            if self._failures >= self.failures_to_open:
+                if time.monotonic() >= self._open_until:
+                    self.stats.add(breaker_opens=1)
+                self._open_until = time.monotonic() + self.cooldown_s
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

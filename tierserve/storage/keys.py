@@ -1,0 +1,63 @@
+"""Content keys of KV pages in a shared store.
+
+A page's key is a chained hash: it covers the page's tokens and, through its parent's key, every
+token before it, so equal keys mean equal prefixes. The chain starts from a namespace that names
+the model (a hash of config.json and the safetensors headers: names, shapes, dtypes; not the
+weight bytes, which would take minutes to read), the KV format (kind, dtype, page size, page
+shape) and the rank's shard, so different models, KV dtypes or TP layouts never read each
+other's pages. SHA-256 throughout: stable across processes and machines (never `hash()`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from safetensors import safe_open
+
+from tierserve.cache.spec import KVSpec
+
+KEY_CHARS = 32  # 128 bits of SHA-256, hex
+
+
+def model_fingerprint(model_dir: str | Path) -> str:
+    """A hash of config.json and every tensor's name, shape and dtype."""
+    from tierserve.models.loader import weight_files
+
+    path = Path(model_dir)
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in sorted(f.keys()):
+                tensor = f.get_slice(name)
+                h.update(f"{name}:{tensor.get_shape()}:{tensor.get_dtype()};".encode())
+    return h.hexdigest()[:KEY_CHARS]
+
+
+@dataclass(frozen=True)
+class Namespace:
+    model: str  # model_fingerprint
+    spec: KVSpec
+    shard: str = "tp0/1"  # this rank's part of the KV: ranks holding different heads differ
+
+    @property
+    def root(self) -> str:
+        """The chain's start: a key no page has."""
+        s = self.spec
+        fmt = {"kind": s.kind, "dtype": s.dtype, "page_shape": s.page_shape, "layout": "page-major"}
+        text = json.dumps({"model": self.model, "format": fmt, "shard": self.shard})
+        return hashlib.sha256(text.encode()).hexdigest()[:KEY_CHARS]
+
+    def chain(self, parent: str | None, tokens: Sequence[int]) -> list[str]:
+        """Keys of the whole pages of `tokens`, following the page whose key is `parent` (None:
+        the first page of a sequence)."""
+        ps, keys, prev = self.spec.page_size, [], parent or self.root
+        for start in range(0, len(tokens) - ps + 1, ps):
+            page = array("q", tokens[start : start + ps]).tobytes()
+            prev = hashlib.sha256(prev.encode() + page).hexdigest()[:KEY_CHARS]
+            keys.append(prev)
+        return keys

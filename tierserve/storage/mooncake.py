@@ -1,0 +1,90 @@
+"""`mooncake`: Mooncake Store, a distributed store whose objects live in RAM segments that the
+clients contribute, coordinated by `mooncake_master` (which also serves the metadata over HTTP
+with `--enable_http_metadata_server=true`). Servers attached to one master share pages while
+they run; an object leaves with the segment of the client that stored it.
+
+extra config (SGLang's and Mooncake's names): `master_server_address` (default
+127.0.0.1:50051), `metadata_server` (default http://127.0.0.1:8080/metadata), `protocol` (tcp),
+`device_name` (""), `local_hostname` (127.0.0.1), `global_segment_size` (this node's RAM given
+to the store, default 1 GiB) and `local_buffer_size` (default 128 MiB): both count in the node's
+host budget.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from tierserve.errors import TierserveError
+from tierserve.storage.backend import EXTRA_FIELD, StorageBackend, config_bytes, register
+
+DEFAULTS = {
+    "master_server_address": "127.0.0.1:50051",
+    "metadata_server": "http://127.0.0.1:8080/metadata",
+    "protocol": "tcp",
+    "device_name": "",
+    "local_hostname": "127.0.0.1",
+    "global_segment_size": 2**30,
+    "local_buffer_size": 128 * 2**20,
+}
+
+
+def segment_bytes(extra: Mapping[str, Any]) -> int:
+    """RAM a Mooncake client takes on this node: its segment plus its transfer buffer."""
+    keys = ("global_segment_size", "local_buffer_size")
+    return sum(config_bytes(extra, k, DEFAULTS[k]) for k in keys)  # type: ignore[arg-type]
+
+
+@register("mooncake")
+class MooncakeBackend(StorageBackend):
+    def __init__(self, extra: Mapping[str, Any]) -> None:
+        os.environ.setdefault("GLOG_minloglevel", "2")  # the client logs every call otherwise
+        try:
+            from mooncake.store import MooncakeDistributedStore
+        except ImportError as err:
+            raise TierserveError(
+                f"the mooncake backend needs mooncake-transfer-engine ({err}); `make install` "
+                "installs it, with Debian's libibverbs1 and libnuma1",
+                "hicache_storage_backend",
+            ) from None
+        cfg = {**DEFAULTS, **extra}
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup(
+            cfg["local_hostname"],
+            cfg["metadata_server"],
+            config_bytes(cfg, "global_segment_size", 0),
+            config_bytes(cfg, "local_buffer_size", 0),
+            cfg["protocol"],
+            cfg["device_name"],
+            cfg["master_server_address"],
+        )
+        if rc != 0:
+            raise TierserveError(
+                f"Mooncake Store setup failed (code {rc}) with master "
+                f"{cfg['master_server_address']} and metadata {cfg['metadata_server']}: is "
+                "mooncake_master running there?",
+                EXTRA_FIELD,
+            )
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        found = self.store.batch_is_exist(keys)
+        if any(f < 0 for f in found):
+            raise OSError("Mooncake Store could not answer is_exist")
+        return [f == 1 for f in found]
+
+    def get(self, keys: list[str]) -> list[bytes | None]:
+        return [blob or None for blob in self.store.get_batch(keys)]
+
+    def put(self, items: Mapping[str, bytes]) -> None:
+        # upsert, not put: put keeps an existing object, and a corrupt one must be replaced.
+        rc = self.store.upsert_batch(list(items), list(items.values()))
+        if rc != 0:
+            raise OSError(f"Mooncake Store upsert_batch failed (code {rc})")
+
+    def close(self) -> None:
+        self.store.close()
+
+    @classmethod
+    def ram_bytes(cls, extra: Mapping[str, Any]) -> int:
+        return segment_bytes(extra)
