@@ -19,7 +19,12 @@ $(STAMP): pyproject.toml
 	  $(BIN)/pip install -q torch==2.13.0 || \
 	  $(BIN)/pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; \
 	fi
-	$(BIN)/pip install -q -e '.[dev,bench]'
+	# Mooncake Store's client links against libibverbs and libnuma, even over TCP.
+	if command -v apt-get >/dev/null 2>&1 && ! dpkg -s libibverbs1 libnuma1 >/dev/null 2>&1; then \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q libibverbs1 libnuma1; \
+	fi
+	$(BIN)/pip install -q -e '.[dev,bench,storage]'
 	touch $(STAMP)
 
 install: $(STAMP)

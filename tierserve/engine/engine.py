@@ -210,8 +210,10 @@ class Engine:
         """Run one batch; returns the token of every request that sampled one."""
         chunks = self.scheduler.schedule()
         if not chunks:
-            if self.storage is not None and self.storage.pending:
-                self.storage.wait_for_fetches(0.01)  # requests wait for storage, not for us
+            if self.storage is not None and self.storage.prefetches:
+                # Requests wait for storage (or are about to see their prefetch ended): let the
+                # fetchers run rather than spin.
+                self.storage.wait_for_fetches(0.01)
                 return []
             if self.scheduler.waiting and not self.scheduler.running:
                 # Admission with nothing running always fits (requests are checked against the

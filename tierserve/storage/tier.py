@@ -264,10 +264,6 @@ class StorageTier:
         """Block the engine thread briefly when only prefetches are left to wait for."""
         self._any_fetched.wait(timeout_s)
 
-    @property
-    def pending(self) -> bool:
-        return any(not pf.finished for pf in self.prefetches.values())
-
     def close(self) -> None:
         for pf in self.prefetches.values():
             pf.cancelled.set()

@@ -1,0 +1,385 @@
+"""The storage tier (L3): outputs equal a run without any cache, a restarted server finds its
+pages in a file directory, two servers share pages through a real Mooncake Store, damaged
+objects are caught and recomputed, and a store that is slow, full or down costs hits, never
+correctness or liveness."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import random_prompts
+from tests.test_server import Server
+from tierserve import LLM, SamplingParams, TierserveError
+from tierserve.bench.compare import free_port
+from tierserve.cache.spec import KVSpec
+from tierserve.storage.backend import register
+from tierserve.storage.file import FileBackend
+from tierserve.storage.keys import Namespace
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+PAGE = 16
+
+
+def prompts(seed: int, n: int = 3) -> list[list[int]]:
+    return random_prompts(n, [420, 300, 520], seed=seed)  # above the 256-token threshold
+
+
+def storage_llm(model: Path, backend: str, extra: dict, **kw) -> LLM:
+    args = dict(
+        page_size=PAGE,
+        max_total_tokens=4096,
+        enable_hierarchical_cache=True,
+        hicache_storage_backend=backend,
+        hicache_storage_backend_extra_config=json.dumps(extra),
+        hicache_storage_prefetch_policy="wait_complete",
+    )
+    return LLM(str(model), **{**args, **kw})
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir) -> dict[int, list[list[int]]]:
+    """Greedy outputs without any cache, by prompt seed."""
+    llm = LLM(str(llama_dir), page_size=PAGE, max_total_tokens=4096, disable_radix_cache=True)
+    return {s: [o.token_ids for o in llm.generate(prompts(s), GREEDY)] for s in (1, 2, 3, 4, 5)}
+
+
+def run(llm: LLM, seed: int) -> list[list[int]]:
+    return [o.token_ids for o in llm.generate(prompts(seed), GREEDY)]
+
+
+# --- file -----------------------------------------------------------------------------------
+
+
+def test_a_restarted_engine_finds_its_pages_in_the_directory(llama_dir, tmp_path, reference):
+    extra = {"path": str(tmp_path / "kv")}
+    first = storage_llm(llama_dir, "file", extra)
+    assert run(first, 1) == reference[1]
+    assert first.engine.storage.flush_writes()
+    assert first.engine.storage.stats.written_pages > 0
+    first.engine.close()
+
+    again = storage_llm(llama_dir, "file", extra)  # a new process would see the same files
+    outs = again.generate(prompts(1), GREEDY)
+    assert [o.token_ids for o in outs] == reference[1]
+    for o in outs:
+        assert o.cached_tokens >= o.prompt_tokens - PAGE
+    stats = again.engine.storage.stats
+    assert stats.hit_pages > 0 and stats.corrupt_objects == 0
+    assert again.engine.kv.host.stats.host_hit_tokens > 0  # loaded back from the host tier
+
+
+def test_damaged_objects_are_caught_counted_and_recomputed(llama_dir, tmp_path, reference):
+    store = tmp_path / "kv"
+    writer = storage_llm(llama_dir, "file", {"path": str(store)})
+    run(writer, 2)
+    assert writer.engine.storage.flush_writes()
+    files = sorted(p for p in store.glob("??/*") if p.is_file())
+    assert len(files) > 4
+    flipped = files[len(files) // 3]
+    data = bytearray(flipped.read_bytes())
+    data[-100] ^= 0xFF  # a flipped byte in the payload
+    flipped.write_bytes(bytes(data))
+    swapped = files[2 * len(files) // 3]
+    swapped.write_bytes(files[0].read_bytes())  # another key's intact object
+
+    reader = storage_llm(llama_dir, "file", {"path": str(store)})
+    assert run(reader, 2) == reference[2]
+    stats = reader.engine.storage.stats
+    assert stats.corrupt_objects >= 1 and stats.hit_pages > 0
+    # The damaged pages were recomputed and written again: a third engine hits more.
+    assert reader.engine.storage.flush_writes()
+    third = storage_llm(llama_dir, "file", {"path": str(store)})
+    assert run(third, 2) == reference[2]
+    # Each damaged object is caught once (a prefetch stops at the first), then replaced.
+    assert stats.corrupt_objects + third.engine.storage.stats.corrupt_objects == 2
+    assert third.engine.storage.stats.hit_pages > stats.hit_pages
+
+
+def test_the_directory_cap_evicts_least_recently_used(tmp_path):
+    backend = FileBackend({"path": str(tmp_path), "max_bytes": 10_000})
+    backend.put({f"{i:02d}key": b"x" * 1000 for i in range(8)})
+    time.sleep(0.01)
+    assert backend.get(["00key"]) == [b"x" * 1000]  # read: now the most recently used
+    backend.put({f"{i:02d}key": b"y" * 1000 for i in range(8, 12)})  # 12,000 B > cap
+    present = backend.exists([f"{i:02d}key" for i in range(12)])
+    assert present[0] and all(present[8:])  # the recent read and the newest stay
+    assert not all(present[1:8]) and backend.used <= 10_000
+    assert backend.evicted > 0
+
+
+def test_flush_cache_empties_device_and_host_and_keeps_storage(llama_dir, tmp_path):
+    llm = storage_llm(llama_dir, "file", {"path": str(tmp_path)})
+    run(llm, 3)
+    assert llm.engine.storage.flush_writes()
+    report = llm.engine.flush_cache()
+    assert report["device_pages"] > 0 and report["host_pages"] > 0
+    assert "kept" in report["storage"]
+    assert list(tmp_path.glob("??/*"))
+
+
+def test_a_server_restarted_on_the_same_directory_reports_cached_tokens(llama_dir, tmp_path):
+    flags = (
+        "--max-total-tokens", "4096", "--enable-hierarchical-cache",
+        "--hicache-storage-backend", "file",
+        "--hicache-storage-backend-extra-config", json.dumps({"path": str(tmp_path)}),
+        "--hicache-storage-prefetch-policy", "wait_complete",
+    )  # fmt: skip
+    prompt = prompts(4, 1)[0]
+    first = Server(llama_dir, *flags)
+    try:
+        c = openai.OpenAI(base_url=f"{first.url}/v1", api_key="x", max_retries=0)
+        expected = c.completions.create(
+            model=llama_dir.name, prompt=prompt, max_tokens=4, temperature=0
+        )
+    finally:
+        first.stop()  # SIGTERM: queued writes finish before the process exits
+    second = Server(llama_dir, *flags)
+    try:
+        c = openai.OpenAI(base_url=f"{second.url}/v1", api_key="x", max_retries=0)
+        out = c.completions.create(model=llama_dir.name, prompt=prompt, max_tokens=4, temperature=0)
+        assert out.choices[0].text == expected.choices[0].text
+        assert out.usage.prompt_tokens_details.cached_tokens >= len(prompt) - PAGE
+        metrics = second.metrics()
+        assert metrics["tierserve_storage_hit_pages_total"] > 0
+        assert metrics["tierserve_storage_breaker{state=closed}"] == 1
+    finally:
+        second.stop()
+
+
+# --- a slow, full or failing store ----------------------------------------------------------
+
+
+@register("slow-file")
+class SlowFileBackend(FileBackend):
+    """The file backend behind a slow link: every call takes `delay_s`."""
+
+    def __init__(self, extra) -> None:
+        super().__init__(extra)
+        self.delay_s = float(extra.get("delay_s", 0.5))
+
+    def exists(self, keys):
+        time.sleep(self.delay_s)
+        return super().exists(keys)
+
+    def put(self, items):
+        time.sleep(self.delay_s)
+        super().put(items)
+
+
+def test_a_slow_store_costs_hits_never_correctness(llama_dir, tmp_path, reference):
+    extra = {"path": str(tmp_path), "delay_s": 0.4, "timeout_s": 0.1, "breaker_cooldown_s": 0.2}
+    llm = storage_llm(llama_dir, "slow-file", extra)
+    start = time.monotonic()
+    assert run(llm, 5) == reference[5]
+    assert time.monotonic() - start < 30
+    stats = llm.engine.storage.stats
+    assert stats.timeouts > 0 and stats.hit_pages == 0
+    assert stats.breaker_opens > 0
+
+
+def test_a_full_write_queue_drops_writes_instead_of_waiting(llama_dir, tmp_path, reference):
+    extra = {"path": str(tmp_path), "delay_s": 0.3, "write_queue_pages": 2}
+    llm = storage_llm(llama_dir, "slow-file", extra, hicache_storage_prefetch_policy="best_effort")
+    assert run(llm, 3) == reference[3]
+    assert llm.engine.storage.stats.dropped_writes > 0
+
+
+EXTRA = "hicache_storage_backend_extra_config"
+
+
+@pytest.mark.parametrize(
+    ("kw", "field"),
+    [
+        ({"hicache_storage_backend": "tape"}, "hicache_storage_backend"),
+        ({EXTRA: "{not json"}, EXTRA),
+        ({EXTRA: '{"timeout_s": -1}'}, EXTRA),
+        ({EXTRA: '{"max_bytes": "12"}'}, EXTRA),  # no unit: bytes or GB?
+    ],
+)
+def test_bad_storage_flags_are_refused_naming_the_flag(llama_dir, tmp_path, kw, field):
+    base = {
+        "hicache_storage_backend": "file",
+        "hicache_storage_backend_extra_config": json.dumps({"path": str(tmp_path)}),
+    }
+    with pytest.raises(TierserveError) as err:
+        LLM(str(llama_dir), enable_hierarchical_cache=True, max_total_tokens=1024, **{**base, **kw})
+    assert err.value.field == field
+
+
+def test_storage_without_the_host_tier_is_refused(llama_dir):
+    with pytest.raises(TierserveError) as err:
+        LLM(str(llama_dir), hicache_storage_backend="file")
+    assert "--enable-hierarchical-cache" in err.value.message
+
+
+# --- keys -----------------------------------------------------------------------------------
+
+
+def test_keys_name_model_format_and_shard_and_are_stable_across_processes():
+    spec = KVSpec("kv", 2, 2, 32, "float32", 16, 2, 1)
+    base = Namespace("model-a", spec)
+    others = [
+        Namespace("model-b", spec),
+        Namespace("model-a", KVSpec("kv", 2, 2, 32, "fp8_e4m3", 16, 2, 1)),
+        Namespace("model-a", KVSpec("kv", 2, 2, 32, "float32", 32, 2, 1)),
+        Namespace("model-a", spec, shard="tp1/2"),
+    ]
+    tokens = list(range(64))
+    keys = base.chain(None, tokens)
+    assert len(keys) == 4 and len(set(keys)) == 4
+    assert all(set(o.chain(None, tokens)).isdisjoint(keys) for o in others)
+    # Chained: a page's key covers every token before it.
+    assert base.chain(keys[1], tokens[32:]) == keys[2:]
+    assert base.chain(None, [9, *tokens[1:]])[3] != keys[3]
+    code = (
+        "from tierserve.cache.spec import KVSpec; from tierserve.storage.keys import Namespace;"
+        "print(Namespace('model-a', KVSpec('kv', 2, 2, 32, 'float32', 16, 2, 1))"
+        ".chain(None, list(range(64)))[-1])"
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    other = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert other.stdout.strip() == keys[-1]
+
+
+def test_the_model_fingerprint_follows_config_and_tensor_headers(checkpoints):
+    from tierserve.storage.keys import model_fingerprint
+
+    fingerprints = {model_fingerprint(checkpoints[f]) for f in ("llama", "llama3", "qwen3")}
+    assert len(fingerprints) == 3
+    assert model_fingerprint(checkpoints["llama"]) == model_fingerprint(checkpoints["llama"])
+
+
+# --- Mooncake Store -------------------------------------------------------------------------
+
+
+class Master:
+    """A real mooncake_master on loopback, with its HTTP metadata server."""
+
+    def __init__(self) -> None:
+        self.port, self.http_port = free_port(), free_port()
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self) -> None:
+        binary = shutil.which("mooncake_master") or str(
+            Path(sys.executable).parent / "mooncake_master"
+        )
+        cmd = [binary, "--port", str(self.port), "--enable_http_metadata_server=true",
+               "--http_metadata_server_port", str(self.http_port)]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            try:
+                httpx.get(f"http://127.0.0.1:{self.http_port}/metadata", timeout=1)
+                return
+            except httpx.TransportError:
+                time.sleep(0.1)
+        raise RuntimeError("mooncake_master did not start")
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait()
+
+    def extra(self, **more) -> dict:
+        return {
+            "master_server_address": f"127.0.0.1:{self.port}",
+            "metadata_server": f"http://127.0.0.1:{self.http_port}/metadata",
+            "global_segment_size": 64 * 2**20,
+            "local_buffer_size": 16 * 2**20,
+            **more,
+        }
+
+
+@pytest.fixture
+def master() -> Iterator[Master]:
+    m = Master()
+    yield m
+    if m.proc is not None and m.proc.poll() is None:
+        m.kill()
+
+
+def test_two_servers_share_pages_through_one_mooncake_master(llama_dir, master):
+    flags = (
+        "--max-total-tokens", "4096", "--enable-hierarchical-cache",
+        "--hicache-storage-backend", "mooncake",
+        "--hicache-storage-backend-extra-config", json.dumps(master.extra()),
+        "--hicache-storage-prefetch-policy", "wait_complete",
+    )  # fmt: skip
+    a, b = Server(llama_dir, *flags), Server(llama_dir, *flags)
+    try:
+        prompt = prompts(6, 1)[0]
+        ca = openai.OpenAI(base_url=f"{a.url}/v1", api_key="x", max_retries=0)
+        cb = openai.OpenAI(base_url=f"{b.url}/v1", api_key="x", max_retries=0)
+        first = ca.completions.create(
+            model=llama_dir.name, prompt=prompt, max_tokens=4, temperature=0
+        )
+        deadline = time.monotonic() + 20  # A's writes are in the background
+        while a.metrics()["tierserve_storage_written_pages_total"] < (len(prompt) - 1) // PAGE:
+            assert time.monotonic() < deadline, a.metrics()
+            time.sleep(0.1)
+        second = cb.completions.create(
+            model=llama_dir.name, prompt=prompt, max_tokens=4, temperature=0
+        )
+        assert second.choices[0].text == first.choices[0].text
+        assert second.usage.prompt_tokens_details.cached_tokens > 0
+        assert b.metrics()["tierserve_storage_hit_pages_total"] > 0
+    finally:
+        a.stop()
+        b.stop()
+
+
+def test_a_mooncake_outage_costs_hits_and_the_store_comes_back(llama_dir, master, reference):
+    extra = master.extra(timeout_s=0.5, breaker_cooldown_s=0.3, breaker_failures=2)
+    llm = storage_llm(llama_dir, "mooncake", extra)
+    assert run(llm, 1) == reference[1]
+    storage = llm.engine.storage
+    assert storage.flush_writes() and storage.stats.written_pages > 0
+
+    master.kill()  # mid-run: everything still completes, correctly, by recomputing
+    llm.engine.flush_cache()
+    assert run(llm, 2) == reference[2]
+    assert run(llm, 1) == reference[1]
+    down = storage.stats
+    assert down.timeouts + down.errors > 0 and down.breaker_opens > 0
+
+    master.start()  # same ports: the client reconnects; objects stored before may be gone
+    time.sleep(0.5)  # past the breaker's cooldown
+    written = storage.stats.written_pages
+    deadline = time.monotonic() + 30
+    while storage.stats.written_pages == written:  # new writes land once the master is back
+        llm.engine.flush_cache()
+        assert run(llm, 4) == reference[4]
+        storage.flush_writes()
+        assert time.monotonic() < deadline, storage.stats
+    hits = storage.stats.hit_pages
+    llm.engine.flush_cache()  # device and host emptied: only the store holds the pages
+    assert run(llm, 4) == reference[4]
+    assert storage.stats.hit_pages > hits
+    llm.engine.close()
+
+
+def test_the_start_up_plan_counts_mooncakes_ram_and_refuses_what_does_not_fit(llama_dir):
+    extra = {"global_segment_size": "10TB", "local_buffer_size": "1GiB"}
+    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(llama_dir),
+           "--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake",
+           "--hicache-storage-backend-extra-config", json.dumps(extra), "--dry-run"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert "overhead" in done.stderr and "Traceback" not in done.stderr
+    extra["global_segment_size"] = "1GB"
+    cmd[-2] = json.dumps(extra)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "storage client RAM" in done.stdout + done.stderr
