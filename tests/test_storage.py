@@ -383,3 +383,18 @@ def test_the_start_up_plan_counts_mooncakes_ram_and_refuses_what_does_not_fit(ll
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "storage client RAM" in done.stdout + done.stderr
+
+
+def test_plan_counts_each_processs_storage_client_in_the_node_budget():
+    base = ["plan", "--model", "kimi-k2.5", "--gpu", "h200", "--tp", "8", "--host-mem", "2TB",
+            "--json"]  # fmt: skip
+    extra = json.dumps({"global_segment_size": "16GB", "local_buffer_size": "1GB"})
+    mooncake = ["--hicache-storage-backend", "mooncake", "--hicache-storage-backend-extra-config"]
+    plans = []
+    for flags in ([], [*mooncake, extra]):
+        out = subprocess.run(
+            [sys.executable, "-m", "tierserve.cli", *base, *flags], capture_output=True, text=True
+        )
+        plans.append(json.loads(out.stdout))
+    grown = plans[1]["host_overhead_bytes"] - plans[0]["host_overhead_bytes"]
+    assert grown == 8 * 17 * 10**9  # eight ranks, each with its own segment and buffer

@@ -18,6 +18,8 @@ from tierserve.errors import TierserveError
 from tierserve.planner import HostRequest, Machine, Plan, PlanInputs
 from tierserve.presets import GPU_PRESETS, MODEL_PRESETS, ModelPreset, find_model_preset, gpu_preset
 from tierserve.sglang_check import SGLangCheck, check_sglang, parse_sglang_flags
+from tierserve.storage.backend import backend_class
+from tierserve.storage.tier import StorageConfig
 from tierserve.units import format_bytes, format_count, format_gb, parse_size
 from tierserve.vllm_check import VLLMCheck, check_vllm, parse_vllm_flags
 from tierserve.weights import WEIGHT_DTYPE_BYTES, ModelSpec, model_spec
@@ -35,6 +37,8 @@ SHARED_FLAGS = (
     "page_size",
     "context_length",
     "max_running_requests",
+    "hicache_storage_backend",
+    "hicache_storage_backend_extra_config",
 )
 PLAN_DEFAULTS = {"page_size": 1, "max_running_requests": None}
 
@@ -338,6 +342,15 @@ def _host_request(ns: argparse.Namespace) -> HostRequest:
     return HostRequest.auto()
 
 
+def _storage_ram(ns: argparse.Namespace) -> int:
+    """RAM each server process's storage client takes (Mooncake's segment and buffer)."""
+    if ns.hicache_storage_backend is None:
+        return 0
+    extra = ns.hicache_storage_backend_extra_config
+    cfg = StorageConfig.parse(ns.hicache_storage_backend, extra, "best_effort")
+    return backend_class(cfg.backend).ram_bytes(cfg.extra)
+
+
 def build_inputs(ns: argparse.Namespace, model: ModelSpec) -> PlanInputs:
     gpu_name, gpu_memory = _gpu(ns.gpu)
     available, source = _host_available(ns.host_mem)
@@ -349,6 +362,7 @@ def build_inputs(ns: argparse.Namespace, model: ModelSpec) -> PlanInputs:
         gpus_per_node=_gpus_per_node(ns),
         host_overhead=_optional_size(ns.overhead, "overhead"),
         host_margin=parse_size(ns.margin, field="margin"),
+        storage_ram_per_process=_storage_ram(ns),
     )
     return PlanInputs(
         model=model,
@@ -428,6 +442,9 @@ def _host_rows(plan: Plan) -> list[Row]:
         f"= {format_gb(budget.available)} available − {format_gb(budget.overhead)} overhead "
         f"− {format_gb(budget.margin)} margin"
     )
+    store = plan.inputs.machine.storage_ram_per_process
+    if store:
+        usable_note += f" (overhead incl. {budget.local_ranks} × {format_gb(store)} storage client)"
     rows = [
         ("usable on the node", format_gb(budget.usable), usable_note),
         ("recommended per rank", format_gb(best.bytes_per_rank), _per_rank_note(plan)),

@@ -257,6 +257,7 @@ class Machine:
     gpus_per_node: int | None = None  # None: as many as --tp
     host_overhead: int | None = None  # None: DEFAULT_OVERHEAD_PER_RANK × local ranks
     host_margin: int = DEFAULT_MARGIN
+    storage_ram_per_process: int = 0  # a storage client's RAM (Mooncake's segment + buffer)
 
 
 @dataclass(frozen=True)
@@ -469,6 +470,7 @@ def host_budget(machine: Machine, ranks: int) -> HostBudget:
     overhead = machine.host_overhead
     if overhead is None:
         overhead = DEFAULT_OVERHEAD_PER_RANK * ranks
+    overhead += machine.storage_ram_per_process * ranks
     return HostBudget(machine.host_available, overhead, machine.host_margin, ranks)
 
 
