@@ -253,6 +253,22 @@ def test_trace_replay_keeps_block_sharing_and_scales(tmp_path):
     assert len(long.requests[0].prompt) == 94
 
 
+def test_trace_clips_or_skips_what_the_context_cannot_hold(tmp_path):
+    rows = [
+        {"timestamp": 0, "input_length": 1600, "output_length": 160, "hash_ids": [0, 1, 2]},
+        {"timestamp": 1, "input_length": 320, "output_length": 32, "hash_ids": [0]},
+        {"timestamp": 2, "input_length": 320, "output_length": 2000, "hash_ids": [3]},
+    ]
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    wl = w.trace(SPACE, path=path, block_scale=1 / 16, length_scale=1 / 16, context_length=64)
+    assert (wl.params["clipped"], wl.params["skipped"]) == (1, 1)  # the third: output alone > 64
+    first, second = wl.requests
+    assert len(first.prompt) + first.output_len == 64 and first.output_len == 10
+    assert len(second.prompt) == 20 and [r.index for r in wl.requests] == [0, 1]
+    assert first.prompt[:20] == second.prompt  # the shared first block survives the clip
+
+
 def test_trace_reads_the_mooncake_files_by_default():
     if not (w.TRACE_DIR / "conversation_trace.jsonl").exists():
         pytest.skip("shared/data/mooncake-traces is not in this checkout")

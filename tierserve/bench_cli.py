@@ -114,6 +114,13 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
     t.add_argument(
         "--trace-time-scale", type=_scale, default=1.0, help="arrival times × this (default 1)"
     )
+    t.add_argument(
+        "--trace-context-length",
+        type=int,
+        default=None,
+        help="clip prompts (or skip requests) that prompt + output would push past this many "
+        "tokens; default: the model's max_position_embeddings when --model is given",
+    )
     load = p.add_argument_group("load")
     load.add_argument(
         "--backend",
@@ -262,8 +269,19 @@ def build_workload(ns: argparse.Namespace) -> tuple[Any, Any]:
             length_scale=ns.trace_length_scale,
             time_scale=ns.trace_time_scale,
             seed=ns.seed,
+            context_length=ns.trace_context_length or _context_length(ns),
         )
     return space, wl
+
+
+def _context_length(ns: argparse.Namespace) -> int | None:
+    """The served model's context, when the bench knows the model."""
+    from tierserve.config import ModelConfig, default_model
+
+    model = getattr(ns, "model", None) or (
+        default_model() if getattr(ns, "bench_command", "") == "compare" else None
+    )
+    return ModelConfig.from_dir(model).max_position_embeddings if model else None
 
 
 def load_options(ns: argparse.Namespace) -> Any:

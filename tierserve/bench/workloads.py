@@ -333,6 +333,7 @@ def trace(
     length_scale: float = 1 / 32,
     time_scale: float = 1.0,
     seed: int = 0,
+    context_length: int | None = None,
 ) -> Workload:
     """Replay lines [start, start+num_requests) of a Mooncake trace.
 
@@ -342,6 +343,10 @@ def trace(
     with tokens unique to the request if its blocks are too short, which happens only when
     length_scale > block_scale); its output is round(output_length·length_scale) tokens (≥ 1);
     it arrives at (timestamp − first timestamp)·time_scale milliseconds after the start.
+
+    With `context_length` (the served model's), a request the context cannot hold after scaling
+    keeps its output and loses the end of its prompt (counted as `clipped`), or is left out when
+    its output alone does not fit (`skipped`): a benchmark measures the cache, not 400s.
     """
     _positive(
         num_requests=num_requests,
@@ -372,9 +377,16 @@ def trace(
         return blocks[hash_id]
 
     t0 = rows[0]["timestamp"]
-    requests = []
+    requests: list[Request] = []
+    clipped = skipped = 0
     for i, row in enumerate(rows):
         n_in = max(1, round(row["input_length"] * length_scale))
+        n_out = max(1, round(row["output_length"] * length_scale))
+        if context_length is not None and n_in + n_out > context_length:
+            if n_out >= context_length:
+                skipped += 1
+                continue
+            n_in, clipped = context_length - n_out, clipped + 1
         prompt: list[int] = []
         for h in row["hash_ids"]:
             if len(prompt) >= n_in:
@@ -385,9 +397,9 @@ def trace(
             prompt += space.draw(pad_rng, n_in - len(prompt))
         requests.append(
             Request(
-                index=i,
+                index=len(requests),
                 prompt=prompt[:n_in],
-                output_len=max(1, round(row["output_length"] * length_scale)),
+                output_len=n_out,
                 arrival=(row["timestamp"] - t0) / 1000.0 * time_scale,
             )
         )
@@ -400,5 +412,10 @@ def trace(
         "length_scale": length_scale,
         "time_scale": time_scale,
         "seed": seed,
+        "context_length": context_length,
+        "clipped": clipped,
+        "skipped": skipped,
     }
+    if not requests:
+        raise TierserveError("every trace request's output exceeds the context", "trace")
     return Workload("trace", params, requests=requests)
