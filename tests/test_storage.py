@@ -7,25 +7,23 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
 from tests.conftest import random_prompts
 from tests.test_server import Server
 from tierserve import LLM, SamplingParams, TierserveError
-from tierserve.bench.compare import free_port
 from tierserve.cache.spec import KVSpec
 from tierserve.storage.backend import register
 from tierserve.storage.file import FileBackend
 from tierserve.storage.keys import Namespace
+from tierserve.storage.mooncake import MooncakeMaster
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PAGE = 16
@@ -263,51 +261,11 @@ def test_the_model_fingerprint_follows_config_and_tensor_headers(checkpoints):
 # --- Mooncake Store -------------------------------------------------------------------------
 
 
-class Master:
-    """A real mooncake_master on loopback, with its HTTP metadata server."""
-
-    def __init__(self) -> None:
-        self.port, self.http_port = free_port(), free_port()
-        self.proc: subprocess.Popen | None = None
-        self.start()
-
-    def start(self) -> None:
-        binary = shutil.which("mooncake_master") or str(
-            Path(sys.executable).parent / "mooncake_master"
-        )
-        cmd = [binary, "--port", str(self.port), "--enable_http_metadata_server=true",
-               "--http_metadata_server_port", str(self.http_port)]  # fmt: skip
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                httpx.get(f"http://127.0.0.1:{self.http_port}/metadata", timeout=1)
-                return
-            except httpx.TransportError:
-                time.sleep(0.1)
-        raise RuntimeError("mooncake_master did not start")
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-        self.proc.wait()
-
-    def extra(self, **more) -> dict:
-        return {
-            "master_server_address": f"127.0.0.1:{self.port}",
-            "metadata_server": f"http://127.0.0.1:{self.http_port}/metadata",
-            "global_segment_size": 64 * 2**20,
-            "local_buffer_size": 16 * 2**20,
-            **more,
-        }
-
-
 @pytest.fixture
-def master() -> Iterator[Master]:
-    m = Master()
+def master() -> Iterator[MooncakeMaster]:
+    m = MooncakeMaster()
     yield m
-    if m.proc is not None and m.proc.poll() is None:
-        m.kill()
+    m.stop()
 
 
 def test_two_servers_share_pages_through_one_mooncake_master(llama_dir, master):
@@ -347,7 +305,7 @@ def test_a_mooncake_outage_costs_hits_and_the_store_comes_back(llama_dir, master
     storage = llm.engine.storage
     assert storage.flush_writes() and storage.stats.written_pages > 0
 
-    master.kill()  # mid-run: everything still completes, correctly, by recomputing
+    master.stop()  # mid-run: everything still completes, correctly, by recomputing
     llm.engine.flush_cache()
     assert run(llm, 2) == reference[2]
     assert run(llm, 1) == reference[1]

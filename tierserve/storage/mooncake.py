@@ -13,7 +13,15 @@ host budget.
 from __future__ import annotations
 
 import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from tierserve.errors import TierserveError
@@ -88,3 +96,51 @@ class MooncakeBackend(StorageBackend):
     @classmethod
     def ram_bytes(cls, extra: Mapping[str, Any]) -> int:
         return segment_bytes(extra)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class MooncakeMaster:
+    """A `mooncake_master` on loopback with its HTTP metadata server (benchmarks, tests, and
+    a one-machine setup): `extra()` is the storage config that attaches a server to it."""
+
+    def __init__(self, port: int | None = None, http_port: int | None = None) -> None:
+        self.port, self.http_port = port or _free_port(), http_port or _free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.start()
+
+    def start(self, timeout_s: float = 20.0) -> None:
+        beside = Path(sys.executable).parent / "mooncake_master"  # installed in the venv
+        binary = shutil.which("mooncake_master") or str(beside)
+        cmd = [binary, "--port", str(self.port), "--enable_http_metadata_server=true",
+               "--http_metadata_server_port", str(self.http_port)]  # fmt: skip
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metadata", timeout=1)
+                return
+            except urllib.error.HTTPError:
+                return  # it answers (404 for an unknown key): it is up
+            except OSError:
+                time.sleep(0.1)
+        self.stop()
+        raise TierserveError(f"mooncake_master did not start on port {self.port}", "mooncake")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def extra(self, **more: Any) -> dict[str, Any]:
+        return {
+            "master_server_address": f"127.0.0.1:{self.port}",
+            "metadata_server": f"http://127.0.0.1:{self.http_port}/metadata",
+            "global_segment_size": 64 * 2**20,
+            "local_buffer_size": 16 * 2**20,
+            **more,
+        }
