@@ -328,6 +328,28 @@ def test_a_mooncake_outage_costs_hits_and_the_store_comes_back(llama_dir, master
     llm.engine.close()
 
 
+def test_objects_overwritten_in_mooncake_are_caught_and_recomputed(llama_dir, master, reference):
+    from tierserve.storage.mooncake import MooncakeBackend
+
+    writer = storage_llm(llama_dir, "mooncake", master.extra())
+    assert run(writer, 3) == reference[3]
+    assert writer.engine.storage.flush_writes()
+    namespace = writer.engine.storage.namespace
+    keys = namespace.chain(None, prompts(3)[0])
+    intruder = MooncakeBackend(master.extra())  # another client of the same store
+    [other] = intruder.get([keys[0]])
+    assert other is not None
+    intruder.put({keys[3]: other})  # page 3 now holds page 0's (intact) object
+
+    reader = storage_llm(llama_dir, "mooncake", master.extra())
+    assert run(reader, 3) == reference[3]
+    stats = reader.engine.storage.stats
+    assert stats.corrupt_objects == 1 and stats.hit_pages >= 3
+    for llm in (reader, writer):
+        llm.engine.close()
+    intruder.close()
+
+
 def test_the_start_up_plan_counts_mooncakes_ram_and_refuses_what_does_not_fit(llama_dir):
     extra = {"global_segment_size": "10TB", "local_buffer_size": "1GiB"}
     cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(llama_dir),

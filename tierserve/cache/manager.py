@@ -124,6 +124,8 @@ class KVCacheManager:
             return False  # a device-only prefix: host copies must form a prefix of the tree
         last = radix.page_keys(h.node, storage.namespace.chain) if h.node else []
         pf = storage.prefetch(tuple(tokens[:whole]), have // ps, last[-1] if last else None)
+        if pf is None:
+            return False
         if storage.should_wait(pf, busy):
             return True
         storage.end(pf)

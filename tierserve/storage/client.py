@@ -39,7 +39,8 @@ class StorageStats:
     errors: int = 0
     corrupt_objects: int = 0
     dropped_writes: int = 0  # pages not written: the queue was full or the store unavailable
-    dropped_prefetch_pages: int = 0  # fetched, but no host room or no prefix to attach to
+    # Fetched but not placed: no host room, no prefix left to attach to, or already cached.
+    dropped_prefetch_pages: int = 0
     breaker_opens: int = 0
     breaker_skips: int = 0  # calls not made while the breaker was open
 

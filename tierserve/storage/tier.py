@@ -23,6 +23,7 @@ import json
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ class StorageConfig:
     batch_pages: int = 64
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
+    miss_ttl_s: float = 1.0  # a page a prefetch stopped at is not asked for again this soon
 
     @classmethod
     def parse(cls, backend: str, extra_json: str | None, policy: str) -> StorageConfig:
@@ -112,6 +114,10 @@ class StorageTier:
         )
         self.prefetches: dict[str, Prefetch] = {}  # by the key of the first page to fetch
         self._bad_keys: set[str] = set()  # found corrupt: rewritten without asking `exists`
+        # Where prefetches stopped (a page missing or damaged), so a request that goes ahead
+        # after a partial prefetch does not start another one at the same page.
+        self._stopped_at: OrderedDict[str, float] = OrderedDict()
+        self._lock = threading.Lock()
         self._writes: queue.Queue[tuple[str, bytes] | None] = queue.Queue(cfg.write_queue_pages)
         self._writer = threading.Thread(target=self._write_loop, daemon=True, name="kv-writer")
         self._writer.start()
@@ -155,6 +161,9 @@ class StorageTier:
                 start = time.perf_counter()
                 self.store.call(self.backend.put, todo)
                 self._bad_keys.difference_update(todo)
+                with self._lock:  # stored now: worth asking for again
+                    for key in todo:
+                        self._stopped_at.pop(key, None)
                 self.stats.add(
                     written_pages=len(todo),
                     written_bytes=sum(len(b) for b in todo.values()),
@@ -174,13 +183,21 @@ class StorageTier:
 
     def prefetch(
         self, tokens: tuple[int, ...], first_page: int, parent_key: str | None
-    ) -> Prefetch:
-        """The prefetch of `tokens`' whole pages from `first_page` on (started if new)."""
+    ) -> Prefetch | None:
+        """The prefetch of `tokens`' whole pages from `first_page` on (started if new); None
+        when one stopped at that page moments ago."""
         ps = self.spec.page_size
-        keys = self.namespace.chain(parent_key, tokens[first_page * ps :])
-        running = self.prefetches.get(keys[0])
+        rest = tokens[first_page * ps :]
+        # Asked every step while the request waits: hash one page to find it, not the prompt.
+        first = self.namespace.chain(parent_key, rest[:ps])[0]
+        running = self.prefetches.get(first)
         if running is not None:
             return running
+        with self._lock:
+            stopped = self._stopped_at.get(first)
+        if stopped is not None and time.monotonic() - stopped < self.cfg.miss_ttl_s:
+            return None  # a prefetch just stopped here (missing or damaged): do not ask again
+        keys = self.namespace.chain(parent_key, rest)
         if len(self.prefetches) > MAX_PREFETCHES:  # those of aborted requests: never ended
             for key in [k for k, p in self.prefetches.items() if p.finished]:
                 del self.prefetches[key]
@@ -203,6 +220,11 @@ class StorageTier:
                 if len(got) < min(self.cfg.batch_pages, len(pf.keys) - done + len(got)):
                     break  # a page is missing: the pages after it cannot be used
             self.stats.add(miss_pages=len(pf.keys) - done)
+            if done < len(pf.keys) and not pf.cancelled.is_set():
+                with self._lock:
+                    self._stopped_at[pf.keys[done]] = time.monotonic()
+                    while len(self._stopped_at) > MAX_PREFETCHES:
+                        self._stopped_at.popitem(last=False)
         finally:
             pf.done.set()
             self._any_fetched.set()
