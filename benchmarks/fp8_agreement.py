@@ -18,15 +18,9 @@ from pathlib import Path
 
 import torch
 
-from tierserve import LLM, SamplingParams
+from tierserve import LLM
+from tierserve.bench.agreement import PROMPTS, greedy_agreement
 from tierserve.config import DEMO_MODEL_DIR
-
-PROMPTS = [
-    "Once upon a time", "The weather today", "In a small village", "She opened the door and",
-    "The king said", "It was a dark night", "My dear friend", "The old man walked",
-    "When the sun rose", "He looked at her", "There was once a", "The children played",
-    "In the morning", "A letter came", "The ship sailed", "Long ago in",
-]  # fmt: skip
 
 
 def random_deepseek_v3(out: Path, seed: int) -> Path:
@@ -69,21 +63,13 @@ def random_deepseek_v3(out: Path, seed: int) -> Path:
 
 
 def agreement(model: str, steps: int, dtype: str) -> tuple[float, int, int]:
-    """(fraction of teacher-forced greedy steps where fp8 picks full precision's token,
-    full-precision KV bytes/token, fp8 KV bytes/token)."""
-    greedy = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
+    """(greedy agreement of fp8 KV with full precision, full-precision KV bytes/token, fp8 KV
+    bytes/token)."""
     full = LLM(model, max_total_tokens=8192)
-    reference = full.generate(PROMPTS, greedy)
     fp8 = LLM(model, max_total_tokens=8192, kv_cache_dtype=dtype)
-    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    agree = 0
-    for prompt, ref in zip(PROMPTS, reference, strict=True):
-        ids = fp8.tokenizer(prompt).input_ids
-        histories = [ids + ref.token_ids[:i] for i in range(steps)]
-        outs = fp8.generate(histories, [one] * steps)  # prefix hits make these cheap
-        agree += sum(o.token_ids[0] == t for o, t in zip(outs, ref.token_ids, strict=True))
+    share = greedy_agreement(full, fp8, PROMPTS, steps)
     widths = (full.engine.kv_plan.spec.bytes_per_token, fp8.engine.kv_plan.spec.bytes_per_token)
-    return agree / (steps * len(PROMPTS)), *widths
+    return share, *widths
 
 
 def main() -> None:

@@ -1,9 +1,10 @@
 """DeepSeek-V3 / V2 (MLA + MoE) through the engine: the pool holds one latent per token and
 layer, decode attends in the latent space, and every cache path (prefix hits, the host tier,
-chunked prefill, offload preemption, fp8 KV) gives the outputs of a run without it.
+chunked prefill, offload preemption) gives the outputs of a run without it.
 
 Greedy equality with transformers and prefill logits are in test_models.py (the DeepSeek
-families run beside the Llama ones); fp8 block-scaled checkpoints in test_models.py too."""
+families run beside the Llama ones); fp8 block-scaled checkpoints in test_models.py too, and
+fp8 KV through every cache path in test_kv_dtype.py."""
 
 from __future__ import annotations
 
@@ -87,22 +88,6 @@ def test_offload_preemption_resumes_with_the_same_outputs(checkpoints):
     assert [o.token_ids for o in offload.generate(prompts, params)] == expected
     assert offload.engine.scheduler.stats.num_offload_preemptions > 0
     offload.engine.check_accounting()
-
-
-def test_fp8_latents_give_the_fp8_run_without_a_cache(checkpoints):
-    path = str(checkpoints[V3])
-    fp8 = dict(COMMON, kv_cache_dtype="fp8_e4m3")
-    reference = mixed_workload(LLM(path, disable_radix_cache=True, **fp8))
-    cached = LLM(
-        path,
-        enable_hierarchical_cache=True,
-        hicache_ratio=8,
-        hicache_write_policy="write_back",
-        **fp8,
-    )
-    assert mixed_workload(cached) == reference
-    assert cached.engine.kv.host.stats.load_backs > 0
-    assert cached.engine.kv.pool.data.dtype == torch.uint8  # float8 values, kept as bytes
 
 
 def test_a_kimi_k25_style_checkpoint_serves_its_text_model(checkpoints, tmp_path):

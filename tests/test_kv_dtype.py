@@ -5,10 +5,12 @@ follows full-precision KV on the trained demo model."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.conftest import random_prompts
 from tests.test_hicache import mixed_workload
 from tierserve import LLM, SamplingParams, TierserveError
+from tierserve.bench.agreement import PROMPTS, greedy_agreement
 from tierserve.config import default_model
 
 FP8 = "fp8_e4m3"
@@ -39,15 +41,17 @@ def test_an_unknown_kv_dtype_is_refused_with_its_flag(llama_dir):
     assert err.value.field == "kv_cache_dtype"
 
 
-def test_every_cache_path_gives_the_fp8_run_without_a_cache(llama_dir):
+@pytest.mark.parametrize("family", ["llama", "deepseek-v3"])  # K/V heads; an MLA latent
+def test_every_cache_path_gives_the_fp8_run_without_a_cache(checkpoints, family):
     """Fresh tokens are read back as the pool stores them, so a prefix hit, a load-back from the
     host tier, a chunked prefill or an offloaded and resumed request sees the same fp8 KV as a
     run that computes everything."""
+    path = checkpoints[family]
     common = dict(page_size=16, max_total_tokens=480, chunked_prefill_size=128)
-    plain = LLM(str(llama_dir), kv_cache_dtype=FP8, disable_radix_cache=True, **common)
+    plain = LLM(str(path), kv_cache_dtype=FP8, disable_radix_cache=True, **common)
     reference = mixed_workload(plain)
     cached = LLM(
-        str(llama_dir),
+        str(path),
         kv_cache_dtype=FP8,
         enable_hierarchical_cache=True,
         hicache_ratio=8,
@@ -58,6 +62,7 @@ def test_every_cache_path_gives_the_fp8_run_without_a_cache(llama_dir):
     stats = cached.engine.kv.host.stats
     assert stats.host_hit_tokens > 0 and stats.load_backs > 0
     assert cached.engine.scheduler.stats.num_cached_tokens > 0
+    assert cached.engine.kv.pool.data.dtype == torch.uint8  # float8 values, kept as bytes
     cached.engine.check_accounting()
 
 
@@ -73,28 +78,10 @@ def test_fp8_offload_preemption_resumes_with_the_same_outputs(llama_dir):
     assert offload.engine.scheduler.stats.num_offload_preemptions > 0
 
 
-PROMPTS = [
-    "Once upon a time", "The weather today", "In a small village", "She opened the door and",
-    "The king said", "It was a dark night", "My dear friend", "The old man walked",
-    "When the sun rose", "He looked at her", "There was once a", "The children played",
-    "In the morning", "A letter came", "The ship sailed", "Long ago in",
-]  # fmt: skip
-
-
 @pytest.mark.skipif(default_model() is None, reason="needs the bundled demo model")
 def test_fp8_kv_follows_full_precision_on_the_trained_demo_model():
     """At each of 24 greedy steps of 16 prompts, given the same history, fp8 KV picks the token
     full-precision KV picks at least 90% of the time (measured 98.9% over 40 steps; run freely,
     73% of positions match, because one flip changes everything after it)."""
-    steps = 24
-    greedy = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
-    full = LLM(max_total_tokens=8192).generate(PROMPTS, greedy)
-    fp8 = LLM(max_total_tokens=8192, kv_cache_dtype=FP8)
-    one = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    agree = 0
-    for prompt, ref in zip(PROMPTS, full, strict=True):
-        ids = fp8.tokenizer(prompt).input_ids
-        histories = [ids + ref.token_ids[:i] for i in range(steps)]
-        outs = fp8.generate(histories, [one] * steps)  # prefix hits make these cheap
-        agree += sum(o.token_ids[0] == t for o, t in zip(outs, ref.token_ids, strict=True))
-    assert agree / (steps * len(PROMPTS)) >= 0.9
+    full, fp8 = LLM(max_total_tokens=8192), LLM(max_total_tokens=8192, kv_cache_dtype=FP8)
+    assert greedy_agreement(full, fp8, PROMPTS, steps=24) >= 0.9

@@ -17,8 +17,8 @@ from tierserve.config import ModelConfig
 from tierserve.layers.attention import AttentionBackend
 from tierserve.layers.mla import MLA, MLAConfig, softmax_scale
 from tierserve.layers.moe import MoE, MoEConfig
-from tierserve.layers.norm import RMSNorm
-from tierserve.layers.rotary import RotaryEmbedding, rotary_for
+from tierserve.layers.rotary import RotaryEmbedding
+from tierserve.models.decoder import CausalLM
 from tierserve.models.llama import LlamaMLP
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
@@ -73,60 +73,16 @@ class DeepseekAttention(MLA):
         return self.o_proj(out.reshape(len(x), -1))
 
 
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DeepseekAttention(mla_config(cfg), layer_id, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        moe = cfg.moe is not None and cfg.moe.is_moe_layer(layer_id)
-        self.mlp: nn.Module = MoE(moe_config(cfg)) if moe else LlamaMLP(cfg)
-
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DeepseekModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.rotary = rotary_for(cfg)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            DeepseekDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, attn)
-        return self.norm(x)
-
-
-class DeepseekForCausalLM(nn.Module):
+class DeepseekForCausalLM(CausalLM):
     """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM: the config tells them apart (routing)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = DeepseekModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        """Final hidden states for every token; call `logits` on the rows that sample."""
-        return self.model(input_ids, positions, attn)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+    @staticmethod
+    def layer_parts(
+        cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding
+    ) -> tuple[nn.Module, nn.Module]:
+        moe = cfg.moe is not None and cfg.moe.is_moe_layer(layer_id)
+        mlp = MoE(moe_config(cfg)) if moe else LlamaMLP(cfg)
+        return DeepseekAttention(mla_config(cfg), layer_id, rotary), mlp
 
     def checkpoint_target(self, name: str) -> tuple[str, tuple[int | slice, ...]] | None:
         """Where a per-expert checkpoint tensor goes in the stacked experts: (parameter,

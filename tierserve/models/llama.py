@@ -1,7 +1,6 @@
 """Llama family in plain PyTorch: Llama 2/3, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm).
 
-Parameter names follow the Hugging Face checkpoints, so weights load by name without renaming.
-`forward(input_ids, positions, attn)` works on a flat batch of tokens from many sequences.
+The family's attention and MLP; the layer stack, embeddings and LM head are models/decoder.py's.
 """
 
 from __future__ import annotations
@@ -13,7 +12,8 @@ from torch import nn
 from tierserve.config import ModelConfig
 from tierserve.layers.attention import AttentionBackend
 from tierserve.layers.norm import RMSNorm
-from tierserve.layers.rotary import RotaryEmbedding, rotary_for
+from tierserve.layers.rotary import RotaryEmbedding
+from tierserve.models.decoder import CausalLM
 
 
 class LlamaAttention(nn.Module):
@@ -61,54 +61,9 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LlamaAttention(cfg, layer_id, rotary)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = LlamaMLP(cfg)
-
-    def forward(
-        self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.rotary = rotary_for(cfg)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        for layer in self.layers:
-            x = layer(positions, x, attn)
-        return self.norm(x)
-
-
-class LlamaForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.config = cfg
-        self.model = LlamaModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
-    ) -> torch.Tensor:
-        """Final hidden states for every token; call `logits` on the rows that sample."""
-        return self.model(input_ids, positions, attn)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+class LlamaForCausalLM(CausalLM):
+    @staticmethod
+    def layer_parts(
+        cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding
+    ) -> tuple[nn.Module, nn.Module]:
+        return LlamaAttention(cfg, layer_id, rotary), LlamaMLP(cfg)
