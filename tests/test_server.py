@@ -355,7 +355,12 @@ def test_without_max_tokens_a_request_runs_to_the_context_end(client):
     ("route", "body"),
     [
         ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}'),
-        ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": 10}}'),
+        ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"five": 10}}'),
+        ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"5": 1000}}'),
+        ("/v1/completions", b'{"prompt": "hi", "logit_bias": {"99999": 1}}'),
+        ("/v1/completions", b'{"prompt": "hi", "presence_penalty": 3}'),
+        ("/v1/completions", b'{"prompt": "hi", "max_tokens": 2, "min_tokens": 3}'),
+        ("/generate", b'{"input_ids": [5], "sampling_params": {"repetition_penalty": 0}}'),
         ("/v1/completions", b'{"prompt": "hi", "seed": 1180591620717411303424}'),
         ("/v1/completions", b'{"prompt": "hi", "top_k": 2.5}'),
         ("/generate", b'{"input_ids": [5, 6], "sampling_params": {"top_k": 2.5}}'),

@@ -13,6 +13,7 @@ GREEDY_BELOW = 1e-5
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,14 @@ class SamplingParams:
     stop: tuple[str, ...] = field(default_factory=tuple)
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # OpenAI's penalties on generated tokens: logit -= count × frequency + (count > 0) × presence.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    # vLLM's and SGLang's extras: HF's repetition penalty over prompt and output (a positive
+    # logit ÷ it, a negative × it); no stop token before `min_tokens` generated tokens.
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
 
     def __post_init__(self) -> None:
         # Accept lists and a single string the way OpenAI clients send them.
@@ -38,7 +47,12 @@ class SamplingParams:
             if not isinstance(value, list | tuple):
                 raise TierserveError(f"{name} must be a list, got {value!r}", name)
             object.__setattr__(self, name, tuple(value))
+        bias = self.logit_bias
+        if isinstance(bias, dict):  # OpenAI's form: {"token id": bias}
+            bias = tuple(sorted((_token_id(k), v) for k, v in bias.items()))
+        object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in bias))
         self._validate()
+        self._validate_penalties()
 
     def _validate(self) -> None:
         self._check_types()
@@ -84,7 +98,62 @@ class SamplingParams:
         if not all(isinstance(t, int) for t in self.stop_token_ids):
             raise TierserveError("stop_token_ids must be integers", "stop_token_ids")
 
+    def _validate_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TierserveError(f"{name} must be a number, got {value!r}", name)
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:  # OpenAI's range; also refuses NaN
+                raise TierserveError(f"{name} must be in [-2, 2], got {getattr(self, name)}", name)
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            message = f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}"
+            raise TierserveError(message, "repetition_penalty")
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int):
+            raise TierserveError(
+                f"min_tokens must be an integer, got {self.min_tokens!r}", "min_tokens"
+            )
+        if self.min_tokens < 0 or (
+            self.max_tokens is not None and self.min_tokens > self.max_tokens
+        ):
+            raise TierserveError(
+                f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens"
+            )
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise TierserveError(f"at most {MAX_LOGIT_BIAS} logit_bias entries", "logit_bias")
+        for pair in self.logit_bias:
+            ok = (
+                len(pair) == 2
+                and isinstance(pair[1], int | float)
+                and not isinstance(pair[1], bool)
+            )
+            if not ok or not isinstance(pair[0], int) or pair[0] < 0 or not -100 <= pair[1] <= 100:
+                raise TierserveError(
+                    "logit_bias maps token ids to numbers in [-100, 100]", "logit_bias"
+                )
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the sampler must look at this request's history (penalties, biases)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.min_tokens
+            or self.logit_bias
+        )
+
     @property
     def greedy(self) -> bool:
         # Below this temperature float32 logits / temperature overflow: sample as greedy.
         return self.temperature < GREEDY_BELOW or self.top_k == 1
+
+
+def _token_id(key: object) -> int:
+    """A logit_bias key: OpenAI sends token ids as JSON object keys, so as strings."""
+    try:
+        return int(key)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        raise TierserveError(
+            f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
+        ) from None

@@ -182,6 +182,9 @@ class Engine:
         return room
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise TierserveError(f"logit_bias token ids must be < {vocab}", "logit_bias")
         total = len(prompt_ids) + params.max_tokens
         if total > self.context_length:
             raise TierserveError(

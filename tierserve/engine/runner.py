@@ -32,7 +32,7 @@ class ModelRunner:
         rows = torch.tensor([batch.spans[i].q_start + chunks[i].num_tokens - 1 for i in sampling])
         logits = self.model.logits(hidden[rows.to(self.device)])
         reqs = [chunks[i].req for i in sampling]
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], reqs)
         out: list[int | None] = [None] * len(chunks)
         for i, token in zip(sampling, tokens, strict=True):
             out[i] = token

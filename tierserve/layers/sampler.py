@@ -3,19 +3,35 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from tierserve.sampling_params import SamplingParams
 
 
+class History(Protocol):
+    """What a row's penalties read: its request's tokens so far and the tokens that stop it."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    stop_ids: frozenset[int]
+
+
 def sample(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    histories: Sequence[History] = (),
 ) -> list[int]:
-    """One token per row. Greedy rows take the argmax; the rest sample from filtered probs."""
+    """One token per row. Greedy rows take the argmax; the rest sample from filtered probs.
+    Rows with penalties or biases have their logits adjusted first; other rows cost nothing."""
     logits = logits.float()
+    adjusted = [i for i, p in enumerate(params) if p.adjusts_logits]
+    if adjusted:
+        logits = logits.clone()
+        for i in adjusted:
+            _adjust(logits[i], params[i], histories[i])
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -23,6 +39,24 @@ def sample(
         for j, i in enumerate(rows):
             tokens[i] = torch.multinomial(probs[j].cpu(), 1, generator=generators[i]).item()
     return tokens.tolist()
+
+
+def _adjust(row: torch.Tensor, p: SamplingParams, h: History) -> None:
+    """In place, in vLLM's order: min_tokens, logit_bias, then the penalties."""
+    device = row.device
+    if p.min_tokens and len(h.output_ids) < p.min_tokens and h.stop_ids:
+        row[torch.tensor(sorted(h.stop_ids), device=device)] = float("-inf")
+    if p.logit_bias:
+        ids, bias = zip(*p.logit_bias, strict=True)
+        row[torch.tensor(ids, device=device)] += torch.tensor(bias, device=device)
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({*h.prompt_ids, *h.output_ids}), device=device)
+        logit = row[seen]
+        penalty = p.repetition_penalty
+        row[seen] = torch.where(logit > 0, logit / penalty, logit * penalty)
+    if (p.presence_penalty or p.frequency_penalty) and h.output_ids:
+        ids, counts = torch.tensor(h.output_ids, device=device).unique(return_counts=True)
+        row[ids] -= counts * p.frequency_penalty + p.presence_penalty
 
 
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -20,7 +20,6 @@ from tierserve.sampling_params import SamplingParams
 # unknown fields (metadata, store, extras) are ignored, as OpenAI-compatible servers do.
 UNSUPPORTED_FIELDS = frozenset(
     {
-        "logit_bias",
         "response_format",
         "best_of",
         "suffix",
@@ -80,6 +79,11 @@ class SamplingKnobs(TextBody):
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
 
     def _params(self, max_tokens: int | None) -> SamplingParams:
         return SamplingParams(
@@ -92,6 +96,11 @@ class SamplingKnobs(TextBody):
             stop=tuple([self.stop] if isinstance(self.stop, str) else self.stop or ()),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            repetition_penalty=self.repetition_penalty,
+            min_tokens=self.min_tokens,
+            logit_bias=self.logit_bias or (),
         )
 
 
@@ -102,8 +111,6 @@ class SamplingFields(SamplingKnobs):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     logprobs: Any = None
     user: str | None = None
 
@@ -118,9 +125,6 @@ class SamplingFields(SamplingKnobs):
                 raise TierserveError(f"{name} is not supported", name)
         if self.n != 1:
             raise TierserveError(f"n must be 1 (got {self.n}); send n requests instead", "n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise TierserveError(f"{name} is not supported; leave it at 0", name)
         if self.logprobs not in (None, False, 0):
             raise TierserveError("logprobs are not supported", "logprobs")
 
@@ -189,9 +193,12 @@ class NativeSamplingParams(SamplingKnobs):
     model_config = ConfigDict(extra="forbid")
 
     max_new_tokens: int | None = None  # SGLang's name for max_tokens; default 128 as SGLang
+    min_new_tokens: int | None = None  # SGLang's name for min_tokens
 
     def to_params(self) -> SamplingParams:
         limit = self.max_new_tokens if self.max_new_tokens is not None else self.max_tokens
+        if self.min_new_tokens is not None:
+            self.min_tokens = self.min_new_tokens
         return self._params(limit if limit is not None else 128)
 
 
