@@ -90,6 +90,14 @@ def test_offload_preemption_resumes_with_the_same_outputs(checkpoints):
     offload.engine.check_accounting()
 
 
+def test_the_router_stays_in_float32_in_a_bf16_model(checkpoints):
+    """As transformers keeps it: the biased scores choose the experts."""
+    llm = LLM(str(checkpoints[V3]), dtype="bfloat16", max_total_tokens=256)
+    gate = llm.engine.runner.model.model.layers[1].mlp.gate
+    assert gate.weight.dtype == gate.e_score_correction_bias.dtype == torch.float32
+    assert llm.engine.runner.model.model.layers[1].mlp.experts.gate_up_proj.dtype == torch.bfloat16
+
+
 def test_a_kimi_k25_style_checkpoint_serves_its_text_model(checkpoints, tmp_path):
     """config.json nests the text model under text_config (no architecture of its own, only
     model_type kimi_k2), tensors carry a language_model. prefix, and a vision tower sits

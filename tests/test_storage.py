@@ -60,7 +60,7 @@ def run(llm: LLM, seed: int) -> list[list[int]]:
 
 
 def test_a_restarted_engine_finds_its_pages_in_the_directory(llama_dir, tmp_path, reference):
-    extra = {"path": str(tmp_path / "kv")}
+    extra = {"path": str(tmp_path / "kv"), "batch_pages": 4}  # many batches per prompt
     first = storage_llm(llama_dir, "file", extra)
     assert run(first, 1) == reference[1]
     assert first.engine.storage.flush_writes()
@@ -75,6 +75,12 @@ def test_a_restarted_engine_finds_its_pages_in_the_directory(llama_dir, tmp_path
     stats = again.engine.storage.stats
     assert stats.hit_pages > 0 and stats.corrupt_objects == 0
     assert again.engine.kv.host.stats.host_hit_tokens > 0  # loaded back from the host tier
+    # One prefetch per prompt, each page read once, however many batches it took.
+    assert stats.prefetches == 3 and stats.dropped_prefetch_pages == 0
+    hits = stats.hit_pages
+    again.engine.flush_cache()  # the same prompts again: fetched again, none left stale
+    assert run(again, 1) == reference[1]
+    assert stats.hit_pages == 2 * hits
 
 
 def test_damaged_objects_are_caught_counted_and_recomputed(llama_dir, tmp_path, reference):
@@ -175,6 +181,25 @@ class SlowFileBackend(FileBackend):
         super().put(items)
 
 
+@register("gappy-file")
+class GappyFileBackend(FileBackend):
+    """Objects that vanish between `exists` and `get` (another server evicted them)."""
+
+    def get(self, keys):
+        blobs = super().get(keys)
+        return [None if int(k, 16) % 3 == 0 else b for k, b in zip(keys, blobs, strict=True)]
+
+
+def test_objects_gone_between_exists_and_get_are_misses(llama_dir, tmp_path, reference):
+    writer = storage_llm(llama_dir, "file", {"path": str(tmp_path)})
+    run(writer, 4)
+    assert writer.engine.storage.flush_writes()
+    reader = storage_llm(llama_dir, "gappy-file", {"path": str(tmp_path)})
+    assert run(reader, 4) == reference[4]
+    stats = reader.engine.storage.stats
+    assert stats.miss_pages > 0 and stats.corrupt_objects == 0
+
+
 def test_a_slow_store_costs_hits_never_correctness(llama_dir, tmp_path, reference):
     extra = {"path": str(tmp_path), "delay_s": 0.4, "timeout_s": 0.1, "breaker_cooldown_s": 0.2}
     llm = storage_llm(llama_dir, "slow-file", extra)
@@ -187,7 +212,7 @@ def test_a_slow_store_costs_hits_never_correctness(llama_dir, tmp_path, referenc
 
 
 def test_a_full_write_queue_drops_writes_instead_of_waiting(llama_dir, tmp_path, reference):
-    extra = {"path": str(tmp_path), "delay_s": 0.3, "write_queue_pages": 2}
+    extra = {"path": str(tmp_path), "delay_s": 0.3, "write_queue_bytes": 100_000}  # ~12 pages
     llm = storage_llm(llama_dir, "slow-file", extra, hicache_storage_prefetch_policy="best_effort")
     assert run(llm, 3) == reference[3]
     assert llm.engine.storage.stats.dropped_writes > 0
@@ -203,6 +228,8 @@ EXTRA = "hicache_storage_backend_extra_config"
         ({EXTRA: "{not json"}, EXTRA),
         ({EXTRA: '{"timeout_s": -1}'}, EXTRA),
         ({EXTRA: '{"max_bytes": "12"}'}, EXTRA),  # no unit: bytes or GB?
+        ({EXTRA: '{"batch_pages": 0}'}, EXTRA),  # would fetch nothing, for ever
+        ({EXTRA: '{"write_queue_bytes": 1.5}'}, EXTRA),
     ],
 )
 def test_bad_storage_flags_are_refused_naming_the_flag(llama_dir, tmp_path, kw, field):
@@ -250,12 +277,17 @@ def test_keys_name_model_format_and_shard_and_are_stable_across_processes():
     assert other.stdout.strip() == keys[-1]
 
 
-def test_the_model_fingerprint_follows_config_and_tensor_headers(checkpoints):
+def test_the_model_fingerprint_follows_config_headers_and_weights(checkpoints, tmp_path):
+    from tests.conftest import make_checkpoint
     from tierserve.storage.keys import model_fingerprint
 
     fingerprints = {model_fingerprint(checkpoints[f]) for f in ("llama", "llama3", "qwen3")}
     assert len(fingerprints) == 3
     assert model_fingerprint(checkpoints["llama"]) == model_fingerprint(checkpoints["llama"])
+    # Same config, same shapes, other weights (a fine-tune): another namespace.
+    retrained = make_checkpoint(tmp_path / "llama", "llama", seed=1)
+    assert model_fingerprint(retrained) != model_fingerprint(checkpoints["llama"])
+    assert model_fingerprint(retrained, "salt") != model_fingerprint(retrained)
 
 
 # --- Mooncake Store -------------------------------------------------------------------------

@@ -109,21 +109,21 @@ class KVCacheManager:
 
     def wait_for_storage(self, tokens: Sequence[int], h: KVHandle, busy: bool) -> bool:
         """Whether a request matched as `h` should stay out of this step while its prefix is
-        fetched from storage. A miss of at least the threshold starts a prefetch (shared by
-        requests with that prefix) when the cached part ends with a host copy for the fetched
-        pages to hang from; the prefetch policy says how long to wait."""
+        fetched from storage. A request joins the prefetch already fetching its next page, or
+        starts one when the miss is at least the threshold, provided the cached part ends with
+        a host copy for the fetched pages to hang from; the prefetch policy says how long to
+        wait."""
         storage, radix, ps = self.storage, self.radix, self.page_size
         if storage is None or radix is None:
             return False
         whole = (len(tokens) - 1) // ps * ps  # the last token is recomputed anyway
         have = h.computed + h.host_hit
-        if whole - have < max(storage.cfg.prefetch_threshold, ps):
-            storage.stats.add(short_prefixes=whole > have)
+        if whole - have < ps:
             return False
         if h.node is not None and h.node is not radix.root and h.node.host_pages is None:
             return False  # a device-only prefix: host copies must form a prefix of the tree
         last = radix.page_keys(h.node, storage.namespace.chain) if h.node else []
-        pf = storage.prefetch(tuple(tokens[:whole]), have // ps, last[-1] if last else None)
+        pf = storage.prefetch(tokens[:whole], have // ps, last[-1] if last else None)
         if pf is None:
             return False
         if storage.should_wait(pf, busy):
@@ -134,20 +134,28 @@ class KVCacheManager:
     def _place_fetched(
         self, tokens: tuple[int, ...], first_page: int, payloads: list[bytes]
     ) -> None:
-        """Fetched pages into free host pages and the tree (host-only); dropped and counted
-        when the host has no room or the tree no longer holds the prefix they follow."""
+        """Fetched pages into free host pages and the tree (host-only). Pages the tree holds
+        by now are skipped before any host page is taken; all are dropped (and counted) when
+        the tree no longer holds the prefix they follow with a host copy, or the host is full."""
         assert self.host is not None and self.radix is not None and self.storage is not None
-        n, host = len(payloads), self.host
-        if host.allocator.num_free < n:
-            self.radix.evict_host(n - host.allocator.num_free)
-        pages = host.allocator.alloc(n)
+        n, host, radix = len(payloads), self.host, self.radix
+        start = radix.host_extension_start(tokens, first_page + n)
+        if start is None or start < first_page or start >= first_page + n:
+            self.storage.stats.add(dropped_prefetch_pages=n)
+            return
+        payloads = payloads[start - first_page :]
+        need = len(payloads)
+        if host.allocator.num_free < need:
+            freed = radix.evict_host(need - host.allocator.num_free)
+            host.stats.host_evicted_tokens += freed * self.page_size
+        pages = host.allocator.alloc(need)
         if pages is None:
             self.storage.stats.add(dropped_prefetch_pages=n)
             return
         host.host_pool.write_page_bytes(pages, payloads)
-        unused = self.radix.insert_host(tokens, first_page, pages)
+        unused = radix.insert_host(tokens, start, pages)  # 0 unless eviction took the prefix
         host.allocator.free(pages[:unused])
-        self.storage.stats.add(hit_pages=n - unused, dropped_prefetch_pages=unused)
+        self.storage.stats.add(hit_pages=need - unused, dropped_prefetch_pages=n - need + unused)
 
     def load_back(self, h: KVHandle) -> bool:
         """Queue the host part's copy to the device; False (it stays behind) if no room."""

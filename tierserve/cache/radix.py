@@ -155,6 +155,13 @@ class RadixCache:
             node = self._add_leaf(node, tuple(tokens[end:]), list(pages[end // ps :]))
         return present, node
 
+    def host_extension_start(self, tokens: Sequence[int], end_page: int) -> int | None:
+        """The first whole page of `tokens[: end_page pages]` the tree does not hold, when what
+        it holds ends with a host copy (so host-only pages may hang below it); else None."""
+        end = end_page * self.page_size
+        node, _, reached = [(self.root, 0, 0), *self._walk(tokens[:end])][-1]
+        return None if node.host_pages is None else reached // self.page_size
+
     def insert_host(self, tokens: Sequence[int], first_page: int, host_pages: list[int]) -> int:
         """Add pages fetched from storage: whole pages `first_page ...` of `tokens`, host-only,
         below a prefix the tree holds with a host copy. Returns how many of `host_pages` (from

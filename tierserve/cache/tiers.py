@@ -228,7 +228,11 @@ class HostTier:
         pending = []
         for op, keys, pages in self._to_store:
             if op.landed:
-                self.storage.write(keys, self.host_pool.page_bytes(pages))
+                room = self.storage.write_room()  # read no more than the queue takes
+                if room < len(pages):
+                    self.storage.stats.add(dropped_writes=len(pages) - room)
+                if room:
+                    self.storage.write(keys[:room], self.host_pool.page_bytes(pages[:room]))
             else:
                 pending.append((op, keys, pages))
         self._to_store = pending

@@ -96,7 +96,8 @@ class Engine:
     @staticmethod
     def _storage_tier(startup: Startup) -> StorageTier:
         assert startup.storage is not None
-        namespace = Namespace(model_fingerprint(startup.model_path), startup.plan.spec)
+        fingerprint = model_fingerprint(startup.model_path, startup.storage.namespace)
+        namespace = Namespace(fingerprint, startup.plan.spec)
         return StorageTier(startup.storage, namespace)
 
     # --- requests --------------------------------------------------------------------------
@@ -213,7 +214,7 @@ class Engine:
         """Run one batch; returns the token of every request that sampled one."""
         chunks = self.scheduler.schedule()
         if not chunks:
-            if self.storage is not None and self.storage.prefetches:
+            if self.storage is not None and self.scheduler.waited_for_storage:
                 # Requests wait for storage (or are about to see their prefetch ended): let the
                 # fetchers run rather than spin.
                 self.storage.wait_for_fetches(0.01)

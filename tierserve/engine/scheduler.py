@@ -59,6 +59,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
+        self.waited_for_storage = False  # this step left a request out for a prefetch
 
     def add(self, req: Request) -> None:
         """Queue in arrival order: a request that arrived first but finished tokenizing later
@@ -119,6 +120,7 @@ class Scheduler:
     def _admit(self, budget: int, reserve: int) -> list[ScheduledChunk]:
         chunks: list[ScheduledChunk] = []
         i = 0  # requests waiting for a storage prefetch stay queued; the next may go first
+        self.waited_for_storage = False
         while (
             i < len(self.waiting)
             and budget > 0
@@ -130,6 +132,7 @@ class Scheduler:
                 # Its prefill is this step's work all the same: fetch for the requests that
                 # would run next, not for the whole queue (their pages would crowd the host).
                 budget -= req.num_tokens - h.computed - h.host_hit
+                self.waited_for_storage = True
                 req.kv = self.kv.release(h, req.all_ids, keep_in_cache=False)
                 i += 1
                 continue

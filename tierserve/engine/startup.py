@@ -66,11 +66,20 @@ class Startup:
         kv_dtype = model_dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
         spec = KVSpec.from_model(cfg, kv_dtype, args.page_size)
         numel = checkpoint_numel(model_path, cfg.num_layers)  # MTP layers past them skipped
-        weight_bytes = numel * dtype.itemsize
+        weight_bytes = numel * dtype.itemsize + _fp32_extra(cfg, dtype.itemsize)
         storage = _storage_config(args)
         plan = _kv_plan(args, device, spec, weight_bytes, dtype.itemsize, storage)
         context = _context_length(args, cfg)
         return cls(model_path, cfg, device, dtype, context, weight_bytes, plan, storage)
+
+
+def _fp32_extra(cfg: ModelConfig, itemsize: int) -> int:
+    """Bytes beyond the model's dtype for what stays in float32: the MoE routers."""
+    moe = cfg.moe
+    if moe is None or itemsize >= 4:
+        return 0
+    routers = sum(moe.is_moe_layer(i) for i in range(cfg.num_layers))
+    return routers * moe.num_experts * (cfg.hidden_size + 1) * (4 - itemsize)
 
 
 def _storage_config(args: EngineArgs) -> StorageConfig | None:
@@ -123,7 +132,10 @@ def _kv_plan(
         # On CPU the weights, the "device" pool and the workspace are host RAM too; a store's
         # client (Mooncake's segment and buffer) is host RAM on any device.
         overhead = device_tokens * spec.bytes_per_token + weight_bytes + workspace
-        store = backend_class(storage.backend).ram_bytes(storage.extra) if storage else 0
+        store = 0
+        if storage is not None:  # the client's RAM, and the tier's own write and fetch buffers
+            store = backend_class(storage.backend).ram_bytes(storage.extra)
+            store += storage.buffer_bytes(spec.bytes_per_page)
         host = size_host_tier(args, spec, device_tokens, (overhead if on_cpu else 0) + store)
         plan = dataclasses.replace(plan, storage_ram_bytes=store)
     return dataclasses.replace(plan, host=host)

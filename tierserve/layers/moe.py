@@ -38,6 +38,10 @@ class MoEConfig:
 
 
 class TopKRouter(nn.Module):
+    # Kept in float32 whatever the model's dtype (as transformers does): the biased scores
+    # decide which experts run, and bf16 rounding would flip near-ties.
+    keep_in_fp32 = True
+
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.cfg = cfg

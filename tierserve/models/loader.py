@@ -143,6 +143,9 @@ def load_model(
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg)
     model = model.to_empty(device=device).to(dtype)
+    for module in model.modules():
+        if getattr(module, "keep_in_fp32", False):
+            module.float()
     # Parameters and persistent buffers (V3's e_score_correction_bias is one), by name.
     targets = model.state_dict(keep_vars=True)
     if cfg.tie_word_embeddings:

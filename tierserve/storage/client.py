@@ -1,7 +1,7 @@
-"""Calls into a store's client that cannot hang the server: each runs on a bounded pool of
-worker threads and is waited for at most `timeout_s`. A call that outlives it is abandoned and
-counted (a blocking C++ call cannot be cancelled; its worker stays taken until it returns, and
-with every worker taken a call fails at once). A circuit breaker stops calling after
+"""Calls into a store's client that cannot hang the server: each runs on a daemon thread of its
+own, at most `workers` at once, and is waited for at most `timeout_s`. A call that outlives it is
+abandoned and counted (a blocking C++ call cannot be cancelled; its slot stays taken until it
+returns, and with every slot taken a call fails at once). A circuit breaker stops calling after
 `failures_to_open` consecutive failures and lets one call through after `cooldown_s`: a store
 that is down costs hits, not time."""
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, fields
 from typing import Any, TypeVar
@@ -34,7 +34,6 @@ class StorageStats:
     written_bytes: int = 0
     write_seconds: float = 0.0
     prefetches: int = 0
-    short_prefixes: int = 0  # misses under the prefetch threshold: not worth fetching
     timeouts: int = 0
     errors: int = 0
     corrupt_objects: int = 0
@@ -73,8 +72,7 @@ class GuardedStore:
             failures_to_open,
             cooldown_s,
         )
-        self._pool = ThreadPoolExecutor(workers, thread_name_prefix="tierserve-storage")
-        self._slots = threading.Semaphore(workers)  # workers not stuck in a call
+        self._slots = threading.Semaphore(workers)  # calls not returned, abandoned ones too
         self._lock = threading.Lock()
         self._failures = 0
         self._open_until = 0.0
@@ -95,7 +93,11 @@ class GuardedStore:
         if not self._slots.acquire(blocking=False):
             self._failed(errors=1)
             raise StorageUnavailable("every storage worker is stuck in an earlier call")
-        future = self._pool.submit(self._run, fn, args)
+        future: Future[T] = Future()
+        # A daemon thread per call: one stuck in the store's C++ client must not keep the
+        # process from exiting (a pool's workers are joined at exit).
+        worker = threading.Thread(target=self._run, args=(future, fn, args), daemon=True)
+        worker.start()
         try:
             result = future.result(timeout=self.timeout_s)
         except FutureTimeout:
@@ -108,9 +110,11 @@ class GuardedStore:
             self._failures = 0
         return result
 
-    def _run(self, fn: Callable[..., T], args: tuple[Any, ...]) -> T:
+    def _run(self, future: Future[T], fn: Callable[..., T], args: tuple[Any, ...]) -> None:
         try:
-            return fn(*args)
+            future.set_result(fn(*args))
+        except BaseException as err:  # handed to the waiting caller
+            future.set_exception(err)
         finally:
             self._slots.release()
 
@@ -124,4 +128,4 @@ class GuardedStore:
                 self._open_until = time.monotonic() + self.cooldown_s
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to join: calls still running are daemon threads."""

@@ -55,9 +55,11 @@ class FileBackend(StorageBackend):
             path = self._path(key)
             try:
                 out.append(path.read_bytes())
-                os.utime(path)  # recently used: evicted last
             except FileNotFoundError:  # never written, or evicted by another server meanwhile
                 out.append(None)
+                continue
+            with contextlib.suppress(OSError):  # gone meanwhile, or another user's file
+                os.utime(path)  # recently used: evicted last
         return out
 
     def put(self, items: Mapping[str, bytes]) -> None:
@@ -65,9 +67,14 @@ class FileBackend(StorageBackend):
             path = self._path(key)
             path.parent.mkdir(exist_ok=True)
             fd, tmp = tempfile.mkstemp(dir=self.tmp, prefix=key[:8])
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-            os.replace(tmp, path)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(blob)
+                os.replace(tmp, path)
+            except OSError:  # a full disk: leave no temporary file behind
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
             self.used += len(blob)
         if self.used > self.max_bytes:
             self._evict(int(self.max_bytes * 0.9))

@@ -2,10 +2,11 @@
 
 A page's key is a chained hash: it covers the page's tokens and, through its parent's key, every
 token before it, so equal keys mean equal prefixes. The chain starts from a namespace that names
-the model (a hash of config.json and the safetensors headers: names, shapes, dtypes; not the
-weight bytes, which would take minutes to read), the KV format (kind, dtype, page size, page
-shape) and the rank's shard, so different models, KV dtypes or TP layouts never read each
-other's pages. SHA-256 throughout: stable across processes and machines (never `hash()`).
+the model (a hash of config.json, the safetensors headers, and each shard's size and first and
+last MiB; not all the weight bytes, which would take minutes to read; plus a user's salt),
+the KV format (kind, dtype, page size, page shape) and the rank's shard, so different models,
+KV dtypes or TP layouts never read each other's pages. SHA-256 throughout: stable across
+processes and machines (never `hash()`).
 """
 
 from __future__ import annotations
@@ -24,17 +25,28 @@ from tierserve.cache.spec import KVSpec
 KEY_CHARS = 32  # 128 bits of SHA-256, hex
 
 
-def model_fingerprint(model_dir: str | Path) -> str:
-    """A hash of config.json and every tensor's name, shape and dtype."""
+SAMPLE_BYTES = 2**20  # of each shard's start and end
+
+
+def model_fingerprint(model_dir: str | Path, salt: str = "") -> str:
+    """A hash of config.json, every tensor's name, shape and dtype, and each shard's size and
+    first and last MiB: a fine-tune saved with the same config and shapes differs in those
+    bytes (all of them would take minutes to read). `salt` separates what the user says is
+    different."""
     from tierserve.models.loader import weight_files
 
     path = Path(model_dir)
-    h = hashlib.sha256((path / "config.json").read_bytes())
+    h = hashlib.sha256((path / "config.json").read_bytes() + salt.encode())
     for file in weight_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in sorted(f.keys()):
                 tensor = f.get_slice(name)
                 h.update(f"{name}:{tensor.get_shape()}:{tensor.get_dtype()};".encode())
+        size = file.stat().st_size
+        with file.open("rb") as raw:
+            h.update(f"{size};".encode() + raw.read(SAMPLE_BYTES))
+            raw.seek(max(0, size - SAMPLE_BYTES))
+            h.update(raw.read(SAMPLE_BYTES))
     return h.hexdigest()[:KEY_CHARS]
 
 

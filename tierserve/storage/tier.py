@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import queue
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,8 +36,12 @@ from tierserve.storage.client import GuardedStore, StorageStats, StorageUnavaila
 from tierserve.storage.keys import Namespace
 from tierserve.storage.objects import pack, unpack
 
+logger = logging.getLogger("tierserve")
+
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 MAX_PREFETCHES = 1024
+FETCHERS = 2  # prefetches that run at once
+FETCH_AHEAD = 2  # batches a prefetch fetches before the engine has placed the earlier ones
 
 
 @dataclass(frozen=True)
@@ -51,11 +56,12 @@ class StorageConfig:
     prefetch_timeout_base: float = 1.0
     prefetch_timeout_per_ki_token: float = 0.25
     prefetch_timeout_max: float = 10.0
-    write_queue_pages: int = 4096
+    write_queue_bytes: int = 256 * 2**20  # pages waiting to be written, at most
     batch_pages: int = 64
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
     miss_ttl_s: float = 1.0  # a page a prefetch stopped at is not asked for again this soon
+    namespace: str = ""  # a salt: servers with different salts never share pages
 
     @classmethod
     def parse(cls, backend: str, extra_json: str | None, policy: str) -> StorageConfig:
@@ -72,14 +78,35 @@ class StorageConfig:
             )
         ours = {k: extra.pop(k) for k in list(extra) if k in cls.__dataclass_fields__}
         for name, value in ours.items():
-            if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-                raise TierserveError(f"{name} in the storage config must be >= 0", EXTRA_FIELD)
+            _check_field(name, value)
         return cls(backend, extra, policy, **ours)
+
+    def buffer_bytes(self, bytes_per_page: int) -> int:
+        """RAM the tier itself holds at most: the write queue, and the pages fetched and not
+        placed yet (each fetcher runs FETCH_AHEAD batches ahead of the engine)."""
+        return self.write_queue_bytes + FETCHERS * FETCH_AHEAD * self.batch_pages * bytes_per_page
 
     def wait_limit(self, tokens: int) -> float:
         """timeout policy: seconds a request waits for a prefetch of `tokens` tokens."""
         limit = self.prefetch_timeout_base + self.prefetch_timeout_per_ki_token * tokens / 1024
         return min(self.prefetch_timeout_max, limit)
+
+
+# Fields that count things: whole numbers >= 1. The rest are seconds or tokens, >= 0.
+_COUNTS = ("write_queue_bytes", "batch_pages", "breaker_failures")
+
+
+def _check_field(name: str, value: Any) -> None:
+    if name == "namespace":
+        if not isinstance(value, str):
+            raise TierserveError("namespace in the storage config must be a string", EXTRA_FIELD)
+        return
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise TierserveError(f"{name} in the storage config must be >= 0", EXTRA_FIELD)
+    if name in _COUNTS and (not isinstance(value, int) or value < 1):
+        raise TierserveError(f"{name} in the storage config must be an int >= 1", EXTRA_FIELD)
+    if name == "timeout_s" and value == 0:
+        raise TierserveError("timeout_s in the storage config must be > 0", EXTRA_FIELD)
 
 
 @dataclass(eq=False)
@@ -112,27 +139,37 @@ class StorageTier:
             failures_to_open=cfg.breaker_failures,
             cooldown_s=cfg.breaker_cooldown_s,
         )
-        self.prefetches: dict[str, Prefetch] = {}  # by the key of the first page to fetch
+        # Prefetches not finished, by every key they cover: a request whose missing part
+        # starts anywhere in one joins it instead of fetching the same pages again.
+        self.prefetches: dict[str, Prefetch] = {}
+        self._running: list[Prefetch] = []
         self._bad_keys: set[str] = set()  # found corrupt: rewritten without asking `exists`
         # Where prefetches stopped (a page missing or damaged), so a request that goes ahead
         # after a partial prefetch does not start another one at the same page.
         self._stopped_at: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
-        self._writes: queue.Queue[tuple[str, bytes] | None] = queue.Queue(cfg.write_queue_pages)
+        self._writes: queue.Queue[tuple[str, bytes] | None] = queue.Queue()
+        self._queued_bytes = 0  # bounded by cfg.write_queue_bytes (see write_room)
         self._writer = threading.Thread(target=self._write_loop, daemon=True, name="kv-writer")
         self._writer.start()
-        self._fetchers = ThreadPoolExecutor(2, thread_name_prefix="tierserve-prefetch")
+        self._fetchers = ThreadPoolExecutor(FETCHERS, thread_name_prefix="tierserve-prefetch")
         self._any_fetched = threading.Event()
 
     # --- writes -----------------------------------------------------------------------------
 
+    def write_room(self) -> int:
+        """Pages the write queue takes now; the caller drops (and counts) the rest before
+        reading them, so a full queue costs no copy."""
+        with self._lock:
+            free = self.cfg.write_queue_bytes - self._queued_bytes
+        return max(0, free // self.spec.bytes_per_page)
+
     def write(self, keys: list[str], payloads: list[bytes]) -> None:
-        """Queue pages for storage; never blocks (a full queue drops and counts)."""
+        """Queue pages for storage (at most `write_room()` of them); never blocks."""
+        with self._lock:
+            self._queued_bytes += sum(len(p) for p in payloads)
         for item in zip(keys, payloads, strict=True):
-            try:
-                self._writes.put_nowait(item)
-            except queue.Full:
-                self.stats.add(dropped_writes=1)
+            self._writes.put_nowait(item)
 
     def _write_loop(self) -> None:
         while (item := self._writes.get()) is not None:
@@ -142,6 +179,8 @@ class StorageTier:
             stop = batch[-1] is None
             batch = [b for b in batch if b is not None]
             self._write(batch)
+            with self._lock:
+                self._queued_bytes -= sum(len(p) for _, p in batch)
             for _ in range(len(batch) + stop):
                 self._writes.task_done()
             if stop:
@@ -182,36 +221,39 @@ class StorageTier:
     # --- reads ------------------------------------------------------------------------------
 
     def prefetch(
-        self, tokens: tuple[int, ...], first_page: int, parent_key: str | None
+        self, tokens: Sequence[int], first_page: int, parent_key: str | None
     ) -> Prefetch | None:
-        """The prefetch of `tokens`' whole pages from `first_page` on (started if new); None
-        when one stopped at that page moments ago."""
+        """The prefetch covering `tokens`' page `first_page`, started if none runs and the
+        pages from there are worth it (at least `prefetch_threshold` tokens); None when not,
+        or when one stopped at that page moments ago."""
         ps = self.spec.page_size
         rest = tokens[first_page * ps :]
         # Asked every step while the request waits: hash one page to find it, not the prompt.
         first = self.namespace.chain(parent_key, rest[:ps])[0]
         running = self.prefetches.get(first)
         if running is not None:
-            return running
+            return running  # whatever is left of it, once joined, is waited for
+        if len(rest) < max(self.cfg.prefetch_threshold, ps):
+            return None
         with self._lock:
             stopped = self._stopped_at.get(first)
         if stopped is not None and time.monotonic() - stopped < self.cfg.miss_ttl_s:
             return None  # a prefetch just stopped here (missing or damaged): do not ask again
         keys = self.namespace.chain(parent_key, rest)
-        if len(self.prefetches) > MAX_PREFETCHES:  # those of aborted requests: never ended
-            for key in [k for k, p in self.prefetches.items() if p.finished]:
-                del self.prefetches[key]
         limit = self.cfg.wait_limit(len(keys) * ps)
-        pf = Prefetch(tokens, first_page, keys, time.monotonic() + limit)
-        self.prefetches[keys[0]] = pf
+        pf = Prefetch(tuple(tokens), first_page, keys, time.monotonic() + limit)
+        self.prefetches.update(dict.fromkeys(keys, pf))
+        self._running.append(pf)
         self.stats.add(prefetches=1)
         self._fetchers.submit(self._fetch, pf)
         return pf
 
     def _fetch(self, pf: Prefetch) -> None:
+        done = 0
         try:
-            done = 0
             while done < len(pf.keys) and not pf.cancelled.is_set():
+                while pf.fetched.qsize() >= FETCH_AHEAD and not pf.cancelled.is_set():
+                    time.sleep(0.005)  # the engine places what came; memory stays bounded
                 got = self._fetch_batch(pf.keys[done : done + self.cfg.batch_pages])
                 if got:
                     pf.fetched.put((done, got))
@@ -219,12 +261,14 @@ class StorageTier:
                 done += len(got)
                 if len(got) < min(self.cfg.batch_pages, len(pf.keys) - done + len(got)):
                     break  # a page is missing: the pages after it cannot be used
-            self.stats.add(miss_pages=len(pf.keys) - done)
             if done < len(pf.keys) and not pf.cancelled.is_set():
+                self.stats.add(miss_pages=len(pf.keys) - done)
                 with self._lock:
                     self._stopped_at[pf.keys[done]] = time.monotonic()
                     while len(self._stopped_at) > MAX_PREFETCHES:
                         self._stopped_at.popitem(last=False)
+        except Exception:  # a bug here must not leave the request waiting for ever
+            logger.exception("storage prefetch failed")
         finally:
             pf.done.set()
             self._any_fetched.set()
@@ -250,7 +294,7 @@ class StorageTier:
                     self._bad_keys.add(key)
                 break
             out.append(payload)
-        self.stats.add(read_bytes=sum(len(b) for b in blobs), read_seconds=seconds)
+        self.stats.add(read_bytes=sum(len(b) for b in blobs if b), read_seconds=seconds)
         return out
 
     def should_wait(self, pf: Prefetch, busy: bool) -> bool:
@@ -263,23 +307,26 @@ class StorageTier:
         return not (policy == "timeout" and time.monotonic() >= pf.deadline)
 
     def end(self, pf: Prefetch) -> None:
-        """The request went ahead: stop fetching what it will compute anyway. A prefetch is
-        forgotten once ended and emptied, so a request never starts the same one twice."""
+        """The request went ahead: stop fetching what it will compute anyway."""
         pf.cancelled.set()
-        if pf.finished and self.prefetches.get(pf.keys[0]) is pf:
-            del self.prefetches[pf.keys[0]]
 
     def take_fetched(self) -> list[tuple[Prefetch, int, list[bytes]]]:
         """(prefetch, index of its first page in this batch, payloads) fetched since the last
-        call; prefetches that ended and were emptied are forgotten."""
+        call. Prefetches that ended and were emptied are forgotten here, so a request never
+        joins a finished one."""
         self._any_fetched.clear()
-        out = []
-        for key, pf in list(self.prefetches.items()):
+        out, running = [], []
+        for pf in self._running:
             while not pf.fetched.empty():
                 start, payloads = pf.fetched.get()
                 out.append((pf, start, payloads))
-            if pf.done.is_set() and pf.fetched.empty() and pf.cancelled.is_set():
-                del self.prefetches[key]
+            if pf.done.is_set() and pf.fetched.empty():
+                for key in pf.keys:
+                    if self.prefetches.get(key) is pf:
+                        del self.prefetches[key]
+            else:
+                running.append(pf)
+        self._running = running
         return out
 
     def wait_for_fetches(self, timeout_s: float) -> None:
@@ -287,9 +334,10 @@ class StorageTier:
         self._any_fetched.wait(timeout_s)
 
     def close(self) -> None:
-        for pf in self.prefetches.values():
+        for pf in list(self._running):
             pf.cancelled.set()
         with contextlib.suppress(queue.Full):
             self._writes.put_nowait(None)
         self._fetchers.shutdown(wait=False, cancel_futures=True)
         self.store.close()
+        self.backend.close()
