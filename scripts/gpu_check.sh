@@ -19,3 +19,6 @@ fi
 "$PY" benchmarks/offline_throughput.py --num-prompts 64
 "$PY" benchmarks/hicache_multiturn.py --clients 16 --rounds 4
 "$PY" benchmarks/kv_copies.py --clients 16 --rounds 4 --repeats 1 --out "${OUT:-/tmp}/kv-copies"
+# Issue 12's last target: a short request beside the longest stop list within 1.5× of alone
+# (on the 2-core CPU a second decode row costs almost a whole one; on a GPU it should not).
+"$PY" benchmarks/http_streams.py --out "${OUT:-/tmp}/http-streams"
