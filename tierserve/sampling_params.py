@@ -14,6 +14,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    # Per generated token: its log-probability and the `logprobs` most likely alternatives',
+    # from the model's raw distribution (before penalties and temperature, vLLM's default).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a single string the way OpenAI clients send them.
@@ -119,6 +123,12 @@ class SamplingParams:
             raise TierserveError(
                 f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens"
             )
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool)
+            or not isinstance(self.logprobs, int)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise TierserveError(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise TierserveError(f"at most {MAX_LOGIT_BIAS} logit_bias entries", "logit_bias")
         for pair in self.logit_bias:

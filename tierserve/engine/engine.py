@@ -20,7 +20,7 @@ from tierserve.cache.tiers import HostTier
 from tierserve.cache.transfer import TransferFactory, default_transfer
 from tierserve.config import EngineArgs, ModelConfig
 from tierserve.engine.request import Request, StepOutput
-from tierserve.engine.runner import ModelRunner
+from tierserve.engine.runner import ModelRunner, Sampled
 from tierserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from tierserve.engine.startup import Startup
 from tierserve.errors import TierserveError
@@ -224,17 +224,18 @@ class Engine:
                 # pool at submission); reaching here is a bug, and a loud one beats a hang.
                 raise RuntimeError("scheduler admitted nothing with an idle engine")
             return []
-        tokens = self.runner.step(chunks)
-        outputs = [self._advance(c, t) for c, t in zip(chunks, tokens, strict=True)]
+        sampled = self.runner.step(chunks)
+        outputs = [self._advance(c, t) for c, t in zip(chunks, sampled, strict=True)]
         return [o for o in outputs if o is not None]
 
-    def _advance(self, chunk: ScheduledChunk, token: int | None) -> StepOutput | None:
+    def _advance(self, chunk: ScheduledChunk, sampled: Sampled | None) -> StepOutput | None:
         req = chunk.req
         self.scheduler.record_computed(req, chunk.num_tokens)
         if chunk.num_tokens > 1:  # share the prompt with requests that arrive meanwhile
             self.kv.cache_prefix(req.kv, req.all_ids)
-        if token is None:
+        if sampled is None:
             return None
+        token, logprob = sampled
         req.output_ids.append(token)
         self.scheduler.stats.num_generated_tokens += 1
         reason = self._finish_reason(req, token)
@@ -248,6 +249,7 @@ class Engine:
             prompt_tokens=len(req.prompt_ids),
             cached_tokens=req.cached_tokens or 0,
             num_preemptions=req.num_preemptions,
+            logprob=logprob,
         )
 
     def _finish_reason(self, req: Request, token: int) -> str | None:

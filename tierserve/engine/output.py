@@ -17,6 +17,7 @@ from typing import Any
 
 from tierserve.engine.detokenizer import IncrementalDetokenizer
 from tierserve.engine.request import RequestOutput, StepOutput
+from tierserve.layers.sampler import TokenLogprob
 from tierserve.sampling_params import SamplingParams
 
 
@@ -29,6 +30,7 @@ class OutputBuilder:
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._ids: list[int] = []
+        self._logprobs: list[TokenLogprob] = []
         self._parts: list[str] = []  # text already released
         self._held = ""  # settled text not released yet: it may begin a stop string
         self.finished = False
@@ -40,6 +42,8 @@ class OutputBuilder:
         if self.finished:
             return None
         self._ids.append(step.token_id)
+        new_logprobs = [step.logprob] if step.logprob is not None else []
+        self._logprobs += new_logprobs
         text = self._detokenizer.add(step.token_id)
         if step.finished:
             text += self._detokenizer.flush()
@@ -65,6 +69,8 @@ class OutputBuilder:
             num_preemptions=step.num_preemptions,
             token_ids=self._ids if self.finished else [],
             text="".join(self._parts) if self.finished else "",
+            new_logprobs=new_logprobs,
+            logprobs=self._logprobs if self.finished else [],
         )
 
     def _first_stop(self, window: str) -> int | None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierserve.cache.manager import KVHandle
+from tierserve.layers.sampler import TokenLogprob
 from tierserve.sampling_params import SamplingParams
 
 
@@ -68,6 +69,7 @@ class StepOutput:
     prompt_tokens: int
     cached_tokens: int
     num_preemptions: int
+    logprob: TokenLogprob | None = None  # when the request asks for logprobs
 
     @property
     def finished(self) -> bool:
@@ -91,3 +93,5 @@ class RequestOutput:
     num_preemptions: int = 0
     token_ids: list[int] = field(default_factory=list)  # the final output only
     text: str = ""  # the final output only
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # for new_token_ids
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # the final output only

@@ -7,7 +7,9 @@ from torch import nn
 
 from tierserve.engine.scheduler import ScheduledChunk
 from tierserve.layers.attention import AttentionBackend, ForwardBatch, SeqSpan
-from tierserve.layers.sampler import sample
+from tierserve.layers.sampler import TokenLogprob, sample, token_logprobs
+
+Sampled = tuple[int, TokenLogprob | None]  # a token, and its logprobs when the request asks
 
 
 class ModelRunner:
@@ -21,8 +23,9 @@ class ModelRunner:
         self._page_offsets = torch.arange(page_size, device=device)
 
     @torch.inference_mode()
-    def step(self, chunks: list[ScheduledChunk]) -> list[int | None]:
-        """The sampled token of each chunk that reaches its sequence's end, else None."""
+    def step(self, chunks: list[ScheduledChunk]) -> list[Sampled | None]:
+        """The sampled token (and its logprobs, when asked) of each chunk that reaches its
+        sequence's end, else None."""
         batch = self._build_batch(chunks)
         self.attn.prepare(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.attn)
@@ -33,9 +36,16 @@ class ModelRunner:
         logits = self.model.logits(hidden[rows.to(self.device)])
         reqs = [chunks[i].req for i in sampling]
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], reqs)
-        out: list[int | None] = [None] * len(chunks)
-        for i, token in zip(sampling, tokens, strict=True):
-            out[i] = token
+        logprobs: list[TokenLogprob | None] = [None] * len(reqs)
+        asked = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
+        if asked:  # from the raw logits: `sample` adjusts a copy
+            ks = [reqs[j].params.logprobs or 0 for j in asked]
+            found = token_logprobs(logits[asked], [tokens[j] for j in asked], ks)
+            for j, lp in zip(asked, found, strict=True):
+                logprobs[j] = lp
+        out: list[Sampled | None] = [None] * len(chunks)
+        for i, token, lp in zip(sampling, tokens, logprobs, strict=True):
+            out[i] = (token, lp)
         return out
 
     def _build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:

@@ -3,11 +3,36 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from tierserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A sampled token's log-probability and the most likely tokens', from the raw logits."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:
+    """Each row's sampled token and top `ks[i]` under log_softmax of the raw logits."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    rows = torch.arange(len(tokens), device=logits.device)
+    chosen = logprobs[rows, torch.tensor(tokens, device=logits.device)].tolist()
+    top_values, top_ids = logprobs.topk(max(ks), dim=-1) if max(ks) else (None, None)
+    out = []
+    for i, (token, lp, k) in enumerate(zip(tokens, chosen, ks, strict=True)):
+        top = ()
+        if k and top_ids is not None and top_values is not None:
+            top = tuple(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist(), strict=True))
+        out.append(TokenLogprob(token, lp, top))
+    return out
 
 
 class History(Protocol):

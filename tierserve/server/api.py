@@ -19,9 +19,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierserve.engine.request import RequestOutput
 from tierserve.errors import TierserveError
+from tierserve.layers.sampler import TokenLogprob
 from tierserve.sampling_params import SamplingParams
 from tierserve.server.async_engine import AsyncEngine, EngineDeadError
 from tierserve.server.guards import ApiKey, BodyLimit
+from tierserve.server.logprobs import chat_logprobs, completion_logprobs
 from tierserve.server.metrics import ServerMetrics
 from tierserve.server.protocol import (
     ChatCompletionRequest,
@@ -216,6 +218,8 @@ class Completion:
         self.id = new_id(prefix)
         self.created = now()
         self._text, self._ids = "", []  # a /generate stream's output so far
+        self.logprobs = body is not None and body.logprobs_count() is not None
+        self._offset = 0  # characters of the completion streamed so far (text_offset)
 
     async def respond(
         self,
@@ -272,9 +276,20 @@ class Completion:
         if self.kind == "chat.completion":
             choice = {"index": 0, "message": {"role": "assistant", "content": out.text}}
         else:
-            choice = {"index": 0, "text": out.text, "logprobs": None}
+            choice = {"index": 0, "text": out.text}
+        choice["logprobs"] = self._logprobs(out.logprobs)
         choice["finish_reason"] = out.finish_reason
         return self._envelope(self.kind, [choice], usage=self._usage(out))
+
+    def _logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        tokenizer = self.engine.engine.tokenizer
+        if self.kind == "chat.completion":
+            return chat_logprobs(tokenizer, lps)
+        body = completion_logprobs(tokenizer, lps, self._offset)
+        self._offset += sum(len(t) for t in body["tokens"])
+        return body
 
     def _envelope(self, obj: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -289,7 +304,8 @@ class Completion:
                 delta["role"] = "assistant"
             choice = {"index": 0, "delta": delta}
         else:
-            choice = {"index": 0, "text": out.text_delta, "logprobs": None}
+            choice = {"index": 0, "text": out.text_delta}
+        choice["logprobs"] = self._logprobs(out.new_logprobs)
         choice["finish_reason"] = out.finish_reason if out.finished else None
         extra = {"usage": None} if self.include_usage else {}
         return self._envelope(self._chunk_object(), [choice], **extra)
@@ -303,7 +319,7 @@ class Completion:
                 if self.kind == "generate":  # SGLang's chunks carry the whole output so far
                     self._text += out.text_delta
                     self._ids += out.new_token_ids
-                if out.text_delta or out.finished or is_first:
+                if out.text_delta or out.finished or is_first or self.logprobs:
                     yield f"data: {json.dumps(self._chunk(out, is_first))}\n\n"
                     is_first = False
                 if out.finished:

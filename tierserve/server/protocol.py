@@ -7,6 +7,7 @@ silently ignored.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, Literal
@@ -28,7 +29,6 @@ UNSUPPORTED_FIELDS = frozenset(
         "functions",
         "function_call",
         "parallel_tool_calls",
-        "top_logprobs",
         "audio",
         "modalities",
         "prediction",
@@ -112,12 +112,22 @@ class SamplingFields(SamplingKnobs):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logprobs: Any = None
+    top_logprobs: int | None = None
     user: str | None = None
 
     def sampling_params(self) -> SamplingParams:
         """Without max_tokens a request may run to the end of the context, as in OpenAI."""
         self._refuse_unsupported()
-        return self._params(self.max_tokens)
+        return dataclasses.replace(self._params(self.max_tokens), logprobs=self.logprobs_count())
+
+    def logprobs_count(self) -> int | None:
+        """Completions: `logprobs` is how many alternatives (0: the sampled token's only)."""
+        value = self.logprobs
+        if value is None or value is False:
+            return None
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TierserveError("logprobs must be an integer in [0, 20]", "logprobs")
+        return value
 
     def _refuse_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
@@ -125,8 +135,6 @@ class SamplingFields(SamplingKnobs):
                 raise TierserveError(f"{name} is not supported", name)
         if self.n != 1:
             raise TierserveError(f"n must be 1 (got {self.n}); send n requests instead", "n")
-        if self.logprobs not in (None, False, 0):
-            raise TierserveError("logprobs are not supported", "logprobs")
 
     @property
     def include_usage(self) -> bool:
@@ -185,6 +193,16 @@ class ChatCompletionRequest(SamplingFields):
         if self.max_tokens is None and self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return super().sampling_params()
+
+    def logprobs_count(self) -> int | None:
+        """Chat: `logprobs: true` asks for them, `top_logprobs` for how many alternatives."""
+        if self.logprobs not in (None, False, True):
+            raise TierserveError("logprobs must be a boolean in chat completions", "logprobs")
+        if not self.logprobs:
+            if self.top_logprobs:
+                raise TierserveError("top_logprobs needs logprobs: true", "top_logprobs")
+            return None
+        return self.top_logprobs or 0
 
 
 class NativeSamplingParams(SamplingKnobs):
