@@ -121,7 +121,7 @@ def test_stop_strings_are_not_emitted(client):
         {"temperature": -1},
         {"top_p": 0},
         {"max_tokens": 100000},
-        {"n": 2},
+        {"n": 0},
         {"prompt": ""},
         {"prompt": [999999]},
     ],

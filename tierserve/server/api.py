@@ -21,6 +21,7 @@ from tierserve.engine.request import RequestOutput
 from tierserve.errors import TierserveError
 from tierserve.layers.sampler import TokenLogprob
 from tierserve.sampling_params import SamplingParams
+from tierserve.server import choices
 from tierserve.server.async_engine import AsyncEngine, EngineDeadError
 from tierserve.server.guards import ApiKey, BodyLimit
 from tierserve.server.logprobs import chat_logprobs, completion_logprobs
@@ -163,8 +164,12 @@ def _add_routes(
         admit(request)
         check_model(body.model)
         params = body.sampling_params()
+        prompts = body.prompts()
         stream = Completion(engine, metrics, model, body, "text_completion")
-        return await stream.respond(body.single_prompt(), params, request)
+        if len(prompts) == 1 and body.n == 1:
+            return await stream.respond(prompts[0], params, request)
+        todo = choices.jobs(prompts, params, body.n)
+        return await choices.respond(stream, todo, body.n, request, body.stream)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
@@ -173,7 +178,10 @@ def _add_routes(
         params = body.sampling_params()
         prompt_ids = await asyncio.to_thread(_apply_chat_template, engine, body)
         stream = Completion(engine, metrics, model, body, "chat.completion")
-        return await stream.respond(prompt_ids, params, request)
+        if body.n == 1:
+            return await stream.respond(prompt_ids, params, request)
+        todo = choices.jobs([prompt_ids], params, body.n)
+        return await choices.respond(stream, todo, body.n, request, body.stream)
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
@@ -219,7 +227,7 @@ class Completion:
         self.created = now()
         self._text, self._ids = "", []  # a /generate stream's output so far
         self.logprobs = body is not None and body.logprobs_count() is not None
-        self._offset = 0  # characters of the completion streamed so far (text_offset)
+        self._offsets: dict[int, int] = {}  # per choice: characters streamed so far
 
     async def respond(
         self,
@@ -228,7 +236,7 @@ class Completion:
         request: Request,
         stream: bool | None = None,
     ) -> Response:
-        outputs = self._tracked(prompt, params)
+        outputs = self.tracked(prompt, params)
         first = await anext(outputs)  # errors in the prompt surface here, as a 400
         if stream if stream is not None else self.stream:
             return StreamingResponse(self._sse(first, outputs), media_type="text/event-stream")
@@ -237,12 +245,12 @@ class Completion:
             return Response(status_code=499)  # the client went away
         return JSONResponse(self._whole(last))
 
-    async def _tracked(
-        self, prompt: str | list[int], params: SamplingParams
+    async def tracked(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
         start, first_at, out = time.perf_counter(), None, None
         try:
-            async for out in self.engine.generate(prompt, params, self.id):
+            async for out in self.engine.generate(prompt, params, request_id or self.id):
                 if first_at is None:
                     first_at = time.perf_counter()
                     self.metrics.ttft.observe(first_at - start)
@@ -273,42 +281,45 @@ class Completion:
     def _whole(self, out: RequestOutput) -> dict[str, Any]:
         if self.kind == "generate":
             return _native(out, out.text, out.token_ids)
-        if self.kind == "chat.completion":
-            choice = {"index": 0, "message": {"role": "assistant", "content": out.text}}
-        else:
-            choice = {"index": 0, "text": out.text}
-        choice["logprobs"] = self._logprobs(out.logprobs)
-        choice["finish_reason"] = out.finish_reason
-        return self._envelope(self.kind, [choice], usage=self._usage(out))
+        return self.envelope(self.kind, [self.whole_choice(0, out)], usage=self._usage(out))
 
-    def _logprobs(self, lps: list[TokenLogprob]) -> dict[str, Any] | None:
+    def whole_choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
+        if self.kind == "chat.completion":
+            choice = {"index": index, "message": {"role": "assistant", "content": out.text}}
+        else:
+            choice = {"index": index, "text": out.text}
+        choice["logprobs"] = self._logprobs(out.logprobs, index)
+        choice["finish_reason"] = out.finish_reason
+        return choice
+
+    def _logprobs(self, lps: list[TokenLogprob], index: int) -> dict[str, Any] | None:
         if not self.logprobs:
             return None
         tokenizer = self.engine.engine.tokenizer
         if self.kind == "chat.completion":
             return chat_logprobs(tokenizer, lps)
-        body = completion_logprobs(tokenizer, lps, self._offset)
-        self._offset += sum(len(t) for t in body["tokens"])
+        body = completion_logprobs(tokenizer, lps, self._offsets.get(index, 0))
+        self._offsets[index] = self._offsets.get(index, 0) + sum(map(len, body["tokens"]))
         return body
 
-    def _envelope(self, obj: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
+    def envelope(self, obj: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
         return {**body, "choices": choices, **extra}
 
-    def _chunk(self, out: RequestOutput, first: bool) -> dict[str, Any]:
+    def chunk(self, out: RequestOutput, first: bool, index: int = 0) -> dict[str, Any]:
         if self.kind == "generate":
             return _native(out, self._text, self._ids)
         if self.kind == "chat.completion":
             delta: dict[str, Any] = {"content": out.text_delta}
             if first:
                 delta["role"] = "assistant"
-            choice = {"index": 0, "delta": delta}
+            choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": out.text_delta}
-        choice["logprobs"] = self._logprobs(out.new_logprobs)
+            choice = {"index": index, "text": out.text_delta}
+        choice["logprobs"] = self._logprobs(out.new_logprobs, index)
         choice["finish_reason"] = out.finish_reason if out.finished else None
         extra = {"usage": None} if self.include_usage else {}
-        return self._envelope(self._chunk_object(), [choice], **extra)
+        return self.envelope(self.chunk_object(), [choice], **extra)
 
     async def _sse(
         self, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
@@ -320,7 +331,7 @@ class Completion:
                     self._text += out.text_delta
                     self._ids += out.new_token_ids
                 if out.text_delta or out.finished or is_first or self.logprobs:
-                    yield f"data: {json.dumps(self._chunk(out, is_first))}\n\n"
+                    yield f"data: {json.dumps(self.chunk(out, is_first))}\n\n"
                     is_first = False
                 if out.finished:
                     break
@@ -331,13 +342,13 @@ class Completion:
                     yield f"data: {json.dumps(body)}\n\n"
                     return
             if self.include_usage and self.kind != "generate":
-                tail = self._envelope(self._chunk_object(), [], usage=self._usage(out))
+                tail = self.envelope(self.chunk_object(), [], usage=self._usage(out))
                 yield f"data: {json.dumps(tail)}\n\n"
             yield "data: [DONE]\n\n"
         finally:
             await outputs.aclose()  # a client that left aborts the request and frees its KV
 
-    def _chunk_object(self) -> str:
+    def chunk_object(self) -> str:
         return "chat.completion.chunk" if self.kind == "chat.completion" else self.kind
 
 

@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 from tierserve.errors import TierserveError
 from tierserve.sampling_params import SamplingParams
 
+MAX_CHOICES = 128  # prompts × n in one request: bounded work per request
+
 # OpenAI fields tierserve does not implement: refused when set, never silently ignored. Other
 # unknown fields (metadata, store, extras) are ignored, as OpenAI-compatible servers do.
 UNSUPPORTED_FIELDS = frozenset(
@@ -133,8 +135,8 @@ class SamplingFields(SamplingKnobs):
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED_FIELDS and value not in (None, False, [], {}):
                 raise TierserveError(f"{name} is not supported", name)
-        if self.n != 1:
-            raise TierserveError(f"n must be 1 (got {self.n}); send n requests instead", "n")
+        if isinstance(self.n, bool) or not 1 <= self.n <= MAX_CHOICES:
+            raise TierserveError(f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
 
     @property
     def include_usage(self) -> bool:
@@ -145,17 +147,18 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: bool = False
 
-    def single_prompt(self) -> str | list[int]:
-        p = self.prompt
-        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str | list):
-            p = p[0]
-        if isinstance(p, list) and p and not all(isinstance(t, int) for t in p):
-            raise TierserveError(
-                "one prompt per request: send a batch as separate requests", "prompt"
-            )
+    def prompts(self) -> list[str | list[int]]:
+        """One prompt, or a batch: each its own choice(s), in order."""
         if self.echo:
             raise TierserveError("echo is not supported", "echo")
-        return p
+        p = self.prompt
+        batch = p if isinstance(p, list) and p and isinstance(p[0], str | list) else [p]
+        if not all(isinstance(b, str) or all(isinstance(t, int) for t in b) for b in batch):
+            raise TierserveError("prompt must be a string, token ids, or a list of those", "prompt")
+        if len(batch) * self.n > MAX_CHOICES:
+            message = f"{len(batch)} prompts × n {self.n} > {MAX_CHOICES} choices in one request"
+            raise TierserveError(message, "prompt")
+        return batch  # type: ignore[return-value]
 
 
 class ContentPart(BaseModel):

@@ -1,0 +1,163 @@
+"""Several choices in one response: `n` > 1, or a batch of prompts in /v1/completions.
+
+Each choice is its own engine request, tagged `<response id>-<index>`; choice `j × n + i` is
+sample `i` of prompt `j` (OpenAI's order). The first sample of a prompt runs alone until its
+first token: by then its prompt is in the radix cache, so the other samples start from it and
+the prompt is prefilled once. With a seed, sample `i` uses seed + i: the choices equal single
+requests with those seeds. Usage counts each prompt once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tierserve.engine.request import RequestOutput
+from tierserve.sampling_params import SamplingParams
+from tierserve.server.async_engine import EngineDeadError
+from tierserve.server.protocol import error_body, usage
+
+if TYPE_CHECKING:
+    from tierserve.server.api import Completion
+
+
+@dataclass(frozen=True)
+class Job:
+    index: int
+    prompt: str | list[int]
+    params: SamplingParams
+    after: int | None  # the choice whose prefill this one waits for
+
+
+def jobs(prompts: list[str | list[int]], params: SamplingParams, n: int) -> list[Job]:
+    out = []
+    for j, prompt in enumerate(prompts):
+        for i in range(n):
+            seeded = (
+                params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
+            )
+            out.append(Job(j * n + i, prompt, seeded, None if i == 0 else j * n))
+    return out
+
+
+async def merged(c: Completion, todo: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Every choice's outputs as they come, tagged with its index; the first error raises."""
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+    started = {job.index: asyncio.Event() for job in todo}
+
+    async def run(job: Job) -> None:
+        try:
+            if job.after is not None:
+                await started[job.after].wait()
+            async for out in c.tracked(job.prompt, job.params, f"{c.id}-{job.index}"):
+                started[job.index].set()
+                queue.put_nowait((job.index, out))
+        except BaseException as err:  # handed to the consumer; a cancel ends the request
+            started[job.index].set()
+            queue.put_nowait((job.index, err))
+
+    tasks = [asyncio.ensure_future(run(job)) for job in todo]
+    try:
+        finished = 0
+        while finished < len(todo):
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            finished += item.finished
+            yield index, item
+    finally:  # an error or a client that left: every other choice is aborted
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def total_usage(finals: dict[int, RequestOutput], n: int) -> dict[str, Any]:
+    leads = [out for index, out in finals.items() if index % n == 0]
+    return usage(
+        sum(out.prompt_tokens for out in leads),
+        sum(out.num_output_tokens for out in finals.values()),
+        sum(out.cached_tokens for out in leads),
+    )
+
+
+async def respond(
+    c: Completion, todo: list[Job], n: int, request: Request, stream: bool
+) -> Response:
+    outputs = merged(c, todo)
+    first = await anext(outputs)  # a bad prompt is a 400 here, before any byte is sent
+    if stream:
+        return StreamingResponse(_sse(c, first, outputs, n), media_type="text/event-stream")
+    finals = await _collect(first, outputs, request)
+    if finals is None:
+        return Response(status_code=499)  # the client went away: every choice aborted
+    choices = [c.whole_choice(i, finals[i]) for i in sorted(finals)]
+    return JSONResponse(c.envelope(c.kind, choices, usage=total_usage(finals, n)))
+
+
+async def _collect(
+    first: tuple[int, RequestOutput],
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    request: Request,
+) -> dict[int, RequestOutput] | None:
+    finals: dict[int, RequestOutput] = {}
+
+    async def drain() -> None:
+        for index, out in [first]:
+            if out.finished:
+                finals[index] = out
+        async for index, out in outputs:
+            if out.finished:
+                finals[index] = out
+
+    task = asyncio.ensure_future(drain())
+    try:
+        while not task.done():
+            if await request.is_disconnected():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+                await outputs.aclose()
+                return None
+            await asyncio.wait({task}, timeout=0.25)
+        task.result()
+        return finals
+    finally:
+        if not task.done():
+            task.cancel()
+
+
+async def _sse(
+    c: Completion,
+    first: tuple[int, RequestOutput],
+    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    n: int,
+) -> AsyncIterator[str]:
+    seen: set[int] = set()
+    finals: dict[int, RequestOutput] = {}
+    try:
+        item: tuple[int, RequestOutput] | None = first
+        while item is not None:
+            index, out = item
+            if out.text_delta or out.finished or index not in seen or c.logprobs:
+                yield f"data: {json.dumps(c.chunk(out, index not in seen, index))}\n\n"
+                seen.add(index)
+            if out.finished:
+                finals[index] = out
+            try:
+                item = await anext(outputs, None)
+            except EngineDeadError as err:  # headers are sent: say so in the stream
+                body = error_body(str(err), "service_unavailable", None, 503)
+                yield f"data: {json.dumps(body)}\n\n"
+                return
+        if c.include_usage:
+            tail = c.envelope(c.chunk_object(), [], usage=total_usage(finals, n))
+            yield f"data: {json.dumps(tail)}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        await outputs.aclose()
