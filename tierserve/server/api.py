@@ -23,6 +23,7 @@ from tierserve.layers.sampler import TokenLogprob
 from tierserve.sampling_params import SamplingParams
 from tierserve.server import choices
 from tierserve.server.async_engine import AsyncEngine, EngineDeadError
+from tierserve.server.disconnect import unless_disconnected
 from tierserve.server.guards import ApiKey, BodyLimit
 from tierserve.server.logprobs import chat_logprobs, completion_logprobs
 from tierserve.server.metrics import ServerMetrics
@@ -379,16 +380,4 @@ async def _until_done(
             last = out
         return last
 
-    task = asyncio.ensure_future(drain())
-    try:
-        while not task.done():
-            if await request.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                await outputs.aclose()  # aborts the request and frees its KV
-                return None
-            await asyncio.wait({task}, timeout=0.25)
-        return task.result()
-    finally:
-        if not task.done():
-            task.cancel()
+    return await unless_disconnected(drain(), outputs, request)

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tierserve.engine.request import RequestOutput
 from tierserve.sampling_params import SamplingParams
 from tierserve.server.async_engine import EngineDeadError
+from tierserve.server.disconnect import unless_disconnected
 from tierserve.server.protocol import error_body, usage
 
 if TYPE_CHECKING:
@@ -108,28 +109,13 @@ async def _collect(
 ) -> dict[int, RequestOutput] | None:
     finals: dict[int, RequestOutput] = {}
 
-    async def drain() -> None:
-        for index, out in [first]:
+    async def drain() -> dict[int, RequestOutput]:
+        for index, out in [first, *[item async for item in outputs]]:
             if out.finished:
                 finals[index] = out
-        async for index, out in outputs:
-            if out.finished:
-                finals[index] = out
-
-    task = asyncio.ensure_future(drain())
-    try:
-        while not task.done():
-            if await request.is_disconnected():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-                await outputs.aclose()
-                return None
-            await asyncio.wait({task}, timeout=0.25)
-        task.result()
         return finals
-    finally:
-        if not task.done():
-            task.cancel()
+
+    return await unless_disconnected(drain(), outputs, request)
 
 
 async def _sse(
