@@ -215,8 +215,8 @@ class Engine:
         chunks = self.scheduler.schedule()
         if not chunks:
             if self.storage is not None and self.scheduler.waited_for_storage:
-                # Requests wait for storage (or are about to see their prefetch ended): let the
-                # fetchers run rather than spin.
+                # Every admissible request waits for a storage prefetch: let the fetchers run
+                # rather than spin.
                 self.storage.wait_for_fetches(0.01)
                 return []
             if self.scheduler.waiting and not self.scheduler.running:

@@ -107,10 +107,11 @@ async def _collect(
     outputs: AsyncIterator[tuple[int, RequestOutput]],
     request: Request,
 ) -> dict[int, RequestOutput] | None:
-    finals: dict[int, RequestOutput] = {}
 
     async def drain() -> dict[int, RequestOutput]:
-        for index, out in [first, *[item async for item in outputs]]:
+        index, out = first
+        finals = {index: out} if out.finished else {}
+        async for index, out in outputs:  # only the finished outputs are kept
             if out.finished:
                 finals[index] = out
         return finals

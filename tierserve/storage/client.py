@@ -126,6 +126,3 @@ class GuardedStore:
                 if time.monotonic() >= self._open_until:
                     self.stats.add(breaker_opens=1)
                 self._open_until = time.monotonic() + self.cooldown_s
-
-    def close(self) -> None:
-        """Nothing to join: calls still running are daemon threads."""

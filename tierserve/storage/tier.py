@@ -39,7 +39,7 @@ from tierserve.storage.objects import pack, unpack
 logger = logging.getLogger("tierserve")
 
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-MAX_PREFETCHES = 1024
+MAX_STOPPED = 1024  # pages where prefetches stopped, remembered for miss_ttl_s
 FETCHERS = 2  # prefetches that run at once
 FETCH_AHEAD = 2  # batches a prefetch fetches before the engine has placed the earlier ones
 
@@ -265,7 +265,7 @@ class StorageTier:
                 self.stats.add(miss_pages=len(pf.keys) - done)
                 with self._lock:
                     self._stopped_at[pf.keys[done]] = time.monotonic()
-                    while len(self._stopped_at) > MAX_PREFETCHES:
+                    while len(self._stopped_at) > MAX_STOPPED:
                         self._stopped_at.popitem(last=False)
         except Exception:  # a bug here must not leave the request waiting for ever
             logger.exception("storage prefetch failed")
@@ -339,5 +339,4 @@ class StorageTier:
         with contextlib.suppress(queue.Full):
             self._writes.put_nowait(None)
         self._fetchers.shutdown(wait=False, cancel_futures=True)
-        self.store.close()
-        self.backend.close()
+        self.backend.close()  # store calls still running are daemon threads: nothing to join
