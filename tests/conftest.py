@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 import torch
+
+from tierserve import LLM
+from tierserve.bench.client import parse_prometheus
+from tierserve.bench.compare import ServerProcess
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -94,7 +102,7 @@ def _deepseek_families() -> dict[str, tuple[type, type, dict]]:
 DEEPSEEK_FAMILIES = _deepseek_families()
 
 
-def randomise_all(model: torch.nn.Module, seed: int) -> None:
+def randomise_all(model: torch.nn.Module, seed: int, scale: float = 0.2) -> None:
     """Every parameter and persistent buffer random: transformers starts the router's
     e_score_correction_bias at zero, which would hide a router that ignores it; norms stay
     near one so activations keep their scale through the layers."""
@@ -102,7 +110,7 @@ def randomise_all(model: torch.nn.Module, seed: int) -> None:
     with torch.no_grad():
         for name, t in model.state_dict(keep_vars=True).items():
             noise = torch.randn(t.shape, generator=g)
-            t.copy_(1 + 0.2 * noise if "norm" in name else 0.2 * noise)
+            t.copy_(1 + scale * noise if "norm" in name else scale * noise)
 
 
 def make_checkpoint(path: Path, family: str, seed: int = 0, **overrides) -> Path:
@@ -180,3 +188,34 @@ def random_prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]
         torch.randint(2, VOCAB, (lengths[i % len(lengths)],), generator=g).tolist()
         for i in range(n)
     ]
+
+
+# --- a real server, for the tests that speak HTTP -------------------------------------------
+
+
+class Server(ServerProcess):
+    """`tierserve serve` in a subprocess (the benchmark's launcher), plus its parsed /metrics."""
+
+    def __init__(self, model: Path, *flags: str) -> None:
+        log = Path(tempfile.mkdtemp()) / "server.log"
+        super().__init__(str(model), flags, log, startup_timeout_s=180)
+
+    def metrics(self) -> dict[str, float]:
+        return parse_prometheus(httpx.get(f"{self.url}/metrics").text)
+
+
+@pytest.fixture(scope="module")
+def server(llama_dir) -> Iterator[Server]:
+    s = Server(llama_dir, "--max-total-tokens", "4096", "--body-timeout", "2")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def offline(llama_dir) -> LLM:
+    return LLM(str(llama_dir), max_total_tokens=4096)

@@ -1,37 +1,19 @@
-"""`n` > 1 and batched prompts through a real server with the official openai client: each
-choice equals a single request with its seed (seed + i for sample i), the prompt is prefilled
-once (the engine's counters show it), usage counts it once, streamed and not."""
+"""`n` > 1 and batched prompts through a real server (conftest's `server` and `client`) with
+the official openai client: each choice equals a single request with its seed (seed + i for
+sample i), the prompt is prefilled once (the engine's counters show it), usage counts it once,
+streamed and not."""
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
 
 import openai
 import pytest
 
 from tests.conftest import random_prompts
-from tests.test_server import Server
 from tierserve import LLM, SamplingParams
 
 PAGE = 16
-
-
-@pytest.fixture(scope="module")
-def server(llama_dir) -> Iterator[Server]:
-    s = Server(llama_dir, "--max-total-tokens", "4096")
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def offline(llama_dir) -> LLM:
-    return LLM(str(llama_dir), max_total_tokens=4096)
 
 
 def single(offline: LLM, prompt, seed: int, max_tokens: int = 8) -> str:

@@ -9,6 +9,7 @@ import torch
 import transformers
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
 
+from tests.conftest import randomise_all
 from tierserve.layers.mla import MLA, MLAConfig, softmax_scale
 
 YARN = {
@@ -38,10 +39,7 @@ def hf_attention(q_lora_rank: int | None, rope: dict | None, seed: int):
         attn_implementation="eager",
     )
     attn = v3.DeepseekV3Attention(config, 0).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in attn.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    randomise_all(attn, seed)
     return config, attn
 
 

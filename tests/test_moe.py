@@ -10,16 +10,10 @@ import transformers
 from transformers.models.deepseek_v2 import modeling_deepseek_v2 as v2
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as v3
 
+from tests.conftest import randomise_all
 from tierserve.layers.moe import MoE, MoEConfig
 
 COMMON = dict(hidden_size=32, moe_intermediate_size=16, n_routed_experts=16)
-
-
-def randomise(module: torch.nn.Module, seed: int) -> None:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for tensor in [*module.parameters(), *module.buffers()]:
-            tensor.copy_(torch.randn(tensor.shape, generator=g) * 0.3)
 
 
 @pytest.mark.parametrize(
@@ -37,7 +31,7 @@ def test_v3_routing_matches_transformers(n_group, topk_group, norm, scale, share
         n_shared_experts=max(shared, 1),
     )
     ref = v3.DeepseekV3MoE(config).eval()
-    randomise(ref, seed=n_group)
+    randomise_all(ref, seed=n_group, scale=0.3)
     ours = MoE(
         MoEConfig(
             32, 16, 16, 4, max(shared, 1), "sigmoid", "noaux_tc", n_group, topk_group, norm, scale
@@ -64,7 +58,7 @@ def test_v2_routing_matches_transformers(method):
         n_shared_experts=2,
     )
     ref = v2.DeepseekV2Moe(config).eval()
-    randomise(ref, seed=7)
+    randomise_all(ref, seed=7, scale=0.3)
     ours = MoE(MoEConfig(32, 16, 16, 3, 2, "softmax", method, 4, 2, False, 1.5))
     ours.load_state_dict(ref.state_dict(), strict=True)  # V2 has no correction bias
     x = torch.randn(1, 41, 32, generator=torch.Generator().manual_seed(2))

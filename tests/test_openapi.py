@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
-from tests.test_server import Server
+from tests.conftest import Server
 
 
 @pytest.fixture(scope="module")

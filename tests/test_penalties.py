@@ -10,8 +10,7 @@ import pytest
 import torch
 import transformers
 
-from tests.conftest import random_prompts
-from tests.test_server import Server
+from tests.conftest import Server, random_prompts
 from tierserve import LLM, SamplingParams, TierserveError
 
 EOS = 1

@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,38 +16,9 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import random_prompts
+from tests.conftest import Server, random_prompts
 from tierserve import LLM, SamplingParams
-from tierserve.bench.client import parse_prometheus
-from tierserve.bench.compare import ServerProcess, free_port
-
-
-class Server(ServerProcess):
-    """`tierserve serve` in a subprocess (the benchmark's launcher), plus its parsed /metrics."""
-
-    def __init__(self, model: Path, *flags: str) -> None:
-        log = Path(tempfile.mkdtemp()) / "server.log"
-        super().__init__(str(model), flags, log, startup_timeout_s=180)
-
-    def metrics(self) -> dict[str, float]:
-        return parse_prometheus(httpx.get(f"{self.url}/metrics").text)
-
-
-@pytest.fixture(scope="module")
-def server(llama_dir) -> Iterator[Server]:
-    s = Server(llama_dir, "--max-total-tokens", "4096", "--body-timeout", "2")
-    yield s
-    s.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def offline(llama_dir) -> LLM:
-    return LLM(str(llama_dir), max_total_tokens=4096)
+from tierserve.bench.compare import free_port
 
 
 def test_completion_matches_offline_and_reports_usage(client, offline):

@@ -16,8 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.conftest import random_prompts
-from tests.test_server import Server
+from tests.conftest import Server, random_prompts
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.cache.spec import KVSpec
 from tierserve.storage.backend import register
