@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import Server, random_prompts
 from tierserve import LLM, SamplingParams
-from tierserve.bench.compare import free_port
+from tierserve.net import free_port
 
 
 def test_completion_matches_offline_and_reports_usage(client, offline):

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from tierserve.bench.client import LoadOptions, RunResult, run_load, warmup
 from tierserve.bench.metrics import later_rounds_ttft, summarize
 from tierserve.bench.workloads import TokenSpace, Workload
 from tierserve.errors import TierserveError
+from tierserve.net import free_port
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 CONFIG_NAMES = ("device-only", *WRITE_POLICIES, "limit")
@@ -117,12 +117,6 @@ def configurations(sizing: Sizing, names: Sequence[str] = CONFIG_NAMES) -> list[
 
 
 # --- one server ---------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tierserve.errors import TierserveError
+from tierserve.net import free_port
 from tierserve.storage.backend import EXTRA_FIELD, StorageBackend, config_bytes, register
 
 DEFAULTS = {
@@ -98,18 +98,12 @@ class MooncakeBackend(StorageBackend):
         return segment_bytes(extra)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 class MooncakeMaster:
     """A `mooncake_master` on loopback with its HTTP metadata server (benchmarks, tests, and
     a one-machine setup): `extra()` is the storage config that attaches a server to it."""
 
     def __init__(self, port: int | None = None, http_port: int | None = None) -> None:
-        self.port, self.http_port = port or _free_port(), http_port or _free_port()
+        self.port, self.http_port = port or free_port(), http_port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
