@@ -166,7 +166,7 @@ def _add_routes(
         check_model(body.model)
         params = body.sampling_params()
         prompts = body.prompts()
-        stream = Completion(engine, metrics, model, body, "text_completion")
+        stream = Completion(engine, metrics, model, body, "text_completion", params)
         if len(prompts) == 1 and body.n == 1:
             return await stream.respond(prompts[0], params, request)
         todo = choices.jobs(prompts, params, body.n)
@@ -178,7 +178,7 @@ def _add_routes(
         check_model(body.model)
         params = body.sampling_params()
         prompt_ids = await asyncio.to_thread(_apply_chat_template, engine, body)
-        stream = Completion(engine, metrics, model, body, "chat.completion")
+        stream = Completion(engine, metrics, model, body, "chat.completion", params)
         if body.n == 1:
             return await stream.respond(prompt_ids, params, request)
         todo = choices.jobs([prompt_ids], params, body.n)
@@ -219,6 +219,7 @@ class Completion:
         model: str,
         body: SamplingFields | None,
         kind: str,
+        params: SamplingParams | None = None,
     ) -> None:
         self.engine, self.metrics, self.model, self.kind = engine, metrics, model, kind
         self.include_usage = bool(body and body.include_usage)
@@ -227,7 +228,7 @@ class Completion:
         self.id = new_id(prefix)
         self.created = now()
         self._text, self._ids = "", []  # a /generate stream's output so far
-        self.logprobs = body is not None and body.logprobs_count() is not None
+        self.logprobs = params is not None and params.logprobs is not None
         self._offsets: dict[int, int] = {}  # per choice: characters streamed so far
 
     async def respond(
