@@ -1,6 +1,7 @@
-"""Logprobs of generated tokens: the model's raw distribution (vLLM's default), equal to
-transformers' log_softmax at the same positions, whatever penalties or temperature do to the
-choice; and OpenAI's completions and chat shapes through a real server, streamed and not."""
+"""Logprobs of generated and prompt tokens: the model's raw distribution (vLLM's default), equal
+to transformers' log_softmax at the same positions, whatever penalties, temperature or the
+prefix cache do; and OpenAI's completions (with echo) and chat shapes through a real server,
+streamed and not."""
 
 from __future__ import annotations
 
@@ -9,24 +10,33 @@ import pytest
 import torch
 import transformers
 
-from tests.conftest import Server, random_prompts
+from tests.conftest import random_prompts
 from tierserve import LLM, SamplingParams, TierserveError
+from tierserve.layers.sampler import TokenLogprob
 
 PROMPTS = random_prompts(3, [5, 60, 200], seed=41)
 
 
-@pytest.fixture(scope="module")
-def llm(llama_dir) -> LLM:
-    return LLM(str(llama_dir), max_total_tokens=4096)
-
-
-def hf_logprobs(llama_dir, prompt: list[int], output: list[int]) -> torch.Tensor:
-    """log_softmax of transformers' logits at each generated position: [len(output), vocab]."""
+def hf_logprobs(llama_dir, prompt: list[int], output: list[int], start: int = -1) -> torch.Tensor:
+    """log_softmax of transformers' logits at the positions that predict `output` (or, with
+    `start`, every token from that one on): [tokens, vocab]."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(llama_dir).eval()
     ids = torch.tensor([prompt + output])
+    first = len(prompt) - 1 if start < 0 else start - 1
     with torch.no_grad():
-        logits = hf(ids).logits[0, len(prompt) - 1 : -1].float()
+        logits = hf(ids).logits[0, first:-1].float()
     return logits.log_softmax(-1)
+
+
+def assert_matches(lps: list[TokenLogprob], ref: torch.Tensor, targets: list[int], k: int) -> None:
+    assert [lp.token_id for lp in lps] == targets
+    chosen = torch.tensor([lp.logprob for lp in lps])
+    rows = torch.arange(len(targets))
+    torch.testing.assert_close(chosen, ref[rows, targets], atol=1e-4, rtol=0)
+    for step, lp in enumerate(lps):
+        values, ids = ref[step].topk(k)
+        assert [t for t, _ in lp.top] == ids.tolist()
+        torch.testing.assert_close(torch.tensor([v for _, v in lp.top]), values, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize(
@@ -36,24 +46,33 @@ def hf_logprobs(llama_dir, prompt: list[int], output: list[int]) -> torch.Tensor
         {"temperature": 0.8, "seed": 3, "repetition_penalty": 1.5, "frequency_penalty": 1.0},
     ],
 )
-def test_logprobs_are_the_raw_distribution(llama_dir, llm, extra):
+def test_logprobs_are_the_raw_distribution(llama_dir, offline, extra):
     params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=5, **extra)
-    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, params), strict=True):
+    for prompt, out in zip(PROMPTS, offline.generate(PROMPTS, params), strict=True):
         ref = hf_logprobs(llama_dir, prompt, out.token_ids)
-        assert [lp.token_id for lp in out.logprobs] == out.token_ids
-        chosen = torch.tensor([lp.logprob for lp in out.logprobs])
-        torch.testing.assert_close(chosen, ref[torch.arange(12), out.token_ids], atol=1e-4, rtol=0)
-        for step, lp in enumerate(out.logprobs):
-            values, ids = ref[step].topk(5)
-            assert [t for t, _ in lp.top] == ids.tolist()
-            torch.testing.assert_close(
-                torch.tensor([v for _, v in lp.top]), values, atol=1e-4, rtol=0
-            )
+        assert_matches(out.logprobs, ref, out.token_ids, 5)
 
 
-def test_without_logprobs_nothing_is_computed(llm):
-    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0))[0]
-    assert out.logprobs == []
+def test_without_logprobs_nothing_is_computed(offline):
+    out = offline.generate(PROMPTS[0], SamplingParams(max_tokens=4, temperature=0))[0]
+    assert out.logprobs == [] and out.prompt_logprobs is None
+
+
+def test_prompt_logprobs_equal_transformers_with_the_prefix_cache_cold_and_warm(llama_dir):
+    """Prompt chunks of 48 tokens; the second and third runs find the prompt cached, and
+    still score every position (the cache's hit is not used for them)."""
+    llm = LLM(str(llama_dir), max_total_tokens=4096, chunked_prefill_size=48)
+    prompt = PROMPTS[2]
+    ref = hf_logprobs(llama_dir, prompt, [], start=1)
+    params = SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3)
+    cold = llm.generate(prompt, params)[0]
+    plain = llm.generate(prompt, SamplingParams(max_tokens=1, temperature=0))[0]
+    assert plain.cached_tokens > 0  # the cache would have served this prompt
+    warm = llm.generate(prompt, params)[0]
+    for out in (cold, warm):
+        assert out.prompt_token_ids == prompt and out.prompt_logprobs is not None
+        assert_matches(out.prompt_logprobs, ref, prompt[1:], 3)
+    assert warm.cached_tokens == 0 and warm.token_ids == cold.token_ids
 
 
 @pytest.mark.parametrize("bad", [-1, 21, 2.5, True])
@@ -63,38 +82,60 @@ def test_logprobs_out_of_range_are_refused(bad):
     assert err.value.field == "logprobs"
 
 
-def test_openai_shapes_streamed_and_not(llama_dir, llm):
+def test_openai_shapes_streamed_and_not(llama_dir, offline, client):
     prompt = PROMPTS[1]
-    offline = llm.generate(
+    ran = offline.generate(
         prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)
     )[0]
-    want = [lp.logprob for lp in offline.logprobs]
-    s = Server(llama_dir, "--max-total-tokens", "4096")
-    try:
-        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
-        model, extra = llama_dir.name, {"ignore_eos": True}
-        kw = dict(model=model, prompt=prompt, max_tokens=6, temperature=0, extra_body=extra)
-        whole = c.completions.create(logprobs=3, **kw).choices[0].logprobs
-        assert whole.token_logprobs == pytest.approx(want, abs=1e-6)
-        # The legacy format keys alternatives by text: pieces that decode alike (partial UTF-8
-        # bytes all read "\ufffd") share one key, as in vLLM.
-        assert len(whole.tokens) == 6 and all(1 <= len(t) <= 3 for t in whole.top_logprobs)
-        assert whole.text_offset[0] == 0
-        streamed = [ch.choices[0].logprobs for ch in c.completions.create(
-            logprobs=3, stream=True, **kw) if ch.choices and ch.choices[0].logprobs]  # fmt: skip
-        assert [v for lp in streamed for v in lp.token_logprobs] == pytest.approx(want, abs=1e-6)
+    want = [lp.logprob for lp in ran.logprobs]
+    c, model, extra = client, llama_dir.name, {"ignore_eos": True}
+    kw = dict(model=model, prompt=prompt, max_tokens=6, temperature=0, extra_body=extra)
+    whole = c.completions.create(logprobs=3, **kw).choices[0].logprobs
+    assert whole.token_logprobs == pytest.approx(want, abs=1e-6)
+    # The legacy format keys alternatives by text: pieces that decode alike (partial UTF-8
+    # bytes all read "\ufffd") share one key, as in vLLM.
+    assert len(whole.tokens) == 6 and all(1 <= len(t) <= 3 for t in whole.top_logprobs)
+    assert whole.text_offset[0] == 0
+    streamed = [ch.choices[0].logprobs for ch in c.completions.create(
+        logprobs=3, stream=True, **kw) if ch.choices and ch.choices[0].logprobs]  # fmt: skip
+    assert [v for lp in streamed for v in lp.token_logprobs] == pytest.approx(want, abs=1e-6)
 
-        messages = [{"role": "user", "content": "hello there"}]
-        chat = dict(model=model, messages=messages, max_tokens=5, temperature=0, extra_body=extra)
-        got = c.chat.completions.create(logprobs=True, top_logprobs=2, **chat)
-        content = got.choices[0].logprobs.content
-        assert len(content) == 5 and all(len(t.top_logprobs) == 2 for t in content)
-        assert all(t.logprob <= 0 and t.bytes == list(t.token.encode()) for t in content)
-        chunks = c.chat.completions.create(logprobs=True, top_logprobs=2, stream=True, **chat)
-        pieces = [t for ch in chunks if ch.choices and ch.choices[0].logprobs
-                  for t in ch.choices[0].logprobs.content]  # fmt: skip
-        assert [t.logprob for t in pieces] == pytest.approx([t.logprob for t in content])
-        with pytest.raises(openai.BadRequestError):
-            c.chat.completions.create(top_logprobs=2, **chat)  # without logprobs: true
-    finally:
-        s.stop()
+    messages = [{"role": "user", "content": "hello there"}]
+    chat = dict(model=model, messages=messages, max_tokens=5, temperature=0, extra_body=extra)
+    got = c.chat.completions.create(logprobs=True, top_logprobs=2, **chat)
+    content = got.choices[0].logprobs.content
+    assert len(content) == 5 and all(len(t.top_logprobs) == 2 for t in content)
+    assert all(t.logprob <= 0 and t.bytes == list(t.token.encode()) for t in content)
+    chunks = c.chat.completions.create(logprobs=True, top_logprobs=2, stream=True, **chat)
+    pieces = [t for ch in chunks if ch.choices and ch.choices[0].logprobs
+              for t in ch.choices[0].logprobs.content]  # fmt: skip
+    assert [t.logprob for t in pieces] == pytest.approx([t.logprob for t in content])
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(top_logprobs=2, **chat)  # without logprobs: true
+
+
+def test_echo_returns_the_prompt_and_its_logprobs_streamed_and_not(llama_dir, offline, client):
+    """lm-eval's loglikelihood request: a batch of token-id prompts, echo, logprobs 1,
+    max_tokens 1. Each choice's first token has None, the rest transformers' values; the text
+    starts with the prompt."""
+    prompts = [PROMPTS[0], PROMPTS[1]]
+    kw = dict(model=llama_dir.name, prompt=prompts, max_tokens=1, temperature=0, echo=True)
+    whole = client.completions.create(logprobs=1, **kw)
+    tokenizer = offline.tokenizer
+    for choice, prompt in zip(sorted(whole.choices, key=lambda c: c.index), prompts, strict=True):
+        lp = choice.logprobs
+        assert len(lp.tokens) == len(prompt) + 1 and lp.token_logprobs[0] is None
+        assert lp.top_logprobs[0] is None and lp.text_offset[0] == 0
+        ref = hf_logprobs(llama_dir, prompt, [], start=1)
+        want = ref[torch.arange(len(prompt) - 1), prompt[1:]].tolist()
+        assert lp.token_logprobs[1 : len(prompt)] == pytest.approx(want, abs=1e-4)
+        assert choice.text.startswith(tokenizer.decode(prompt))
+    streamed = client.completions.create(logprobs=1, stream=True, **kw)
+    scored: dict[int, list] = {}
+    for chunk in streamed:
+        for choice in chunk.choices:
+            scored.setdefault(choice.index, []).extend(choice.logprobs.token_logprobs)
+    got = [scored[i] for i in range(2)]
+    assert got == [c.logprobs.token_logprobs for c in sorted(whole.choices, key=lambda c: c.index)]
+    text = client.completions.create(model=llama_dir.name, prompt="Hello", echo=True, max_tokens=2)
+    assert text.choices[0].text.startswith("Hello") and text.choices[0].logprobs is None

@@ -14,7 +14,7 @@ from tests.conftest import random_prompts
 from tierserve import LLM, SamplingParams
 from tierserve.engine.detokenizer import MAX_UNSETTLED, IncrementalDetokenizer
 from tierserve.engine.output import OutputBuilder
-from tierserve.engine.request import StepOutput
+from tierserve.engine.request import Request, StepOutput
 from tierserve.layers.sampler import sample
 
 
@@ -189,7 +189,7 @@ def test_output_builder_matches_cutting_the_whole_text(tokenizer, text, picks, a
     ids = tokenizer(text, add_special_tokens=False).input_ids
     full = tokenizer.decode(ids, skip_special_tokens=True)
     stops = [full[i : i + n] for i, n in picks if full[i : i + n]] + absent
-    builder = OutputBuilder("r", tokenizer, SamplingParams(stop=stops))
+    builder = OutputBuilder(_request(SamplingParams(stop=stops)), tokenizer)
     outs = [o for o in map(builder.add, _steps(ids)) if o is not None]
     hits = [i for i in (full.find(s) for s in stops) if i >= 0]
     expected = full[: min(hits)] if hits else full
@@ -208,9 +208,13 @@ def test_output_builder_matches_cutting_the_whole_text(tokenizer, text, picks, a
         assert builder.stopped_here == (first < len(ids))
 
 
+def _request(params: SamplingParams) -> Request:
+    return Request(rid="r", arrival=0, prompt_ids=[1], params=params)
+
+
 def test_output_builder_drops_tokens_sampled_after_a_stop(tokenizer):
     ids = tokenizer("one two three four", add_special_tokens=False).input_ids
-    builder = OutputBuilder("r", tokenizer, SamplingParams(stop=["two"]))
+    builder = OutputBuilder(_request(SamplingParams(stop=["two"])), tokenizer)
     outs = [builder.add(s) for s in _steps(ids)]
     done = [o for o in outs if o is not None]
     assert done[-1].finish_reason == "stop" and done[-1].text == "one "

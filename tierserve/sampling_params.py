@@ -41,6 +41,9 @@ class SamplingParams:
     # Per generated token: its log-probability and the `logprobs` most likely alternatives',
     # from the model's raw distribution (before penalties and temperature, vLLM's default).
     logprobs: int | None = None
+    # Per prompt token after the first: its log-probability and the top alternatives' (vLLM's
+    # name). A cached prefix has no logits, so such a request computes its whole prompt.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a single string the way OpenAI clients send them.
@@ -123,12 +126,14 @@ class SamplingParams:
             raise TierserveError(
                 f"min_tokens must be in [0, max_tokens], got {self.min_tokens}", "min_tokens"
             )
-        if self.logprobs is not None and (
-            isinstance(self.logprobs, bool)
-            or not isinstance(self.logprobs, int)
-            or not 0 <= self.logprobs <= MAX_LOGPROBS
-        ):
-            raise TierserveError(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, int)
+                or not 0 <= value <= MAX_LOGPROBS
+            ):
+                raise TierserveError(f"{name} must be in [0, {MAX_LOGPROBS}]", name)
         if len(self.logit_bias) > MAX_LOGIT_BIAS:
             raise TierserveError(f"at most {MAX_LOGIT_BIAS} logit_bias entries", "logit_bias")
         for pair in self.logit_bias:

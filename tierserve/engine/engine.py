@@ -20,11 +20,12 @@ from tierserve.cache.tiers import HostTier
 from tierserve.cache.transfer import TransferFactory, default_transfer
 from tierserve.config import EngineArgs, ModelConfig
 from tierserve.engine.request import Request, StepOutput
-from tierserve.engine.runner import ModelRunner, Sampled
+from tierserve.engine.runner import ChunkResult, ModelRunner
 from tierserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from tierserve.engine.startup import Startup
 from tierserve.errors import TierserveError
 from tierserve.layers.attention import ATTENTION_BACKENDS
+from tierserve.layers.sampler import TokenLogprob
 from tierserve.models.loader import load_model
 from tierserve.sampling_params import SamplingParams
 from tierserve.storage.keys import Namespace, model_fingerprint
@@ -137,6 +138,7 @@ class Engine:
             stop_ids=frozenset(params.stop_token_ids)
             | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)),
             generator=generator,
+            prompt_text=prompt if isinstance(prompt, str) else None,
         )
 
     def submit(self, req: Request) -> None:
@@ -228,14 +230,15 @@ class Engine:
         outputs = [self._advance(c, t) for c, t in zip(chunks, sampled, strict=True)]
         return [o for o in outputs if o is not None]
 
-    def _advance(self, chunk: ScheduledChunk, sampled: Sampled | None) -> StepOutput | None:
+    def _advance(self, chunk: ScheduledChunk, result: ChunkResult) -> StepOutput | None:
         req = chunk.req
         self.scheduler.record_computed(req, chunk.num_tokens)
+        req.prompt_logprobs += result.prompt_logprobs
         if chunk.num_tokens > 1:  # share the prompt with requests that arrive meanwhile
             self.kv.cache_prefix(req.kv, req.all_ids)
-        if sampled is None:
+        token = result.token
+        if token is None:
             return None
-        token, logprob = sampled
         req.output_ids.append(token)
         self.scheduler.stats.num_generated_tokens += 1
         reason = self._finish_reason(req, token)
@@ -249,8 +252,15 @@ class Engine:
             prompt_tokens=len(req.prompt_ids),
             cached_tokens=req.cached_tokens or 0,
             num_preemptions=req.num_preemptions,
-            logprob=logprob,
+            logprob=result.logprob,
+            prompt_logprobs=self._prompt_logprobs(req),
         )
+
+    @staticmethod
+    def _prompt_logprobs(req: Request) -> tuple[TokenLogprob, ...] | None:
+        if req.params.prompt_logprobs is None or len(req.output_ids) != 1:
+            return None  # sent once, with the first token
+        return tuple(req.prompt_logprobs)
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         if token in req.stop_ids:

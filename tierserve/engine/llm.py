@@ -39,8 +39,8 @@ class LLM:
         builders: dict[str, OutputBuilder] = {}
         try:
             for prompt, p in zip(prompts, params_list, strict=True):
-                rid = self.engine.add_request(prompt, p)
-                builders[rid] = OutputBuilder(rid, self.tokenizer, p)
+                builder = self._submit(prompt, p)
+                builders[builder.request_id] = builder
         except Exception:
             for rid in builders:
                 self.engine.abort(rid)
@@ -56,9 +56,9 @@ class LLM:
         self, prompt: Prompt, params: SamplingParams | None = None
     ) -> Iterator[str]:
         """Yields text deltas of one prompt as its tokens are produced."""
-        params = params or SamplingParams()
-        rid = self.engine.add_request(prompt, params)
-        builders = {rid: OutputBuilder(rid, self.tokenizer, params)}
+        builder = self._submit(prompt, params or SamplingParams())
+        rid = builder.request_id
+        builders = {rid: builder}
         try:
             while True:
                 for out in self._step(builders):
@@ -68,6 +68,11 @@ class LLM:
                         return
         finally:
             self.engine.abort(rid)  # a consumer that stops early frees the request's KV
+
+    def _submit(self, prompt: Prompt, params: SamplingParams) -> OutputBuilder:
+        req = self.engine.make_request(prompt, params, None, self.engine.next_arrival())
+        self.engine.submit(req)
+        return OutputBuilder(req, self.tokenizer)
 
     def _step(self, builders: dict[str, OutputBuilder]) -> list[RequestOutput]:
         """One engine step, as outputs of the requests in `builders`; a request a stop string

@@ -16,17 +16,18 @@ from __future__ import annotations
 from typing import Any
 
 from tierserve.engine.detokenizer import IncrementalDetokenizer
-from tierserve.engine.request import RequestOutput, StepOutput
+from tierserve.engine.request import Request, RequestOutput, StepOutput
 from tierserve.layers.sampler import TokenLogprob
-from tierserve.sampling_params import SamplingParams
 
 
 class OutputBuilder:
     """One request's outputs, built from the engine's StepOutputs as they arrive."""
 
-    def __init__(self, request_id: str, tokenizer: Any, params: SamplingParams) -> None:
-        self.request_id = request_id
-        self.stops = params.stop
+    def __init__(self, req: Request, tokenizer: Any) -> None:
+        self.request_id = req.rid
+        self.prompt, self.prompt_ids = req.prompt_text, req.prompt_ids
+        self.prompt_logprobs: list[TokenLogprob] | None = None
+        self.stops = req.params.stop
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._ids: list[int] = []
@@ -41,7 +42,10 @@ class OutputBuilder:
         already finished here (the engine had not seen the abort yet)."""
         if self.finished:
             return None
+        first = not self._ids
         self._ids.append(step.token_id)
+        if step.prompt_logprobs is not None:
+            self.prompt_logprobs = list(step.prompt_logprobs)
         new_logprobs = [step.logprob] if step.logprob is not None else []
         self._logprobs += new_logprobs
         text = self._detokenizer.add(step.token_id)
@@ -57,6 +61,7 @@ class OutputBuilder:
         delta, self._held = window[:split], window[split:]
         self._parts.append(delta)
         self.finished = reason is not None
+        carries_prompt = first or self.finished
         return RequestOutput(
             request_id=self.request_id,
             new_token_ids=[step.token_id],
@@ -71,6 +76,9 @@ class OutputBuilder:
             text="".join(self._parts) if self.finished else "",
             new_logprobs=new_logprobs,
             logprobs=self._logprobs if self.finished else [],
+            prompt=self.prompt if carries_prompt else None,
+            prompt_token_ids=self.prompt_ids if carries_prompt else [],
+            prompt_logprobs=self.prompt_logprobs if carries_prompt else None,
         )
 
     def _first_stop(self, window: str) -> int | None:

@@ -33,10 +33,23 @@ class Request:
     max_computed: int = 0  # most tokens ever computed; more after a preemption is recompute
     cached_tokens: int | None = None  # prefix hit at first admission, as OpenAI reports it
     num_preemptions: int = 0
+    prompt_text: str | None = None  # the prompt as sent, when it was text
+    # Logprobs of prompt tokens 1.. as their positions are computed (prompt_logprobs asked).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
+
+    @property
+    def cacheable_ids(self) -> list[int]:
+        """The tokens a cached prefix may cover. Prompt logprobs need the logits of every
+        prompt position, which a cache hit skips: until they are all computed, only the
+        positions already scored may come from the cache."""
+        scored = len(self.prompt_logprobs)
+        if self.params.prompt_logprobs is None or scored == len(self.prompt_ids) - 1:
+            return self.all_ids
+        return self.all_ids[: scored + 1]  # `match` keeps the last token out: at most `scored`
 
     @property
     def num_computed(self) -> int:
@@ -70,6 +83,8 @@ class StepOutput:
     cached_tokens: int
     num_preemptions: int
     logprob: TokenLogprob | None = None  # when the request asks for logprobs
+    # With the first token, when the request asks for prompt logprobs: prompt tokens 1.. .
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
 
     @property
     def finished(self) -> bool:
@@ -95,3 +110,8 @@ class RequestOutput:
     text: str = ""  # the final output only
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # for new_token_ids
     logprobs: list[TokenLogprob] = field(default_factory=list)  # the final output only
+    # The first and the final output: the prompt as sent (None for token ids), its ids, and
+    # with prompt_logprobs the logprobs of its tokens after the first.
+    prompt: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None

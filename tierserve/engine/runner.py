@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
 
@@ -9,7 +11,19 @@ from tierserve.engine.scheduler import ScheduledChunk
 from tierserve.layers.attention import AttentionBackend, ForwardBatch, SeqSpan
 from tierserve.layers.sampler import TokenLogprob, sample, token_logprobs
 
-Sampled = tuple[int, TokenLogprob | None]  # a token, and its logprobs when the request asks
+# Prompt positions whose logits are materialised at once for prompt logprobs: a chunk of 8K
+# tokens over a 128K vocabulary would otherwise take 4 GB of float32 logits.
+PROMPT_LOGITS_ROWS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkResult:
+    """What one chunk produced: the sampled token when it reached its sequence's end (with its
+    logprobs when asked), and the logprobs of the prompt tokens it scored."""
+
+    token: int | None = None
+    logprob: TokenLogprob | None = None
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -23,15 +37,18 @@ class ModelRunner:
         self._page_offsets = torch.arange(page_size, device=device)
 
     @torch.inference_mode()
-    def step(self, chunks: list[ScheduledChunk]) -> list[Sampled | None]:
-        """The sampled token (and its logprobs, when asked) of each chunk that reaches its
-        sequence's end, else None."""
+    def step(self, chunks: list[ScheduledChunk]) -> list[ChunkResult]:
+        """Each chunk's result, in order."""
         batch = self._build_batch(chunks)
         self.attn.prepare(batch)
         hidden = self.model(batch.input_ids, batch.positions, self.attn)
+        results = [ChunkResult()] * len(chunks)
+        for i, c in enumerate(chunks):
+            if c.req.params.prompt_logprobs is not None:
+                results[i] = ChunkResult(prompt_logprobs=self._scored(c, batch.spans[i], hidden))
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         if not sampling:
-            return [None] * len(chunks)
+            return results
         rows = torch.tensor([batch.spans[i].q_start + chunks[i].num_tokens - 1 for i in sampling])
         logits = self.model.logits(hidden[rows.to(self.device)])
         reqs = [chunks[i].req for i in sampling]
@@ -43,9 +60,25 @@ class ModelRunner:
             found = token_logprobs(logits[asked], [tokens[j] for j in asked], ks)
             for j, lp in zip(asked, found, strict=True):
                 logprobs[j] = lp
-        out: list[Sampled | None] = [None] * len(chunks)
         for i, token, lp in zip(sampling, tokens, logprobs, strict=True):
-            out[i] = (token, lp)
+            results[i] = ChunkResult(token, lp, results[i].prompt_logprobs)
+        return results
+
+    def _scored(
+        self, chunk: ScheduledChunk, span: SeqSpan, hidden: torch.Tensor
+    ) -> list[TokenLogprob]:
+        """Logprobs of the prompt tokens this chunk's positions predict, from the first one
+        not scored yet (a recompute after preemption scores nothing twice)."""
+        req, start = chunk.req, chunk.req.num_computed
+        first = max(start, len(req.prompt_logprobs))
+        last = min(start + chunk.num_tokens, len(req.prompt_ids) - 1)
+        k = req.params.prompt_logprobs or 0
+        out: list[TokenLogprob] = []
+        for lo in range(first, last, PROMPT_LOGITS_ROWS):
+            hi = min(lo + PROMPT_LOGITS_ROWS, last)
+            rows = torch.arange(lo - start, hi - start, device=self.device) + span.q_start
+            targets = req.prompt_ids[lo + 1 : hi + 1]
+            out += token_logprobs(self.model.logits(hidden[rows]), targets, [k] * len(targets))
         return out
 
     def _build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:

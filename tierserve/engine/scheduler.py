@@ -127,8 +127,9 @@ class Scheduler:
             and len(self.running) < self.cfg.max_running_requests
         ):
             req = self.waiting[i]
-            req.kv = h = self.kv.match(req.all_ids)
-            if self.kv.wait_for_storage(req.all_ids, h, busy=bool(self.running or chunks)):
+            reusable = req.cacheable_ids
+            req.kv = h = self.kv.match(reusable)
+            if self.kv.wait_for_storage(reusable, h, busy=bool(self.running or chunks)):
                 # Its prefill is this step's work all the same: fetch for the requests that
                 # would run next, not for the whole queue (their pages would crowd the host).
                 budget -= req.num_tokens - h.computed - h.host_hit

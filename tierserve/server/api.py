@@ -25,7 +25,7 @@ from tierserve.server import choices
 from tierserve.server.async_engine import AsyncEngine, EngineDeadError
 from tierserve.server.disconnect import unless_disconnected
 from tierserve.server.guards import ApiKey, BodyLimit
-from tierserve.server.logprobs import chat_logprobs, completion_logprobs
+from tierserve.server.logprobs import chat_logprobs, completion_logprobs, join
 from tierserve.server.metrics import ServerMetrics
 from tierserve.server.protocol import (
     ChatCompletionRequest,
@@ -224,6 +224,7 @@ class Completion:
         self.engine, self.metrics, self.model, self.kind = engine, metrics, model, kind
         self.include_usage = bool(body and body.include_usage)
         self.stream = bool(body and body.stream)
+        self.echo = bool(getattr(body, "echo", False))  # completions only
         prefix = {"text_completion": "cmpl", "chat.completion": "chatcmpl"}.get(kind, "gen")
         self.id = new_id(prefix)
         self.created = now()
@@ -286,13 +287,28 @@ class Completion:
         return self.envelope(self.kind, [self.whole_choice(0, out)], usage=self._usage(out))
 
     def whole_choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
+        echo_text, echo_logprobs = self._echoed(out, index)
         if self.kind == "chat.completion":
             choice = {"index": index, "message": {"role": "assistant", "content": out.text}}
         else:
-            choice = {"index": index, "text": out.text}
-        choice["logprobs"] = self._logprobs(out.logprobs, index)
+            choice = {"index": index, "text": echo_text + out.text}
+        choice["logprobs"] = join(echo_logprobs, self._logprobs(out.logprobs, index))
         choice["finish_reason"] = out.finish_reason
         return choice
+
+    def _echoed(self, out: RequestOutput, index: int) -> tuple[str, dict[str, Any] | None]:
+        """With `echo`: the prompt's text (as sent, or its ids decoded) and its logprobs, the
+        first token's None."""
+        if not self.echo:
+            return "", None
+        tokenizer = self.engine.engine.tokenizer
+        ids = out.prompt_token_ids
+        text = out.prompt if out.prompt is not None else tokenizer.decode(ids)
+        if not self.logprobs:
+            return text, None
+        body = completion_logprobs(tokenizer, out.prompt_logprobs or [], 0, lead=ids[0])
+        self._offsets[index] = sum(map(len, body["tokens"]))
+        return text, body
 
     def _logprobs(self, lps: list[TokenLogprob], index: int) -> dict[str, Any] | None:
         if not self.logprobs:
@@ -311,14 +327,15 @@ class Completion:
     def chunk(self, out: RequestOutput, first: bool, index: int = 0) -> dict[str, Any]:
         if self.kind == "generate":
             return _native(out, self._text, self._ids)
+        echo_text, echo_logprobs = self._echoed(out, index) if first else ("", None)
         if self.kind == "chat.completion":
             delta: dict[str, Any] = {"content": out.text_delta}
             if first:
                 delta["role"] = "assistant"
             choice = {"index": index, "delta": delta}
         else:
-            choice = {"index": index, "text": out.text_delta}
-        choice["logprobs"] = self._logprobs(out.new_logprobs, index)
+            choice = {"index": index, "text": echo_text + out.text_delta}
+        choice["logprobs"] = join(echo_logprobs, self._logprobs(out.new_logprobs, index))
         choice["finish_reason"] = out.finish_reason if out.finished else None
         extra = {"usage": None} if self.include_usage else {}
         return self.envelope(self.chunk_object(), [choice], **extra)

@@ -63,7 +63,7 @@ class AsyncEngine:
         make = self.engine.make_request
         req = await asyncio.to_thread(make, prompt, params, request_id, arrival)
         outputs: asyncio.Queue = asyncio.Queue()
-        builder = OutputBuilder(req.rid, self.engine.tokenizer, req.params)
+        builder = OutputBuilder(req, self.engine.tokenizer)
         self._streams[req.rid] = Stream(asyncio.get_running_loop(), outputs, builder)
         # The loop sets `error` before it fails every registered stream: checked after
         # registering, a request either is failed by the loop or sees the error here.

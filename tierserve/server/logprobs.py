@@ -14,19 +14,39 @@ def _piece(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id])
 
 
-def completion_logprobs(tokenizer: Any, lps: list[TokenLogprob], offset: int) -> dict[str, Any]:
-    """`offset`: characters of the completion before these tokens (for `text_offset`)."""
+def completion_logprobs(
+    tokenizer: Any, lps: list[TokenLogprob], offset: int, lead: int | None = None
+) -> dict[str, Any]:
+    """`offset`: characters of the completion before these tokens (for `text_offset`).
+    `lead`: a first token that has no logprob (an echoed prompt's first), shown with None."""
     tokens = [_piece(tokenizer, lp.token_id) for lp in lps]
+    token_logprobs: list[float | None] = [lp.logprob for lp in lps]
+    top: list[dict[str, float] | None] = [
+        {_piece(tokenizer, t): v for t, v in lp.top} for lp in lps
+    ]
+    if lead is not None:
+        tokens, token_logprobs, top = (
+            [_piece(tokenizer, lead), *tokens],
+            [None, *token_logprobs],
+            [None, *top],
+        )
     offsets = []
     for token in tokens:
         offsets.append(offset)
         offset += len(token)
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in lps],
-        "top_logprobs": [{_piece(tokenizer, t): v for t, v in lp.top} for lp in lps],
+        "token_logprobs": token_logprobs,
+        "top_logprobs": top,
         "text_offset": offsets,
     }
+
+
+def join(first: dict[str, Any] | None, second: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two legacy logprobs objects as one (an echoed prompt's, then the completion's)."""
+    if first is None or second is None:
+        return first or second
+    return {key: first[key] + second[key] for key in first}
 
 
 def chat_logprobs(tokenizer: Any, lps: list[TokenLogprob]) -> dict[str, Any]:

@@ -147,10 +147,16 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: bool = False
 
+    def sampling_params(self) -> SamplingParams:
+        """With `echo` and `logprobs`, the prompt's tokens get logprobs too (lm-eval's
+        loglikelihood requests)."""
+        params = super().sampling_params()
+        if self.echo and params.logprobs is not None:
+            params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
+        return params
+
     def prompts(self) -> list[str | list[int]]:
         """One prompt, or a batch: each its own choice(s), in order."""
-        if self.echo:
-            raise TierserveError("echo is not supported", "echo")
         p = self.prompt
         batch = p if isinstance(p, list) and p and isinstance(p[0], str | list) else [p]
         if not all(isinstance(b, str) or all(isinstance(t, int) for t in b) for b in batch):
