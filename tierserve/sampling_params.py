@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 from tierserve.errors import TierserveError
 
@@ -15,6 +17,28 @@ MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "ebnf")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A grammar the output must follow: OpenAI's json_schema and json_object, SGLang's regex
+    and ebnf. `source` is the schema as JSON text, the regex, or the EBNF ("" for json_object)."""
+
+    kind: str
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise TierserveError(f"structured output must be one of {STRUCTURED_KINDS}", "kind")
+        if not isinstance(self.source, str) or (not self.source and self.kind != "json_object"):
+            raise TierserveError(f"{self.kind} must be a non-empty string", self.kind)
+
+    @classmethod
+    def json(cls, schema: dict[str, Any] | str) -> StructuredOutput:
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
 
 
 @dataclass(frozen=True)
@@ -44,6 +68,7 @@ class SamplingParams:
     # Per prompt token after the first: its log-probability and the top alternatives' (vLLM's
     # name). A cached prefix has no logits, so such a request computes its whole prompt.
     prompt_logprobs: int | None = None
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a single string the way OpenAI clients send them.
@@ -85,6 +110,9 @@ class SamplingParams:
                 f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}",
                 "stop_token_ids",
             )
+        structured = self.structured_output
+        if structured is not None and not isinstance(structured, StructuredOutput):
+            raise TierserveError("structured_output must be a StructuredOutput", "kind")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise TierserveError(f"seed must be in [0, 2**63), got {self.seed}", "seed")
 
@@ -149,13 +177,15 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Whether the sampler must look at this request's history (penalties, biases)."""
+        """Whether the sampler must look at this request's history (penalties, biases) or its
+        grammar."""
         return bool(
             self.presence_penalty
             or self.frequency_penalty
             or self.repetition_penalty != 1.0
             or self.min_tokens
             or self.logit_bias
+            or self.structured_output
         )
 
     @property

@@ -19,6 +19,7 @@ from tierserve.cache.pool import PagedKV, pages_for
 from tierserve.cache.tiers import HostTier
 from tierserve.cache.transfer import TransferFactory, default_transfer
 from tierserve.config import EngineArgs, ModelConfig
+from tierserve.engine.grammar import Grammars
 from tierserve.engine.request import Request, StepOutput
 from tierserve.engine.runner import ChunkResult, ModelRunner
 from tierserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
@@ -78,6 +79,7 @@ class Engine:
         self._arrivals = itertools.count()
         self._requests: dict[str, Request] = {}
         self._default_generator = torch.Generator().manual_seed(args.seed)
+        self.grammars = Grammars(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
 
     @staticmethod
     def vocab_size_of(model_path: str) -> int:
@@ -139,6 +141,7 @@ class Engine:
             | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)),
             generator=generator,
             prompt_text=prompt if isinstance(prompt, str) else None,
+            grammar=self.grammars.start(spec) if (spec := params.structured_output) else None,
         )
 
     def submit(self, req: Request) -> None:
@@ -240,6 +243,8 @@ class Engine:
         if token is None:
             return None
         req.output_ids.append(token)
+        if req.grammar is not None:
+            req.grammar.accept(token)
         self.scheduler.stats.num_generated_tokens += 1
         reason = self._finish_reason(req, token)
         if reason:
@@ -263,7 +268,7 @@ class Engine:
         return tuple(req.prompt_logprobs)
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
-        if token in req.stop_ids:
+        if token in req.stop_ids or (req.grammar is not None and req.grammar.ended):
             return "stop"
         if len(req.output_ids) >= req.params.max_tokens or req.num_tokens >= self.context_length:
             return "length"

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierserve.cache.manager import KVHandle
+from tierserve.engine.grammar import GrammarState
 from tierserve.layers.sampler import TokenLogprob
 from tierserve.sampling_params import SamplingParams
 
@@ -34,6 +35,7 @@ class Request:
     cached_tokens: int | None = None  # prefix hit at first admission, as OpenAI reports it
     num_preemptions: int = 0
     prompt_text: str | None = None  # the prompt as sent, when it was text
+    grammar: GrammarState | None = None  # with params.structured_output
     # Logprobs of prompt tokens 1.. as their positions are computed (prompt_logprobs asked).
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 

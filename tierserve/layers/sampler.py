@@ -35,12 +35,20 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> li
     return out
 
 
+class Constraint(Protocol):
+    """A grammar's say on the next token (engine/grammar.py)."""
+
+    def mask(self, row: torch.Tensor) -> None: ...
+
+
 class History(Protocol):
-    """What a row's penalties read: its request's tokens so far and the tokens that stop it."""
+    """What a row's adjustments read: its request's tokens so far, the tokens that stop it,
+    and its grammar if it has one."""
 
     prompt_ids: list[int]
     output_ids: list[int]
     stop_ids: frozenset[int]
+    grammar: Constraint | None
 
 
 def sample(
@@ -67,10 +75,12 @@ def sample(
 
 
 def _adjust(row: torch.Tensor, p: SamplingParams, h: History) -> None:
-    """In place, in vLLM's order: min_tokens, logit_bias, then the penalties."""
+    """In place, in vLLM's order: min_tokens, logit_bias, the penalties, then the grammar."""
     device = row.device
-    if p.min_tokens and len(h.output_ids) < p.min_tokens and h.stop_ids:
-        row[torch.tensor(sorted(h.stop_ids), device=device)] = float("-inf")
+    banned_stops = p.min_tokens and len(h.output_ids) < p.min_tokens and h.stop_ids
+    if banned_stops:
+        stops = torch.tensor(sorted(h.stop_ids), device=device)
+        row[stops] = float("-inf")
     if p.logit_bias:
         ids, bias = zip(*p.logit_bias, strict=True)
         row[torch.tensor(ids, device=device)] += torch.tensor(bias, device=device)
@@ -82,6 +92,12 @@ def _adjust(row: torch.Tensor, p: SamplingParams, h: History) -> None:
     if (p.presence_penalty or p.frequency_penalty) and h.output_ids:
         ids, counts = torch.tensor(h.output_ids, device=device).unique(return_counts=True)
         row[ids] -= counts * p.frequency_penalty + p.presence_penalty
+    if h.grammar is not None:
+        h.grammar.mask(row)
+        if banned_stops and not row.isfinite().any():
+            # The grammar is complete and wants its stop token, which min_tokens holds back:
+            # the grammar wins, or no token would be left to sample.
+            row[stops] = 0.0
 
 
 def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
 
 from tierserve.errors import TierserveError
-from tierserve.sampling_params import SamplingParams
+from tierserve.sampling_params import SamplingParams, StructuredOutput
 
 MAX_CHOICES = 128  # prompts × n in one request: bounded work per request
 
@@ -23,7 +23,6 @@ MAX_CHOICES = 128  # prompts × n in one request: bounded work per request
 # unknown fields (metadata, store, extras) are ignored, as OpenAI-compatible servers do.
 UNSUPPORTED_FIELDS = frozenset(
     {
-        "response_format",
         "best_of",
         "suffix",
         "tools",
@@ -86,8 +85,22 @@ class SamplingKnobs(TextBody):
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
+    regex: str | None = None  # SGLang's structured output beside OpenAI's response_format
+    ebnf: str | None = None
 
-    def _params(self, max_tokens: int | None) -> SamplingParams:
+    def _structured(self, given: StructuredOutput | None) -> StructuredOutput | None:
+        """At most one grammar: `given` (the route's own field) or SGLang's regex or ebnf."""
+        named = {"regex": self.regex, "ebnf": self.ebnf}
+        grammars = [given] if given is not None else []
+        grammars += [StructuredOutput(kind, src) for kind, src in named.items() if src is not None]
+        if len(grammars) > 1:
+            kinds = " and ".join(g.kind for g in grammars)
+            raise TierserveError(f"give one structured output, not {kinds}", grammars[1].kind)
+        return grammars[0] if grammars else None
+
+    def _params(
+        self, max_tokens: int | None, structured: StructuredOutput | None = None
+    ) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
@@ -103,7 +116,33 @@ class SamplingKnobs(TextBody):
             repetition_penalty=self.repetition_penalty,
             min_tokens=self.min_tokens,
             logit_bias=self.logit_bias or (),
+            structured_output=self._structured(structured),
         )
+
+
+class JsonSchema(BaseModel):
+    """OpenAI's `response_format.json_schema`: the schema and its name (strict is implied:
+    the output always follows the schema)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchema | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        if self.type == "json_object":
+            return StructuredOutput("json_object")
+        if self.type == "json_schema":
+            if self.json_schema is None:
+                raise TierserveError("json_schema needs its schema", "response_format")
+            return StructuredOutput.json(self.json_schema.schema_)
+        return None
 
 
 class SamplingFields(SamplingKnobs):
@@ -116,11 +155,14 @@ class SamplingFields(SamplingKnobs):
     logprobs: Any = None
     top_logprobs: int | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
 
     def sampling_params(self) -> SamplingParams:
         """Without max_tokens a request may run to the end of the context, as in OpenAI."""
         self._refuse_unsupported()
-        return dataclasses.replace(self._params(self.max_tokens), logprobs=self.logprobs_count())
+        structured = self.response_format.structured() if self.response_format else None
+        params = self._params(self.max_tokens, structured)
+        return dataclasses.replace(params, logprobs=self.logprobs_count())
 
     def logprobs_count(self) -> int | None:
         """Completions: `logprobs` is how many alternatives (0: the sampled token's only)."""
@@ -221,12 +263,15 @@ class NativeSamplingParams(SamplingKnobs):
 
     max_new_tokens: int | None = None  # SGLang's name for max_tokens; default 128 as SGLang
     min_new_tokens: int | None = None  # SGLang's name for min_tokens
+    json_schema: str | None = None  # SGLang's: the schema as JSON text
 
     def to_params(self) -> SamplingParams:
         limit = self.max_new_tokens if self.max_new_tokens is not None else self.max_tokens
         if self.min_new_tokens is not None:
             self.min_tokens = self.min_new_tokens
-        return self._params(limit if limit is not None else 128)
+        schema = self.json_schema
+        schema = StructuredOutput("json_schema", schema) if schema is not None else None
+        return self._params(limit if limit is not None else 128, schema)
 
 
 class GenerateRequest(TextBody):

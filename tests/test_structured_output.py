@@ -1,0 +1,165 @@
+"""Structured output through xgrammar: sampled outputs of the demo model (temperature 1) all
+follow their JSON schema or regex; OpenAI's response_format and SGLang's regex / ebnf /
+json_schema through a real server with the official client, streamed and not; a grammar that
+does not compile is a 400 with the field's name."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pytest
+import torch
+
+import tierserve
+from tierserve import LLM, SamplingParams, TierserveError
+from tierserve.sampling_params import StructuredOutput
+
+DEMO_DIR = Path(tierserve.__file__).parent / "demo_model"
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pets": {"type": "array", "items": {"enum": ["cat", "dog", "fish"]}, "maxItems": 3},
+        "city": {"type": ["string", "null"], "maxLength": 12},
+    },
+    "required": ["name", "age", "pets"],
+    "additionalProperties": False,
+}
+CODE = r"[a-z]{2,5}-[0-9]{3}( (ok|fail))?"
+
+
+@pytest.fixture(scope="module")
+def demo() -> LLM:
+    return LLM(str(DEMO_DIR))
+
+
+def sampled(llm: LLM, prompt: str, spec: StructuredOutput, n: int, max_tokens: int) -> list:
+    params = [
+        SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=s, structured_output=spec)
+        for s in range(n)
+    ]
+    return llm.generate([prompt] * n, params)
+
+
+def test_hundred_sampled_json_outputs_follow_their_schema(demo):
+    outs = sampled(demo, "the king said", StructuredOutput.json(PERSON), 100, 160)
+    for out in outs:
+        assert out.finish_reason == "stop", out.text
+        jsonschema.validate(json.loads(out.text), PERSON)
+    assert len({out.text for out in outs}) > 50  # sampled, not one forced string
+
+
+def test_hundred_sampled_regex_outputs_match(demo):
+    outs = sampled(demo, "the code is", StructuredOutput("regex", CODE), 100, 40)
+    assert all(re.fullmatch(CODE, out.text) for out in outs), [o.text for o in outs]
+    assert all(out.finish_reason == "stop" for out in outs)
+    assert len({out.text for out in outs}) > 50
+
+
+def test_the_grammar_ends_the_request_even_against_min_tokens(demo):
+    """min_tokens holds the stop token back, but a grammar that is complete allows nothing
+    else: the grammar wins."""
+    spec = StructuredOutput("regex", "yes|no")
+    out = demo.generate("well", SamplingParams(max_tokens=20, min_tokens=10, structured_output=spec))
+    assert out[0].text in ("yes", "no") and out[0].finish_reason == "stop"
+
+
+def test_a_bounded_json_string_refuses_raw_control_characters(demo):
+    """xgrammar lets them into strings with a maxLength; tierserve's grammar does not, so
+    json.loads never meets one."""
+    tokenizer = demo.tokenizer
+    quote, letter = (tokenizer.convert_tokens_to_ids(t) for t in ('"', "a"))
+    control = tokenizer.convert_tokens_to_ids("Ė")  # the byte-level token of byte 0x16
+    state = demo.engine.grammars.start(StructuredOutput.json({"type": "string", "maxLength": 5}))
+    state.accept(quote)
+    row = torch.zeros(demo.engine.model_config.vocab_size)
+    state.mask(row)
+    assert row[letter] == 0 and row[control] == float("-inf")
+
+
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (StructuredOutput("regex", "[a-"), "regex"),
+        (StructuredOutput("ebnf", "root ::= missing"), "ebnf"),
+        (StructuredOutput("json_schema", '{"type": "nonsense"}'), "json_schema"),
+        (StructuredOutput("json_schema", "{not json"), "json_schema"),
+    ],
+)
+def test_a_grammar_that_does_not_compile_is_refused(demo, spec, field):
+    with pytest.raises(TierserveError) as err:
+        demo.generate("hi", SamplingParams(structured_output=spec))
+    assert err.value.field == field and "does not compile" in err.value.message
+
+
+def test_an_empty_grammar_is_refused():
+    with pytest.raises(TierserveError) as err:
+        StructuredOutput("regex", "")
+    assert err.value.field == "regex"
+
+
+# --- through a real server -------------------------------------------------------------------
+
+
+def test_response_format_json_schema_streamed_and_not(llama_dir, client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    kw = dict(
+        model=llama_dir.name,
+        messages=[{"role": "user", "content": "a person"}],
+        max_tokens=200,
+        temperature=1.0,
+        response_format=fmt,
+    )
+    for seed in range(3):
+        whole = client.chat.completions.create(seed=seed, **kw).choices[0].message.content
+        jsonschema.validate(json.loads(whole), PERSON)
+        chunks = client.chat.completions.create(seed=seed, stream=True, **kw)
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        assert text == whole
+
+
+def test_response_format_json_object_in_completions(llama_dir, client):
+    got = client.completions.create(
+        model=llama_dir.name,
+        prompt="json:",
+        max_tokens=120,
+        temperature=0.7,
+        seed=1,
+        extra_body={"response_format": {"type": "json_object"}},
+    )
+    assert isinstance(json.loads(got.choices[0].text), dict)
+
+
+def test_sglang_regex_ebnf_and_json_schema_in_generate(server):
+    def generate(**sampling) -> dict:
+        body = {"text": "go", "sampling_params": {"max_new_tokens": 60, **sampling}}
+        r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    assert re.fullmatch(CODE, generate(regex=CODE)["text"])
+    ebnf = 'root ::= "(" item (", " item)* ")"\nitem ::= [0-9] | "x"'
+    assert re.fullmatch(r"\(([0-9x])(, [0-9x])*\)", generate(ebnf=ebnf, temperature=1.0)["text"])
+    out = generate(json_schema=json.dumps(PERSON), max_new_tokens=200, temperature=1.0)
+    jsonschema.validate(json.loads(out["text"]), PERSON)
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"regex": "[a-"},
+        {"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "x"}}}},
+        {"response_format": {"type": "json_schema"}},
+        {"response_format": {"type": "json_object"}, "regex": "a+"},
+        {"response_format": {"type": "yaml"}},
+    ],
+)
+def test_bad_structured_requests_are_400s(llama_dir, client, extra):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=llama_dir.name, prompt="x", max_tokens=4, extra_body=extra)
