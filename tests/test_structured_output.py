@@ -66,7 +66,8 @@ def test_the_grammar_ends_the_request_even_against_min_tokens(demo):
     """min_tokens holds the stop token back, but a grammar that is complete allows nothing
     else: the grammar wins."""
     spec = StructuredOutput("regex", "yes|no")
-    out = demo.generate("well", SamplingParams(max_tokens=20, min_tokens=10, structured_output=spec))
+    params = SamplingParams(max_tokens=20, min_tokens=10, structured_output=spec)
+    out = demo.generate("well", params)
     assert out[0].text in ("yes", "no") and out[0].finish_reason == "stop"
 
 
