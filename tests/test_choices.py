@@ -79,9 +79,7 @@ def test_chat_takes_n(client, llama_dir):
     assert got.usage.completion_tokens == 15
 
 
-@pytest.mark.parametrize(
-    "kw", [{"n": 0}, {"n": 129}, {"n": 64, "prompt": ["a", "b", "c"]}]
-)
+@pytest.mark.parametrize("kw", [{"n": 0}, {"n": 129}, {"n": 64, "prompt": ["a", "b", "c"]}])
 def test_too_many_choices_are_refused(client, llama_dir, kw):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(
