@@ -5,12 +5,11 @@
 from __future__ import annotations
 
 import httpx
-import openai
 import pytest
 import torch
 import transformers
 
-from tests.conftest import Server, random_prompts
+from tests.conftest import random_prompts
 from tierserve import LLM, SamplingParams, TierserveError
 
 EOS = 1
@@ -122,32 +121,27 @@ def test_bad_penalties_are_refused_naming_the_field(kw, field):
     assert err.value.field == field
 
 
-def test_the_server_takes_penalties_streamed_and_not(llama_dir, llm):
+def test_the_server_takes_penalties_streamed_and_not(llama_dir, llm, server, client):
     prompt = PROMPTS[1]
     extra = {"repetition_penalty": 1.2, "min_tokens": 3, "ignore_eos": True}
     common = dict(max_tokens=12, temperature=0, presence_penalty=0.5, frequency_penalty=0.4,
                   logit_bias={"7": 3.0})  # fmt: skip
     params = SamplingParams(**{**common, **extra, "logit_bias": {7: 3.0}})
     expected = llm.generate(prompt, params)[0].text
-    s = Server(llama_dir, "--max-total-tokens", "4096")
-    try:
-        c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
-        model = llama_dir.name
-        whole = c.completions.create(model=model, prompt=prompt, extra_body=extra, **common)
-        assert whole.choices[0].text == expected
-        chunks = c.completions.create(
-            model=model, prompt=prompt, extra_body=extra, stream=True, **common
-        )
-        assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == expected
-        native = {
-            "input_ids": prompt,
-            "sampling_params": {
-                "max_new_tokens": 12, "temperature": 0, "presence_penalty": 0.5,
-                "frequency_penalty": 0.4, "repetition_penalty": 1.2, "min_new_tokens": 3,
-                "logit_bias": {"7": 3.0}, "ignore_eos": True,
-            },
-        }  # fmt: skip
-        reply = httpx.post(f"{s.url}/generate", json=native, timeout=60)
-        assert reply.status_code == 200 and reply.json()["text"] == expected
-    finally:
-        s.stop()
+    model = llama_dir.name
+    whole = client.completions.create(model=model, prompt=prompt, extra_body=extra, **common)
+    assert whole.choices[0].text == expected
+    chunks = client.completions.create(
+        model=model, prompt=prompt, extra_body=extra, stream=True, **common
+    )
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == expected
+    native = {
+        "input_ids": prompt,
+        "sampling_params": {
+            "max_new_tokens": 12, "temperature": 0, "presence_penalty": 0.5,
+            "frequency_penalty": 0.4, "repetition_penalty": 1.2, "min_new_tokens": 3,
+            "logit_bias": {"7": 3.0}, "ignore_eos": True,
+        },
+    }  # fmt: skip
+    reply = httpx.post(f"{server.url}/generate", json=native, timeout=60)
+    assert reply.status_code == 200 and reply.json()["text"] == expected

@@ -137,6 +137,14 @@ def test_response_format_json_object_in_completions(llama_dir, client):
     assert isinstance(json.loads(got.choices[0].text), dict)
 
 
+def test_regex_in_completions_streamed_and_not(llama_dir, client):
+    kw = dict(model=llama_dir.name, prompt="code:", max_tokens=30, temperature=1.0, seed=4)
+    whole = client.completions.create(extra_body={"regex": CODE}, **kw).choices[0]
+    assert re.fullmatch(CODE, whole.text) and whole.finish_reason == "stop"
+    chunks = client.completions.create(extra_body={"regex": CODE}, stream=True, **kw)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.text
+
+
 def test_sglang_regex_ebnf_and_json_schema_in_generate(server):
     def generate(**sampling) -> dict:
         body = {"text": "go", "sampling_params": {"max_new_tokens": 60, **sampling}}
