@@ -141,6 +141,22 @@ class EngineArgs:
         default="torch", metadata=_flag("attention kernel backend", choices=["torch"])
     )
     seed: int = field(default=0, metadata=_flag("seed for requests that do not give their own"))
+    tp_size: int = field(
+        default=1,
+        metadata=_flag(
+            "tensor-parallel ranks (one process each; gloo on CPU, NCCL on CUDA)",
+            aliases=["--tp"],
+        ),
+    )
+    nnodes: int = field(default=1, metadata=_flag("nodes the --tp-size ranks span (as SGLang)"))
+    node_rank: int = field(default=0, metadata=_flag("this node's index among --nnodes"))
+    dist_init_addr: str | None = field(
+        default=None,
+        metadata=_flag(
+            "HOST:PORT of node 0 where the ranks meet (default: 127.0.0.1 and a free port, "
+            "one node only)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto":
@@ -194,11 +210,34 @@ class EngineArgs:
                 f"{flag} sizes the host tier, which is off: add --enable-hierarchical-cache",
                 field=given[0],
             )
+        self._check_distributed()
         if not 0.0 < self.mem_fraction_static < 1.0:
             raise TierserveError(
                 f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}",
                 field="mem_fraction_static",
             )
+
+    def _check_distributed(self) -> None:
+        for name in ("tp_size", "nnodes"):
+            if getattr(self, name) <= 0:
+                raise TierserveError(f"{name} must be > 0, got {getattr(self, name)}", name)
+        if self.tp_size % self.nnodes:
+            message = f"tp_size {self.tp_size} does not split evenly over {self.nnodes} nodes"
+            raise TierserveError(message, "nnodes")
+        if not 0 <= self.node_rank < self.nnodes:
+            message = f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}"
+            raise TierserveError(message, "node_rank")
+        if self.tp_size > 1 and self.hicache_storage_backend is not None:
+            message = "the storage tier does not run with --tp-size > 1 yet"
+            raise TierserveError(message, "hicache_storage_backend")
+        if self.nnodes > 1 and self.dist_init_addr is None:
+            message = "several nodes meet at --dist-init-addr HOST:PORT (node 0's address)"
+            raise TierserveError(message, "dist_init_addr")
+
+    @property
+    def local_ranks(self) -> int:
+        """Ranks on this node: they share its host RAM."""
+        return self.tp_size // self.nnodes
 
     @classmethod
     def from_kwargs(cls, model: str | None, **kwargs: Any) -> EngineArgs:

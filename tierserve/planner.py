@@ -614,10 +614,12 @@ def launch_flags(plan: Plan) -> LaunchFlags:
 
 
 def _tierserve_flags(plan: Plan, host: HostSizing | None, frac: str) -> str:
-    # Only flags `tierserve serve` has today (no --tp yet: one GPU per server). Its page size
-    # and KV dtype always, since its defaults (16 tokens, the model's dtype) differ from the plan's.
+    # Only flags `tierserve serve` has (tensor parallelism; no pipeline or data parallelism).
+    # Its page size and KV dtype always, since its defaults (16 tokens, the model's dtype)
+    # differ from the plan's.
     inputs = plan.inputs
-    flags = f"--mem-fraction-static {frac}"
+    flags = f"--tp-size {inputs.tp} " if inputs.tp > 1 else ""
+    flags += f"--mem-fraction-static {frac}"
     if inputs.device_tokens_per_rank is not None:
         flags += f" --max-total-tokens {inputs.device_tokens_per_rank}"
     flags += f" --page-size {inputs.page_size}" + _kv_dtype_flag(plan, "fp8_e4m3")

@@ -88,6 +88,9 @@ def run(ns: argparse.Namespace) -> int:
     if ns.dry_run:
         return dry_run(args)
     engine = Engine(args)  # raises TierserveError (exit 2) before anything listens
+    if engine.ranks is not None and not engine.ranks.leader:
+        engine.follow()  # another node's first rank: rank 0 serves HTTP
+        return 0
     name = served_model_name(args, ns.served_model_name)
     limits = ServerLimits(ns.api_key or None, ns.max_queued_requests, ns.body_timeout)
     async_engine = AsyncEngine(engine)

@@ -1,13 +1,13 @@
 """Start-up sizing of the host tier, with the planner's arithmetic, checked before allocating.
 
 The check is on the node total of every local rank, never on one rank alone (SGLang's trap:
-each rank checks free RAM by itself, and 8 × 300 GB hung a 449 GB machine). `node_total` is the
-hook through which tensor parallelism will sum the ranks' requests; one process is one rank.
+each rank checks free RAM by itself, and 8 × 300 GB hung a 449 GB machine). With tensor
+parallelism rank 0 sizes for all of the node's ranks at once and every rank takes its sizes
+(distributed/ranks.py), so the node is checked once, by one process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import psutil
@@ -39,51 +39,54 @@ def _size(text: str, field: str) -> int:
     return size
 
 
-def single_rank_total(bytes_per_rank: int) -> list[int]:
-    return [bytes_per_rank]
-
-
 def size_host_tier(
     args: EngineArgs,
     spec: KVSpec,
     device_tokens: int,
     overhead: int,
     available: int | None = None,
-    node_total: Callable[[int], list[int]] = single_rank_total,
 ) -> HostSizing:
     """The host tier for this rank; raises with the arithmetic when the node would not fit."""
     budget = HostBudget(
         available=psutil.virtual_memory().available if available is None else available,
         overhead=overhead,
         margin=DEFAULT_MARGIN,
-        local_ranks=1,
+        local_ranks=args.local_ranks,
     )
     request = host_request(args)
     sizing = size_host_cache(spec.bytes_per_token, device_tokens, request, budget, spec.page_size)
-    requested = sum(node_total(sizing.bytes_per_rank))
+    requested = sizing.bytes_per_node
     if requested > budget.usable or sizing.tokens_per_rank < args.page_size:
         raise TierserveError(refusal(sizing, budget, requested), field="hicache_size")
     return sizing
 
 
-def check_cpu_ram(plan: KVPlan, weight_bytes: int, available: int | None = None) -> None:
+def check_cpu_ram(
+    plan: KVPlan, weight_bytes: int, available: int | None = None, local_ranks: int = 1
+) -> None:
     """On CPU the "device" pool, its decode workspace and the weights are RAM: refuse, with the
-    arithmetic and the largest pool that fits, what would fail in an allocation later."""
+    arithmetic and the largest pool that fits, what would fail in an allocation later. Each
+    local rank has its own pool and workspace; the weights are split among them."""
     available = psutil.virtual_memory().available if available is None else available
     usable = available - DEFAULT_MARGIN
-    need = plan.device_bytes + plan.workspace_bytes + weight_bytes
+    need = (plan.device_bytes + plan.workspace_bytes) * local_ranks + weight_bytes
     if need <= usable:
         return
-    per_token = (plan.device_bytes + plan.workspace_bytes) // plan.device_tokens
+    per_token = (plan.device_bytes + plan.workspace_bytes) * local_ranks // plan.device_tokens
     room = max(0, (usable - weight_bytes) // per_token // plan.spec.page_size * plan.spec.page_size)
     raise TierserveError(
         f"the device KV pool does not fit in RAM: {format_count(plan.device_tokens)} tokens × "
-        f"{format_bytes(per_token)} (pool + decode workspace) + {format_gb(weight_bytes)} "
+        f"{format_bytes(per_token)} (pool + decode workspace{_of_ranks(local_ranks)}) + "
+        f"{format_gb(weight_bytes)} "
         f"weights = {format_gb(need)} > {format_gb(available)} available − "
         f"{format_gb(DEFAULT_MARGIN)} margin = {format_gb(usable)}: use --max-total-tokens "
         f"{room} or less",
         field="max_total_tokens",
     )
+
+
+def _of_ranks(local_ranks: int) -> str:
+    return f", {local_ranks} local ranks" if local_ranks > 1 else ""
 
 
 def refusal(sizing: HostSizing, budget: HostBudget, requested: int) -> str:

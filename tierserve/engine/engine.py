@@ -19,6 +19,8 @@ from tierserve.cache.pool import PagedKV, pages_for
 from tierserve.cache.tiers import HostTier
 from tierserve.cache.transfer import TransferFactory, default_transfer
 from tierserve.config import EngineArgs, ModelConfig
+from tierserve.distributed.bus import AbortRequest, AddRequest, Command, FlushCache
+from tierserve.distributed.ranks import Ranks
 from tierserve.engine.grammar import Grammars
 from tierserve.engine.request import Request, StepOutput
 from tierserve.engine.runner import ChunkResult, ModelRunner
@@ -52,8 +54,11 @@ def load_tokenizer(path: str) -> Any:  # a transformers PreTrainedTokenizerBase
 class Engine:
     def __init__(self, args: EngineArgs, transfer: TransferFactory = default_transfer) -> None:
         self.args = args
-        # Every size decided, and checked, before weights or KV take any memory.
-        self.startup = startup = Startup.from_args(args)
+        # Tensor parallelism: every rank joins here; rank 0 decides every size, and checks it
+        # for the whole node, before any rank's weights or KV take memory.
+        self.ranks = Ranks.start(args) if args.tp_size > 1 else None
+        decide = lambda: Startup.from_args(args)  # noqa: E731
+        self.startup = startup = self.ranks.agree(decide) if self.ranks else decide()
         cfg, self.device, self.dtype = startup.config, startup.device, startup.dtype
         self.model_config, self.context_length = cfg, startup.context_length
         self.kv_plan = plan = startup.plan
@@ -149,6 +154,7 @@ class Engine:
             raise TierserveError(f"request id {req.rid!r} is already in flight", "request_id")
         self._requests[req.rid] = req
         self.scheduler.add(req)
+        self._announce(AddRequest(req.rid, req.arrival, req.prompt_ids, req.params))
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -209,6 +215,7 @@ class Engine:
         req = self._requests.pop(request_id, None)
         if req is not None and not req.finished:
             self.scheduler.finish(req, "abort")
+            self._announce(AbortRequest(request_id))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -216,7 +223,13 @@ class Engine:
     # --- the loop --------------------------------------------------------------------------
 
     def step(self) -> list[StepOutput]:
-        """Run one batch; returns the token of every request that sampled one."""
+        """Run one batch; returns the token of every request that sampled one. With tensor
+        parallelism rank 0 first tells the other ranks what arrived since the last step."""
+        if self.ranks is not None:
+            self.ranks.bus.exchange(step=True)
+        return self._step()
+
+    def _step(self) -> list[StepOutput]:
         chunks = self.scheduler.schedule()
         if not chunks:
             if self.storage is not None and self.scheduler.waited_for_storage:
@@ -279,11 +292,46 @@ class Engine:
 
     def close(self, write_timeout_s: float = 5.0) -> None:
         """Let queued storage writes finish (bounded: a restarted server finds them), then
-        release the store's client."""
+        release the store's client; rank 0 stops the other ranks."""
         if self.storage is not None:
             self.storage.flush_writes(write_timeout_s)
             self.storage.close()
+        if self.ranks is not None:
+            if self.ranks.leader:
+                self.ranks.bus.exchange(stop=True)
+            self.ranks.close()
+            self.ranks = None
 
     def flush_cache(self) -> dict[str, int | str]:
         """Pages dropped per tier (device, host) and what storage did (nothing)."""
+        self._announce(FlushCache())
         return self.kv.flush()
+
+    # --- tensor parallelism: ranks other than 0 -----------------------------------------------
+
+    def _announce(self, command: Command) -> None:
+        if self.ranks is not None:
+            self.ranks.bus.post(command)
+
+    def follow(self) -> None:
+        """A rank other than 0: apply what rank 0 announces and step when it steps, until it
+        says stop."""
+        assert self.ranks is not None and not self.ranks.leader
+        while True:
+            message = self.ranks.bus.exchange()
+            for command in message.commands:
+                self._apply(command)
+            if message.stop:
+                break
+            if message.step:
+                self._step()
+        self.close()
+
+    def _apply(self, command: Command) -> None:
+        if isinstance(command, AddRequest):
+            c = command
+            self.submit(self.make_request(c.prompt_ids, c.params, c.rid, c.arrival))
+        elif isinstance(command, AbortRequest):
+            self.abort(command.rid)
+        else:
+            self.kv.flush()

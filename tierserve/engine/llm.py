@@ -27,6 +27,16 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
+    def close(self) -> None:
+        """Stop the tensor-parallel ranks (and the storage tier's writers); idempotent."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

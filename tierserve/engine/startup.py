@@ -64,7 +64,7 @@ class Startup:
         dtype = resolve_dtype(args.dtype, cfg, device)
         model_dtype = str(dtype).removeprefix("torch.")
         kv_dtype = model_dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-        spec = KVSpec.from_model(cfg, kv_dtype, args.page_size)
+        spec = KVSpec.from_model(cfg, kv_dtype, args.page_size, tp=args.tp_size)
         numel = checkpoint_numel(model_path, cfg.num_layers)  # MTP layers past them skipped
         weight_bytes = numel * dtype.itemsize + _fp32_extra(cfg, dtype.itemsize)
         storage = _storage_config(args)
@@ -121,7 +121,7 @@ def _kv_plan(
     workspace = workspace if on_cpu else 0
     plan = KVPlan(spec, device_tokens, None, args.hicache_write_policy, workspace)
     if on_cpu:
-        check_cpu_ram(plan, weight_bytes)
+        check_cpu_ram(plan, weight_bytes, local_ranks=args.local_ranks)
     host = None
     if args.enable_hierarchical_cache:
         if args.disable_radix_cache:
@@ -131,7 +131,8 @@ def _kv_plan(
             )
         # On CPU the weights, the "device" pool and the workspace are host RAM too; a store's
         # client (Mooncake's segment and buffer) is host RAM on any device.
-        overhead = device_tokens * spec.bytes_per_token + weight_bytes + workspace
+        overhead = (device_tokens * spec.bytes_per_token + workspace) * args.local_ranks
+        overhead += weight_bytes  # split among the node's ranks (tensor parallelism)
         store = 0
         if storage is not None:  # the client's RAM, and the tier's own write and fetch buffers
             store = backend_class(storage.backend).ram_bytes(storage.extra)

@@ -24,6 +24,7 @@ from torch import nn
 
 from tierserve.layers.batch import causal_mask
 from tierserve.layers.norm import RMSNorm
+from tierserve.layers.parallel import ColumnParallelLinear, RowParallelLinear, shard_size, tp_group
 from tierserve.layers.rotary import yarn_mscale
 
 
@@ -68,17 +69,19 @@ class MLA(nn.Module):
         super().__init__()
         self.cfg = cfg
         h, heads, qk = cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        # With TP a rank runs a slice of the heads; the latent (kv_a) is every rank's whole.
+        self.num_heads = shard_size(heads, tp_group().size, "num_attention_heads")
         if cfg.q_lora_rank:
             self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-            self.q_b_proj = nn.Linear(cfg.q_lora_rank, heads * qk, bias=False)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * qk, bias=False)
         else:
-            self.q_proj = nn.Linear(h, heads * qk, bias=False)
+            self.q_proj = ColumnParallelLinear(h, heads * qk, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         out = cfg.qk_nope_head_dim + cfg.v_head_dim
-        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, heads * out, bias=False)
-        self.o_proj = nn.Linear(heads * cfg.v_head_dim, h, bias=False)
+        self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, heads * out, bias=False)
+        self.o_proj = RowParallelLinear(heads * cfg.v_head_dim, h, bias=False)
 
     # --- what goes in --------------------------------------------------------------------------
 
@@ -91,7 +94,7 @@ class MLA(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         else:
             q = self.q_proj(x)
-        q = q.view(len(x), cfg.num_heads, -1)
+        q = q.view(len(x), self.num_heads, -1)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
         return q_nope, rotate(q_rope, cos, sin, cfg.interleave)
 
@@ -107,7 +110,7 @@ class MLA(nn.Module):
     def _up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj as [heads, nope, rank] (keys) and [heads, v, rank] (values)."""
         cfg = self.cfg
-        w = self.kv_b_proj.weight.view(cfg.num_heads, -1, cfg.kv_lora_rank)
+        w = self.kv_b_proj.weight.view(self.num_heads, -1, cfg.kv_lora_rank)
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
 
     # --- the two forms -------------------------------------------------------------------------
@@ -134,9 +137,9 @@ class MLA(nn.Module):
         attend), None for causal with queries at the end of the context."""
         cfg = self.cfg
         c_kv, k_rope, mask = self._context(latent, len(q_nope), mask)
-        kv = self.kv_b_proj(c_kv).view(len(c_kv), cfg.num_heads, -1).transpose(0, 1)
+        kv = self.kv_b_proj(c_kv).view(len(c_kv), self.num_heads, -1).transpose(0, 1)
         k_nope, v = kv.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=-1)
-        k = torch.cat([k_nope, k_rope.expand(cfg.num_heads, -1, -1)], dim=-1)
+        k = torch.cat([k_nope, k_rope.expand(self.num_heads, -1, -1)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1)  # [heads, queries, qk]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=cfg.scaling)
         return out.transpose(0, 1)

@@ -21,6 +21,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierserve.layers.mlp import GatedMLP
+from tierserve.layers.parallel import all_reduce, mark_shard, shard_size, tp_group
+
 
 @dataclass(frozen=True)
 class MoEConfig:
@@ -85,13 +88,19 @@ class TopKRouter(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts' gated MLPs, stacked."""
+    """The routed experts' gated MLPs, stacked. With TP each rank holds a slice of every
+    expert's intermediate features (SGLang's default, not expert parallelism): gate and up
+    column-wise, down row-wise; the caller sums the ranks' partial outputs."""
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
-        e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        tp = tp_group()
+        e, h = cfg.num_experts, cfg.hidden_size
+        i = shard_size(cfg.moe_intermediate_size, tp.size, "moe_intermediate_size")
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        mark_shard(self, "gate_up_proj", -2, tp.rank)  # of each expert's gate and up, loaded apart
+        mark_shard(self, "down_proj", -1, tp.rank)
 
     def forward(
         self, x: torch.Tensor, indices: torch.Tensor, weights: torch.Tensor
@@ -116,29 +125,18 @@ class Experts(nn.Module):
         return out
 
 
-class SharedExperts(nn.Module):
-    def __init__(self, hidden: int, intermediate: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class MoE(nn.Module):
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
         self.gate = TopKRouter(cfg)
         self.experts = Experts(cfg)
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
-        self.shared_experts = SharedExperts(cfg.hidden_size, shared) if shared else None
+        self.shared_experts = GatedMLP(cfg.hidden_size, shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[tokens, hidden] → [tokens, hidden]."""
         weights, indices = self.gate(x)
-        out = self.experts(x, indices, weights)
+        out = all_reduce(self.experts(x, indices, weights))
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -15,6 +15,7 @@ from torch import nn
 from tierserve.config import ModelConfig
 from tierserve.layers.attention import AttentionBackend
 from tierserve.layers.norm import RMSNorm
+from tierserve.layers.parallel import ParallelLMHead, VocabParallelEmbedding
 from tierserve.layers.rotary import RotaryEmbedding, rotary_for
 
 
@@ -37,7 +38,7 @@ class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, family: type[CausalLM]) -> None:
         super().__init__()
         self.rotary = rotary_for(cfg)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, *family.layer_parts(cfg, i, self.rotary))
             for i in range(cfg.num_layers)
@@ -58,7 +59,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, type(self))
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

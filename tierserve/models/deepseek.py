@@ -16,10 +16,10 @@ from torch import nn
 from tierserve.config import ModelConfig
 from tierserve.layers.attention import AttentionBackend
 from tierserve.layers.mla import MLA, MLAConfig, softmax_scale
+from tierserve.layers.mlp import GatedMLP
 from tierserve.layers.moe import MoE, MoEConfig
 from tierserve.layers.rotary import RotaryEmbedding
 from tierserve.models.decoder import CausalLM
-from tierserve.models.llama import LlamaMLP
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
@@ -81,7 +81,7 @@ class DeepseekForCausalLM(CausalLM):
         cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding
     ) -> tuple[nn.Module, nn.Module]:
         moe = cfg.moe is not None and cfg.moe.is_moe_layer(layer_id)
-        mlp = MoE(moe_config(cfg)) if moe else LlamaMLP(cfg)
+        mlp = MoE(moe_config(cfg)) if moe else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         return DeepseekAttention(mla_config(cfg), layer_id, rotary), mlp
 
     def checkpoint_target(self, name: str) -> tuple[str, tuple[int | slice, ...]] | None:
@@ -93,7 +93,6 @@ class DeepseekForCausalLM(CausalLM):
         prefix, expert, proj = match[1], int(match[2]), match[3]
         if proj == "down":
             return f"{prefix}.down_proj", (expert,)
-        moe = self.config.moe
-        inter = moe.moe_intermediate_size if moe else 0
+        inter = self.get_parameter(f"{prefix}.gate_up_proj").shape[1] // 2  # this rank's
         half = slice(0, inter) if proj == "gate" else slice(inter, 2 * inter)
         return f"{prefix}.gate_up_proj", (expert, half)

@@ -6,12 +6,13 @@ The family's attention and MLP; the layer stack, embeddings and LM head are mode
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tierserve.config import ModelConfig
 from tierserve.layers.attention import AttentionBackend
+from tierserve.layers.mlp import GatedMLP
 from tierserve.layers.norm import RMSNorm
+from tierserve.layers.parallel import ColumnParallelLinear, RowParallelLinear, shard_size, tp_group
 from tierserve.layers.rotary import RotaryEmbedding
 from tierserve.models.decoder import CausalLM
 
@@ -20,16 +21,18 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-        )
+        # This rank's heads: a slice of the query heads, and of the KV heads or, when there
+        # are more ranks than KV heads, the one KV head its query heads read (replicated).
+        tp, hidden, dim = tp_group().size, cfg.hidden_size, cfg.head_dim
+        self.num_heads = shard_size(cfg.num_heads, tp, "num_attention_heads")
+        replicas = max(1, tp // cfg.num_kv_heads)
+        self.num_kv_heads = shard_size(cfg.num_kv_heads * replicas, tp, "num_key_value_heads")
+        self.head_dim = dim
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_proj = ColumnParallelLinear(hidden, cfg.num_heads * dim, bias)
+        self.k_proj = ColumnParallelLinear(hidden, cfg.num_kv_heads * dim, bias, replicas)
+        self.v_proj = ColumnParallelLinear(hidden, cfg.num_kv_heads * dim, bias, replicas)
+        self.o_proj = RowParallelLinear(cfg.num_heads * dim, hidden, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -50,20 +53,11 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class LlamaForCausalLM(CausalLM):
     @staticmethod
     def layer_parts(
         cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding
     ) -> tuple[nn.Module, nn.Module]:
-        return LlamaAttention(cfg, layer_id, rotary), LlamaMLP(cfg)
+        return LlamaAttention(cfg, layer_id, rotary), GatedMLP(
+            cfg.hidden_size, cfg.intermediate_size
+        )

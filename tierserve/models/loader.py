@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 from tierserve.config import ModelConfig, read_hf_config, text_config
 from tierserve.errors import TierserveError
+from tierserve.layers.parallel import shards_by_name
 from tierserve.layers.rotary import rotary_for
 from tierserve.models.registry import model_class
 
@@ -154,6 +155,7 @@ def load_model(
     filled = dict.fromkeys(targets, 0)
     unexpected: list[str] = []
     place = getattr(model, "checkpoint_target", lambda name: None)
+    shards = shards_by_name(model)  # tensor parallelism: this rank's slices
     layout = CheckpointLayout.of(path, cfg.num_layers)
     total = sum(1 for f in weight_files(path) for _ in _keys(f, layout))
     bar = tqdm(total=total, desc="loading weights", unit="tensor", leave=False)
@@ -165,6 +167,8 @@ def load_model(
             target_name, index = place(name) or (name, ())
             target = targets.get(target_name)
             view = target[index] if target is not None else None
+            if view is not None and target_name in shards:
+                tensor = _rank_slice(tensor, view.shape, shards[target_name])
             if view is None or view.shape != tensor.shape:
                 if not name.endswith("rotary_emb.inv_freq"):
                     unexpected.append(name)
@@ -186,6 +190,15 @@ def load_model(
     fresh, rotary = rotary_for(cfg).to(device), model.model.rotary
     rotary.cos, rotary.sin = fresh.cos, fresh.sin
     return model.eval()
+
+
+def _rank_slice(tensor: torch.Tensor, shape: torch.Size, shard: tuple[int, int]) -> torch.Tensor:
+    """This rank's slice of a full checkpoint tensor (layers/parallel.py marks the parameter
+    with the dimension and slice index); a tensor that cannot hold it is left to be refused."""
+    dim, index = shard
+    if tensor.dim() != len(shape) or tensor.shape[dim] < (index + 1) * shape[dim]:
+        return tensor
+    return tensor.narrow(dim, index * shape[dim], shape[dim])
 
 
 def _keys(file: Path, layout: CheckpointLayout) -> list[str]:

@@ -1,0 +1,151 @@
+"""Tensor parallelism on CPU over gloo, with real rank processes: greedy outputs at TP 2 and 4
+equal TP 1 (Llama, Qwen3 with kv_heads 2 at TP 4, DeepSeek-V3's MLA + MoE) with the radix cache
+and the host tier on; each rank holds 1/tp of the sharded parameters; a node budget is checked
+for all of a node's ranks once; a rank that dies takes the others with it."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.conftest import Server, random_prompts
+from tests.test_hicache import mixed_workload
+from tierserve import LLM, SamplingParams
+from tierserve.layers.parallel import shards_by_name
+from tierserve.planner import DEFAULT_MARGIN
+
+HOST = dict(
+    max_total_tokens=480,
+    chunked_prefill_size=128,
+    enable_hierarchical_cache=True,
+    hicache_ratio=8,
+)
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints) -> dict[str, list[list[int]]]:
+    """TP 1 outputs of the mixed workload (prefix reuse, eviction to the host, multi-turn)."""
+    out = {}
+    for family in ("llama", "qwen3", "deepseek-v3"):
+        with LLM(str(checkpoints[family]), **HOST) as llm:
+            out[family] = mixed_workload(llm)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("family", "tp"), [("llama", 2), ("qwen3", 4), ("deepseek-v3", 2)]
+)  # qwen3 at TP 4: two KV heads, each replicated on two ranks; DeepSeek: the latent on both
+def test_greedy_outputs_equal_tp1_with_radix_and_host_tier(checkpoints, references, family, tp):
+    with LLM(str(checkpoints[family]), tp_size=tp, **HOST) as llm:
+        assert mixed_workload(llm) == references[family]
+        stats = llm.engine.kv.host.stats
+        assert stats.host_hit_tokens > 0 and stats.load_backs > 0
+        assert llm.engine.scheduler.stats.num_cached_tokens > 0
+        spec = llm.engine.kv_plan.spec
+        assert spec.tp == tp and spec.replicated == (family != "llama")
+
+
+def test_each_rank_holds_its_share_of_the_sharded_parameters(checkpoints):
+    path = str(checkpoints["deepseek-v3"])
+    with LLM(path) as whole:
+        full = dict(whole.engine.runner.model.named_parameters())
+    with LLM(path, tp_size=2) as llm:
+        model = llm.engine.runner.model
+        sharded = shards_by_name(model)
+        params = dict(model.named_parameters())
+        assert sharded  # embeddings, heads, projections, experts
+        for name, param in params.items():
+            ratio = param.numel() / full[name].numel()
+            assert ratio == (0.5 if name in sharded else 1.0), name
+        held = sum(p.numel() for p in params.values())
+        whole_bytes = sum(p.numel() for p in full.values())
+        assert held < 0.6 * whole_bytes  # what stays whole is small (norms, router, kv_a)
+
+
+def test_a_node_budget_that_fits_one_rank_but_not_two_is_refused(llama_dir):
+    usable = psutil.virtual_memory().available - DEFAULT_MARGIN - 2 * 10**9  # minus overhead
+    per_rank = int(usable * 0.7)  # one rank fits; two ranks ask 1.4× what the node has
+    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(llama_dir)]
+    cmd += [
+        "--tp-size",
+        "2",
+        "--enable-hierarchical-cache",
+        "--hicache-size",
+        f"{per_rank / 1e9:.3f}GB",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert proc.stderr.count("host cache does not fit: 2 rank(s) ×") == 1
+    # Refused before any pool: the start-up table (printed before allocating) never appears.
+    assert "KV cache plan" not in proc.stderr
+    assert not _workers_left()
+
+
+def _workers_left() -> list[psutil.Process]:
+    return [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "tierserve.distributed.worker" in " ".join(p.info["cmdline"] or [])
+    ]
+
+
+def test_a_rank_killed_during_start_up_ends_the_others(llama_dir):
+    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(llama_dir)]
+    proc = subprocess.Popen([*cmd, "--tp-size", "2"], stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    worker = None
+    while worker is None and time.monotonic() < deadline:
+        children = psutil.Process(proc.pid).children()
+        worker = children[0] if children else None
+        time.sleep(0.05)
+    assert worker is not None
+    worker.send_signal(signal.SIGKILL)
+    start = time.monotonic()
+    assert proc.wait(timeout=30) != 0
+    assert time.monotonic() - start < 30
+    assert not _workers_left()
+
+
+def test_server_with_tp2_answers_the_openai_client_and_a_dead_rank_gives_503(llama_dir):
+    prompt = random_prompts(1, [40], seed=5)[0]
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
+    with LLM(str(llama_dir), max_total_tokens=4096) as llm:
+        want = llm.generate(prompt, params)[0]
+    server = Server(llama_dir, "--max-total-tokens", "4096", "--tp-size", "2")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        kw = dict(model=llama_dir.name, prompt=prompt, max_tokens=10, temperature=0)
+        kw["extra_body"] = {"ignore_eos": True}
+        whole = client.completions.create(logprobs=2, **kw)
+        assert whole.choices[0].text == want.text
+        assert whole.choices[0].logprobs.token_logprobs == pytest.approx(
+            [lp.logprob for lp in want.logprobs], abs=1e-4
+        )
+        chunks = client.completions.create(stream=True, **kw)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
+        many = client.completions.create(n=3, seed=1, **{**kw, "temperature": 1.0})
+        assert [c.index for c in many.choices] == [0, 1, 2]
+        chat = client.chat.completions.create(
+            model=llama_dir.name, messages=[{"role": "user", "content": "hi"}], max_tokens=5
+        )
+        assert chat.choices[0].message.role == "assistant"
+        metrics = httpx.get(f"{server.url}/metrics").text
+        assert re.search(r"tierserve_cached_tokens_total\{tier=\"device\"\}", metrics)
+
+        workers = psutil.Process(server.proc.pid).children()
+        assert len(workers) == 1
+        workers[0].send_signal(signal.SIGKILL)
+        body = {"model": llama_dir.name, "prompt": prompt, "max_tokens": 10}
+        status = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code
+        assert status == 503
+        assert server.proc.wait(timeout=30) != 0  # it exits for its supervisor, never hangs
+    finally:
+        server.stop()

@@ -1,0 +1,67 @@
+"""What rank 0 tells the other ranks before each step, so every rank's scheduler, radix tree and
+KV tiers make the same decisions: requests that arrived, aborts, cache flushes, and whether to
+step or stop. The engines are deterministic given these (the same requests in the same order,
+the same seeds, the same logits after the LM head's all-gather), so only inputs travel, never
+scheduling state. Messages are small typed dataclasses, broadcast over a gloo group that waits
+as long as the server idles; a rank that dies closes its sockets and the broadcast fails."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from tierserve.sampling_params import SamplingParams
+
+IDLE_TIMEOUT = timedelta(days=7)  # a follower waits this long for rank 0's next message
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    rid: str
+    arrival: int
+    prompt_ids: list[int]
+    params: SamplingParams  # as rank 0 resolved it (max_tokens filled in)
+
+
+@dataclass(frozen=True)
+class AbortRequest:
+    rid: str
+
+
+@dataclass(frozen=True)
+class FlushCache:
+    pass
+
+
+Command = AddRequest | AbortRequest | FlushCache
+
+
+@dataclass(frozen=True)
+class Message:
+    commands: list[Command] = field(default_factory=list)
+    step: bool = False
+    stop: bool = False
+
+
+class CommandBus:
+    def __init__(self, rank: int) -> None:
+        self.leader = rank == 0
+        self._group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        self._pending: list[Command] = []
+
+    def post(self, command: Command) -> None:
+        if self.leader:
+            self._pending.append(command)
+
+    def exchange(self, step: bool = False, stop: bool = False) -> Message:
+        """Rank 0 sends what happened since the last exchange; the others receive it."""
+        box: list[Message | None] = [None]
+        if self.leader:
+            box[0] = Message(self._pending, step, stop)
+            self._pending = []
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        message = box[0]
+        assert message is not None
+        return message

@@ -1,0 +1,132 @@
+"""Tensor-parallel layers (Megatron's split, as vLLM and SGLang make it).
+
+- Column-parallel linear: each rank holds a slice of the output features (q/k/v, gate/up,
+  MLA's query and kv_b projections); no communication.
+- Row-parallel linear: each rank holds a slice of the input features and adds its partial
+  product into every rank's copy (one all-reduce); the bias after the sum.
+- Vocab-parallel embedding: each rank looks up the ids in its slice of the vocabulary and the
+  ranks' rows are summed; the LM head is column-parallel over the vocabulary and its slices are
+  gathered, so every rank holds the same full logits and samples the same token.
+
+Layers are built for the group that is current when the model is made (`tp_group()`; one rank
+unless `distributed/` set one up). A module with sharded parameters lists them in `tp_shards`
+(parameter name → (dim, index)): the loader narrows the full checkpoint tensor along `dim`
+(counted from the end) to slice `index` of the parameter's size, so a checkpoint loads the same
+way at any TP size (kept on the module: parameters are remade when the model leaves `meta`).
+A KV head that more ranks need than the model has (tp > kv_heads) is `replicas` ranks' shared
+slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from tierserve.errors import TierserveError
+
+
+@dataclass(frozen=True)
+class TPGroup:
+    rank: int = 0
+    size: int = 1
+
+
+_current = TPGroup()
+
+
+def tp_group() -> TPGroup:
+    return _current
+
+
+def set_tp_group(group: TPGroup) -> None:
+    global _current
+    _current = group
+
+
+def shard_size(total: int, shards: int, what: str) -> int:
+    if total % shards:
+        raise TierserveError(f"{what} ({total}) does not split over {shards} ranks", "tp_size")
+    return total // shards
+
+
+def mark_shard(module: nn.Module, name: str, dim: int, index: int) -> None:
+    shards = module.__dict__.setdefault("tp_shards", {})
+    shards[name] = (dim, index)
+
+
+def shards_by_name(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Every sharded parameter of `model`, by its state-dict name."""
+    return {
+        f"{prefix}.{name}" if prefix else name: shard
+        for prefix, module in model.named_modules()
+        for name, shard in getattr(module, "tp_shards", {}).items()
+    }
+
+
+def all_reduce(x: torch.Tensor) -> torch.Tensor:
+    if _current.size > 1:
+        dist.all_reduce(x)
+    return x
+
+
+class ColumnParallelLinear(nn.Linear):
+    """`out_features` split over the ranks; with `replicas` > 1, that many neighbouring ranks
+    hold the same slice (a KV head shared by their query heads)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, replicas: int = 1) -> None:
+        tp = tp_group()
+        shards = max(1, tp.size // replicas)
+        super().__init__(in_features, shard_size(out_features, shards, "output features"), bias)
+        index = tp.rank // max(1, replicas) if shards > 1 else 0
+        mark_shard(self, "weight", -2, index)
+        if self.bias is not None:
+            mark_shard(self, "bias", -1, index)
+
+
+class RowParallelLinear(nn.Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        tp = tp_group()
+        super().__init__(shard_size(in_features, tp.size, "input features"), out_features, bias)
+        mark_shard(self, "weight", -1, tp.rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        tp = tp_group()
+        super().__init__(shard_size(vocab_size, tp.size, "vocab_size"), hidden_size)
+        self.start = tp.rank * self.num_embeddings
+        mark_shard(self, "weight", -2, tp.rank)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if tp_group().size == 1:
+            return super().forward(ids)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0))
+
+
+class ParallelLMHead(nn.Linear):
+    """The vocabulary split over the ranks; `forward` returns every rank the full logits."""
+
+    def __init__(self, hidden_size: int, vocab_size: int) -> None:
+        tp = tp_group()
+        super().__init__(hidden_size, shard_size(vocab_size, tp.size, "vocab_size"), bias=False)
+        mark_shard(self, "weight", -2, tp.rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = F.linear(x, self.weight)
+        size = tp_group().size
+        if size == 1:
+            return local
+        parts = [torch.empty_like(local) for _ in range(size)]
+        dist.all_gather(parts, local.contiguous())
+        return torch.cat(parts, dim=-1)
