@@ -51,6 +51,8 @@ def test_greedy_outputs_equal_tp1_with_radix_and_host_tier(checkpoints, referenc
         assert llm.engine.scheduler.stats.num_cached_tokens > 0
         spec = llm.engine.kv_plan.spec
         assert spec.tp == tp and spec.replicated == (family != "llama")
+        # Replicated KV: one host copy per group of ranks holding it, written by one of them.
+        assert (llm.engine.kv.host.share is not None) == spec.replicated
 
 
 def test_each_rank_holds_its_share_of_the_sharded_parameters(checkpoints):

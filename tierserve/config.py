@@ -116,6 +116,13 @@ class EngineArgs:
             choices=["write_through", "write_through_selective", "write_back"],
         ),
     )
+    disable_shared_host_copy: bool = field(
+        default=False,
+        metadata=_flag(
+            "keep one host tier per rank even where ranks hold identical KV (MLA latents, "
+            "KV heads replicated when tp > kv_heads); by default such ranks share one copy"
+        ),
+    )
     hicache_storage_backend: str | None = field(
         default=None,
         metadata=_flag(

@@ -193,27 +193,38 @@ class HostBudget:
 class HostSizing:
     mode: HostMode
     tokens_per_rank: int
-    bytes_per_rank: int
+    bytes_per_rank: int  # this rank's share of the node's bytes (its whole copy unless shared)
     bytes_per_node: int
     max_tokens_per_rank: int  # the largest that fits
     max_bytes_per_rank: int
     fits: bool
     formula: str
+    # Ranks that share one host copy (identical KV: MLA latents, replicated KV heads), and the
+    # bytes of one copy (one pool). 1: per-rank copies, as SGLang and vLLM keep them.
+    sharing: int = 1
+    pool_bytes: int = 0
 
 
 def _requested_host_tokens(
-    request: HostRequest, bytes_per_token: int, device_tokens: int, budget: HostBudget, page: int
+    request: HostRequest,
+    bytes_per_token: int,
+    device_tokens: int,
+    budget: HostBudget,
+    page: int,
+    sharing: int,
 ) -> int:
+    """Host tokens each rank's tree holds. A size is each rank's bytes; ranks that share one
+    copy pool theirs, so the copy holds `sharing` times the tokens."""
     if request.mode == "ratio":
         ratio_tokens = int(device_tokens * request.ratio)
         return ratio_tokens - ratio_tokens % page
     if request.mode == "per_rank":
-        return tokens_in(request.size, bytes_per_token, page)
+        return tokens_in(request.size * sharing, bytes_per_token, page)
     if request.mode == "per_node":
-        return tokens_in(request.size // budget.local_ranks, bytes_per_token, page)
+        return tokens_in(request.size // budget.local_ranks * sharing, bytes_per_token, page)
     if request.mode == "off":
         return 0
-    return tokens_in(budget.max_bytes_per_rank, bytes_per_token, page)
+    return tokens_in(budget.max_bytes_per_rank * sharing, bytes_per_token, page)
 
 
 def size_host_cache(
@@ -222,25 +233,31 @@ def size_host_cache(
     request: HostRequest,
     budget: HostBudget,
     page_size: int = 1,
+    sharing: int = 1,
 ) -> HostSizing:
     """Host cache per rank and per node for `request`, whether it fits, and the most that does.
 
-    `bytes_per_token` and `device_tokens` are per rank. Each local rank keeps its own host cache,
-    so the node needs `bytes_per_rank × local_ranks`; that must stay within
+    `bytes_per_token` and `device_tokens` are per rank. Each local rank keeps its own host
+    cache, or each group of `sharing` ranks holding identical KV keeps one copy, so the node
+    needs `copy bytes × local_ranks / sharing`; that must stay within
     available − overhead − margin.
     """
-    tokens = _requested_host_tokens(request, bytes_per_token, device_tokens, budget, page_size)
-    max_tokens = tokens_in(budget.max_bytes_per_rank, bytes_per_token, page_size)
-    per_rank = tokens * bytes_per_token
+    args = (bytes_per_token, device_tokens, budget, page_size, sharing)
+    tokens = _requested_host_tokens(request, *args)
+    max_tokens = tokens_in(budget.max_bytes_per_rank * sharing, bytes_per_token, page_size)
+    pool = tokens * bytes_per_token
+    node = pool * (budget.local_ranks // sharing)
     return HostSizing(
         mode=request.mode,
         tokens_per_rank=tokens,
-        bytes_per_rank=per_rank,
-        bytes_per_node=per_rank * budget.local_ranks,
+        bytes_per_rank=pool // sharing,
+        bytes_per_node=node,
         max_tokens_per_rank=max_tokens,
         max_bytes_per_rank=budget.max_bytes_per_rank,
-        fits=per_rank * budget.local_ranks <= budget.usable,
+        fits=node <= budget.usable,
         formula=budget.formula(),
+        sharing=sharing,
+        pool_bytes=pool,
     )
 
 

@@ -8,6 +8,7 @@ parallelism rank 0 sizes for all of the node's ranks at once and every rank take
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass
 
 import psutil
@@ -17,6 +18,8 @@ from tierserve.config import EngineArgs
 from tierserve.errors import TierserveError
 from tierserve.planner import DEFAULT_MARGIN, HostBudget, HostRequest, HostSizing, size_host_cache
 from tierserve.units import format_bytes, format_count, format_gb, parse_size
+
+SHARED_MEMORY_DIR = "/dev/shm"
 
 
 def host_request(args: EngineArgs) -> HostRequest:
@@ -54,11 +57,29 @@ def size_host_tier(
         local_ranks=args.local_ranks,
     )
     request = host_request(args)
-    sizing = size_host_cache(spec.bytes_per_token, device_tokens, request, budget, spec.page_size)
+    sharing = 1 if args.disable_shared_host_copy else spec.host_sharing(args.local_ranks)
+    sizing = size_host_cache(
+        spec.bytes_per_token, device_tokens, request, budget, spec.page_size, sharing
+    )
     requested = sizing.bytes_per_node
     if requested > budget.usable or sizing.tokens_per_rank < args.page_size:
         raise TierserveError(refusal(sizing, budget, requested), field="hicache_size")
+    if sharing > 1:
+        check_shared_memory(requested)
     return sizing
+
+
+def check_shared_memory(node_bytes: int, path: str = SHARED_MEMORY_DIR) -> None:
+    """Shared host copies live in /dev/shm (tmpfs, RAM): its size limit (64 MB in a default
+    container) must hold them, or writing a page would fail with SIGBUS mid-serving."""
+    free = shutil.disk_usage(path).free
+    if node_bytes > free:
+        raise TierserveError(
+            f"the shared host copies need {format_gb(node_bytes, 3)} in {path}, which has "
+            f"{format_gb(free, 3)} free: enlarge it (docker run --shm-size), lower --hicache-size, "
+            "or use --disable-shared-host-copy",
+            field="hicache_size",
+        )
 
 
 def check_cpu_ram(
@@ -92,8 +113,9 @@ def _of_ranks(local_ranks: int) -> str:
 def refusal(sizing: HostSizing, budget: HostBudget, requested: int) -> str:
     ranks = budget.local_ranks
     most = budget.max_bytes_per_rank
+    shared = f" (one copy per {sizing.sharing} ranks)" if sizing.sharing > 1 else ""
     return (
-        f"host cache does not fit: {ranks} rank(s) × {format_gb(sizing.bytes_per_rank)} = "
+        f"host cache does not fit: {ranks} rank(s) × {format_gb(sizing.bytes_per_rank)}{shared} = "
         f"{format_gb(requested)} requested; {format_gb(budget.available)} available − "
         f"{format_gb(budget.overhead)} overhead − {format_gb(budget.margin)} margin = "
         f"{format_gb(budget.usable)} usable: use --hicache-size {most / 1e9:.1f} (per rank) or "
@@ -118,6 +140,23 @@ class KVPlan:
         return self.device_tokens * self.spec.bytes_per_token
 
 
+def _sharing_rows(sizing: HostSizing) -> list[tuple[str, str]]:
+    if sizing.sharing == 1:
+        return []
+    alone = sizing.tokens_per_rank // sizing.sharing
+    return [
+        (
+            "shared host copy",
+            f"one per {sizing.sharing} ranks holding identical KV, "
+            f"{format_gb(sizing.pool_bytes, 3)} each (in {SHARED_MEMORY_DIR})",
+        ),
+        (
+            "host tokens, shared vs per-rank copies",
+            f"{format_count(sizing.tokens_per_rank)} vs {format_count(alone)} at the same bytes",
+        ),
+    ]
+
+
 def startup_table(plan: KVPlan) -> str:
     spec = plan.spec
     rows = [
@@ -134,6 +173,7 @@ def startup_table(plan: KVPlan) -> str:
             ("host tier tokens per rank", format_count(sizing.tokens_per_rank)),
             ("host tier bytes per rank", format_gb(sizing.bytes_per_rank, 3)),
             ("host tier bytes per node", format_gb(sizing.bytes_per_node, 3)),
+            *_sharing_rows(sizing),
             ("host budget", sizing.formula),
             ("write policy", plan.write_policy),
         ]

@@ -35,7 +35,9 @@ class PagedKV:
         host_tier: bool = False,
         pin_memory: bool = False,
         compute_dtype: torch.dtype | None = None,
+        buffer: torch.Tensor | None = None,
     ) -> None:
+        """`buffer`: host-tier bytes to lay the pages over (a shared-memory segment)."""
         self.spec = spec
         # Attention computes in the model's dtype whatever the pool stores (fp8 KV: bytes of
         # float8 values, no scale, as SGLang's and vLLM's default fp8 KV without k/v scales).
@@ -49,7 +51,10 @@ class PagedKV:
         if host_tier:
             # Only pages written are ever read, so it is not zeroed: on CPU, RAM is committed as
             # the tier fills. Page-locked on CUDA machines, for async copies.
-            self.data = torch.empty(dims, dtype=spec.torch_dtype())
+            if buffer is None:
+                self.data = torch.empty(dims, dtype=spec.torch_dtype())
+            else:
+                self.data = buffer.view(spec.torch_dtype()).view(dims)
             if pin_memory:
                 _page_lock(self.data)
         else:

@@ -125,6 +125,19 @@ class KVSpec:
     def replicated(self) -> bool:
         return self.copies > 1
 
+    def host_sharing(self, local_ranks: int) -> int:
+        """Local ranks that hold each host byte identically and can share one copy of it: the
+        ranks of a replica group that live on one node (neighbouring ranks hold the same KV
+        head; a latent is the same on all). 1: every rank's host tier is its own."""
+        copies = min(self.copies, local_ranks)
+        return copies if copies > 1 and local_ranks % copies == 0 else 1
+
+    def share_group(self, rank: int, local_ranks: int) -> tuple[int, int]:
+        """(group, first rank) of the ranks sharing `rank`'s host copy on its node; the first
+        rank writes the copy, the others read it."""
+        sharing = self.host_sharing(local_ranks)
+        return rank // sharing, rank // sharing * sharing
+
     def torch_dtype(self) -> torch.dtype:
         """The element type pools store. fp8 is kept as bytes and viewed (torch's CPU
         index_copy_ has no float8 kernel)."""

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from tierserve.cache.pool import PageAllocator, PagedKV
 from tierserve.cache.radix import RadixCache, RadixNode
+from tierserve.cache.shared_host import HostShare
 from tierserve.cache.transfer import CopyOp, TransferBackend, page_runs
 
 if TYPE_CHECKING:
@@ -87,8 +88,10 @@ class HostTier:
         transfer: TransferBackend,
         selective_threshold: int = 2,
         storage: StorageTier | None = None,
+        share: HostShare | None = None,
     ) -> None:
         self.host_pool = host_pool
+        self.share = share  # a host copy shared with other ranks (cache/shared_host.py)
         self.page_size = host_pool.page_size
         self.allocator = PageAllocator(host_pool.num_pages)
         self.transfer = transfer
@@ -185,8 +188,14 @@ class HostTier:
     def issue(self) -> None:
         """Start this step's backup batch, then its load batch."""
         for op in (self._backups, self._loads):
-            if op is not None:
-                self.transfer.issue(op)
+            if op is None:
+                continue
+            if self.share is not None:
+                if op.kind == "load":
+                    self.share.before_load(self.transfer.wait_backups)
+                else:
+                    self.share.backed_up = True
+            self.transfer.issue(op)
         self.stats.backup_batches += self._backups is not None
         self.stats.load_batches += self._loads is not None
         self._backups = self._loads = None

@@ -86,16 +86,35 @@ class TransferBackend(ABC):
         self.device_pool = device_pool
         self.host_pool = host_pool
         self.in_flight: list[CopyOp] = []
+        # Tensor parallelism: another rank writes this host pool (a shared copy), so backups
+        # here copy nothing; and landings are agreed among the ranks (`agree`: each in-flight
+        # op's local flag in, the flags of all ranks ANDed out), so every rank's scheduler
+        # sees a copy land in the same step.
+        self.writes_host = True
+        self.agree: Callable[[list[bool]], list[bool]] | None = None
 
     def issue(self, op: CopyOp) -> None:
         op.issued, op.issued_at = True, time.perf_counter()
         self.in_flight.append(op)
+        if op.kind == "backup" and not self.writes_host:
+            self._skip(op)
+            return
         self._start(op)
 
     def poll(self) -> list[CopyOp]:
         """Ops that landed since the last poll (never blocks)."""
-        done = [op for op in self.in_flight if self._landed(op)]
-        return self._retire(done)
+        flags = [self._landed(op) for op in self.in_flight]
+        if self.agree is not None and self.in_flight:
+            flags = self.agree(flags)
+        return self._retire(
+            [op for op, landed in zip(self.in_flight, flags, strict=True) if landed]
+        )
+
+    def wait_backups(self) -> None:
+        """Block until this rank's backups have landed (before other ranks read them)."""
+        for op in self.in_flight:
+            if op.kind == "backup":
+                self._wait(op)
 
     def wait_all(self) -> list[CopyOp]:
         """Block until every issued op has landed."""
@@ -119,6 +138,10 @@ class TransferBackend(ABC):
     def _seconds(self, op: CopyOp) -> float:
         """The copy's own duration when the backend can measure it; else issue → observed."""
         return 0.0
+
+    def _skip(self, op: CopyOp) -> None:
+        """A backup another rank makes: landed when copies issued now land (at once here)."""
+        op.readable = op.landed = True
 
     @abstractmethod
     def _start(self, op: CopyOp) -> None: ...
@@ -168,13 +191,19 @@ class StreamTransfer(TransferBackend):
             compute.wait_event(end)
             op.readable = True
 
+    def _skip(self, op: CopyOp) -> None:
+        op.handle = None  # landed here at once; `agree` holds it until the writer's has
+
     def _landed(self, op: CopyOp) -> bool:
-        return bool(op.handle[1].query())
+        return op.handle is None or bool(op.handle[1].query())
 
     def _wait(self, op: CopyOp) -> None:
-        op.handle[1].synchronize()
+        if op.handle is not None:
+            op.handle[1].synchronize()
 
     def _seconds(self, op: CopyOp) -> float:
+        if op.handle is None:
+            return 0.0
         start, end = op.handle
         return start.elapsed_time(end) / 1000
 

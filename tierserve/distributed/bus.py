@@ -7,9 +7,11 @@ as long as the server idles; a rank that dies closes its sockets and the broadca
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from tierserve.sampling_params import SamplingParams
@@ -54,6 +56,21 @@ class CommandBus:
     def post(self, command: Command) -> None:
         if self.leader:
             self._pending.append(command)
+
+    def barrier(self) -> None:
+        dist.barrier(group=self._group)
+
+    def all_true(self, flags: list[bool]) -> list[bool]:
+        """Each flag ANDed over the ranks (a copy has landed everywhere)."""
+        t = torch.tensor(flags, dtype=torch.uint8)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
+        return [bool(x) for x in t.tolist()]
+
+    def session(self) -> str:
+        """A name rank 0 picks for this launch (shared-memory segments are named after it)."""
+        box = [uuid.uuid4().hex[:16] if self.leader else None]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return str(box[0])
 
     def exchange(self, step: bool = False, stop: bool = False) -> Message:
         """Rank 0 sends what happened since the last exchange; the others receive it."""

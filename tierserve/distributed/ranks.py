@@ -52,6 +52,7 @@ class Ranks:
     world: int
     local_rank: int
     bus: CommandBus
+    session: str  # rank 0's name for this launch
     workers: list[subprocess.Popen] = field(default_factory=list)
     closing: threading.Event = field(default_factory=threading.Event)
 
@@ -86,7 +87,8 @@ class Ranks:
             timeout=COLLECTIVE_TIMEOUT,
         )
         set_tp_group(TPGroup(rank, args.tp_size))
-        return cls(rank, args.tp_size, rank % local, CommandBus(rank), workers, closing)
+        bus = CommandBus(rank)
+        return cls(rank, args.tp_size, rank % local, bus, bus.session(), workers, closing)
 
     def agree(self, decide: Callable[[], T]) -> T:
         """Rank 0's `decide()`, on every rank; or its refusal, raised on every rank (rank 0's

@@ -16,6 +16,7 @@ import torch
 from tierserve.cache.host_sizing import KVPlan, startup_table
 from tierserve.cache.manager import KVCacheManager
 from tierserve.cache.pool import PagedKV, pages_for
+from tierserve.cache.shared_host import HostShare, open_share
 from tierserve.cache.tiers import HostTier
 from tierserve.cache.transfer import TransferFactory, default_transfer
 from tierserve.config import EngineArgs, ModelConfig
@@ -91,15 +92,32 @@ class Engine:
         return ModelConfig.from_dir(model_path).vocab_size
 
     def _host_tier(self, pool: PagedKV, plan: KVPlan, transfer: TransferFactory) -> HostTier:
+        pages = plan.host.tokens_per_rank // plan.spec.page_size
+        share = self._host_share(plan, pages)
         host_pool = PagedKV(
             plan.spec,
-            plan.host.tokens_per_rank // plan.spec.page_size,
+            pages,
             torch.device("cpu"),
             host_tier=True,
             pin_memory=self.device.type == "cuda",
+            buffer=share.buffer() if share is not None else None,
         )
+        backend = transfer(pool, host_pool)
+        if self.ranks is not None:
+            backend.writes_host = share is None or share.writer
+            if self.device.type == "cuda":  # copies land at times that differ between ranks
+                backend.agree = self.ranks.bus.all_true
         policy = self.args.hicache_write_policy
-        return HostTier(host_pool, policy, transfer(pool, host_pool), storage=self.storage)
+        return HostTier(host_pool, policy, backend, storage=self.storage, share=share)
+
+    def _host_share(self, plan: KVPlan, pages: int) -> HostShare | None:
+        """The node's one copy of KV that this rank's group of ranks holds identically."""
+        if self.ranks is None or plan.host is None or plan.host.sharing == 1:
+            return None
+        rank, bus = self.ranks.rank, self.ranks.bus
+        group, writer = plan.spec.share_group(rank, self.args.local_ranks)
+        name = f"tierserve-{self.ranks.session}-{group}"
+        return open_share(name, pages * plan.spec.bytes_per_page, rank == writer, bus.barrier)
 
     @staticmethod
     def _storage_tier(startup: Startup) -> StorageTier:
