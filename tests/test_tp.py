@@ -16,7 +16,7 @@ import openai
 import psutil
 import pytest
 
-from tests.conftest import Server, random_prompts
+from tests.conftest import Server, make_checkpoint, random_prompts
 from tests.test_hicache import mixed_workload
 from tierserve import LLM, SamplingParams
 from tierserve.layers.parallel import shards_by_name
@@ -151,3 +151,58 @@ def test_server_with_tp2_answers_the_openai_client_and_a_dead_rank_gives_503(lla
         assert server.proc.wait(timeout=30) != 0  # it exits for its supervisor, never hangs
     finally:
         server.stop()
+
+
+# --- one host copy per node, measured -------------------------------------------------------
+
+FAT_KV = {  # KV of several KB per token, so the host tier's bytes stand out of the processes'
+    "llama": dict(head_dim=256, num_hidden_layers=4),  # kv_heads 2: replicated at TP 4
+    "deepseek-v3": dict(kv_lora_rank=448),  # the latent: the same on both ranks at TP 2
+}
+
+
+def rank_pss(llm: LLM) -> int:
+    """Proportional set size of every rank process together: a page mapped by several counts
+    once in the sum."""
+    procs = [psutil.Process(), *(psutil.Process(w.pid) for w in llm.engine.ranks.workers)]
+    return sum(p.memory_full_info().pss for p in procs)
+
+
+def shared_segment_pss(llm: LLM) -> int:
+    procs = [psutil.Process(), *(psutil.Process(w.pid) for w in llm.engine.ranks.workers)]
+    return sum(m.pss for p in procs for m in p.memory_maps() if "/dev/shm/tierserve-" in m.path)
+
+
+def fill_host(llm: LLM) -> tuple[list[list[int]], int]:
+    """Prompts of 3,000 tokens in all, each written through to the host tier; the outputs and
+    the host bytes one copy holds."""
+    prompts = random_prompts(10, [300], seed=70)
+    outs = llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
+    written = llm.engine.kv.host.stats.host_written_tokens * llm.engine.kv_plan.spec.bytes_per_token
+    return [o.token_ids for o in outs], written
+
+
+@pytest.mark.parametrize(("family", "tp", "groups"), [("llama", 4, 2), ("deepseek-v3", 2, 1)])
+def test_the_host_tier_is_one_copy_per_node(tmp_path, family, tp, groups):
+    path = make_checkpoint(tmp_path / family, family, **FAT_KV[family])
+    common = dict(
+        tp_size=tp, max_total_tokens=4096, enable_hierarchical_cache=True, hicache_ratio=2
+    )
+    runs = {}
+    for shared in (True, False):
+        with LLM(str(path), disable_shared_host_copy=not shared, **common) as llm:
+            before = rank_pss(llm)
+            outputs, written = fill_host(llm)
+            grown = rank_pss(llm) - before
+            segments = shared_segment_pss(llm)
+        runs[shared] = (outputs, written, grown, segments)
+    (out_shared, written, grown_shared, segments), (out_apart, _, grown_apart, none) = (
+        runs[True],
+        runs[False],
+    )
+    assert out_shared == out_apart and written > 10 * 2**20
+    # Shared: the segments hold each group's copy once, whichever ranks mapped which pages.
+    assert segments == pytest.approx(written * groups, rel=0.05) and none == 0
+    # Per-rank copies grow the ranks by a copy each; shared ones by one per group.
+    saved = grown_apart - grown_shared
+    assert saved > 0.8 * written * (tp - groups), (grown_apart, grown_shared, written)
