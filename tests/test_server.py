@@ -216,6 +216,8 @@ def test_metrics_parse_and_move(server, client):
         > before["tierserve_time_to_first_token_seconds_count"]
     )
     assert after["tierserve_kv_pages_total{tier=device}"] == 4096 // 16
+    rank, node = (after[f"tierserve_kv_bytes{{scope={s},tier=device}}"] for s in ("rank", "node"))
+    assert node == rank * after["tierserve_local_ranks"] and rank > 0  # each rank's own pool
 
 
 def test_sigterm_drains_in_flight_requests(llama_dir):

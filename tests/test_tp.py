@@ -19,8 +19,10 @@ import pytest
 from tests.conftest import Server, make_checkpoint, random_prompts
 from tests.test_hicache import mixed_workload
 from tierserve import LLM, SamplingParams
+from tierserve.bench.client import parse_prometheus
 from tierserve.layers.parallel import shards_by_name
 from tierserve.planner import DEFAULT_MARGIN
+from tierserve.server.metrics import ServerMetrics
 
 HOST = dict(
     max_total_tokens=480,
@@ -195,6 +197,11 @@ def test_the_host_tier_is_one_copy_per_node(tmp_path, family, tp, groups):
             outputs, written = fill_host(llm)
             grown = rank_pss(llm) - before
             segments = shared_segment_pss(llm)
+            host = llm.engine.kv_plan.host
+            metrics = parse_prometheus(ServerMetrics(llm.engine).render().decode())
+            node = metrics["tierserve_kv_bytes{scope=node,tier=host}"]
+            assert node == host.pool_bytes * (groups if shared else tp)  # each copy once
+            assert metrics["tierserve_kv_bytes{scope=rank,tier=host}"] * tp == node
         runs[shared] = (outputs, written, grown, segments)
     (out_shared, written, grown_shared, segments), (out_apart, _, grown_apart, none) = (
         runs[True],

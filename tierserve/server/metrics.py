@@ -48,8 +48,31 @@ class EngineCollector(Collector):
         preempt.add_metric(["recompute"], sched.stats.num_preemptions - offload)
         yield preempt
         yield from self._tiers()
+        yield from self._memory()
         if e.storage is not None:
             yield from _storage(e.storage)
+
+    def _memory(self) -> Iterator[Metric]:
+        """KV bytes allocated, per rank and per node. Every rank holds its own device pool; a
+        host copy shared by a group of ranks counts once on the node, and a rank's share of
+        it is its part. Page and token counts elsewhere are per rank (the ranks' trees are
+        the same), so they need no node figure."""
+        plan, args = self.engine.kv_plan, self.engine.args
+        kv = GaugeMetricFamily(
+            "tierserve_kv_bytes", "KV memory allocated", labels=["tier", "scope"]
+        )
+        kv.add_metric(["device", "rank"], plan.device_bytes)
+        kv.add_metric(["device", "node"], plan.device_bytes * args.local_ranks)
+        if plan.host is not None:
+            kv.add_metric(["host", "rank"], plan.host.bytes_per_rank)
+            kv.add_metric(["host", "node"], plan.host.bytes_per_node)
+        yield kv
+        yield _gauge("tierserve_tp_size", "tensor-parallel ranks", args.tp_size)
+        yield _gauge("tierserve_local_ranks", "ranks on this node", args.local_ranks)
+        sharing = plan.host.sharing if plan.host is not None else 1
+        yield _gauge(
+            "tierserve_host_copy_sharing", "ranks that share one host copy of their KV", sharing
+        )
 
     def _tiers(self) -> Iterator[Metric]:
         kv = self.engine.kv
