@@ -270,6 +270,21 @@ def test_plan_warns_about_the_per_rank_trap_and_replicated_copies() -> None:
     assert "identical on every rank" in warnings and "7 other" in warnings
 
 
+def test_plan_counts_tierserves_shared_host_copy_once() -> None:
+    """The seed deployment: 8 ranks hold the same latent; one copy per node holds 8× the
+    tokens at the same bytes, as the start-up table and /metrics count it."""
+    plan = make_plan(seed_inputs())
+    shared, apart = plan.shared, plan.recommended
+    assert shared.sharing == 8
+    assert shared.bytes_per_node == pytest.approx(apart.bytes_per_node, rel=1e-4)  # pages round
+    assert shared.tokens_per_rank // 8 == pytest.approx(apart.tokens_per_rank, abs=1)
+    assert shared.bytes_per_node <= plan.budget.usable
+    note = next(w for w in plan.warnings if w.startswith("tierserve keeps"))
+    assert f"{shared.tokens_per_rank:,} tokens" in note and f"{apart.tokens_per_rank:,}" in note
+    gqa = make_plan(PlanInputs(**{**seed_inputs().__dict__, "tp": 1}))
+    assert gqa.shared.sharing == 1 and not any("tierserve keeps" in w for w in gqa.warnings)
+
+
 def test_plan_launch_flags() -> None:
     plan = make_plan(seed_inputs())
     assert "--enable-hierarchical-cache --hicache-size 49" in plan.flags.sglang

@@ -378,6 +378,9 @@ class Plan:
     budget: HostBudget
     host: HostSizing  # what was asked for
     recommended: HostSizing  # the largest that fits
+    # tierserve's sizing at the recommended bytes: one host copy per group of local ranks that
+    # hold identical KV (the same as `recommended` when nothing is replicated).
+    shared: HostSizing
     warnings: tuple[str, ...]
     flags: LaunchFlags
     constraints: tuple[Constraint, ...] = ()
@@ -464,6 +467,8 @@ def _results_dict(plan: Plan) -> dict[str, Any]:
         "host_max_tokens_per_rank": plan.recommended.max_tokens_per_rank,
         "recommended_host_bytes_per_rank": plan.recommended.bytes_per_rank,
         "recommended_host_bytes_per_node": plan.recommended.bytes_per_node,
+        "tierserve_shared_host_tokens_per_rank": plan.shared.tokens_per_rank,
+        "tierserve_host_copy_sharing": plan.shared.sharing,
         "host_formula": plan.budget.formula(),
         "total_tokens_per_rank": plan.total_tokens_per_rank,
         "cached_concurrency": plan.cached_concurrency,
@@ -512,7 +517,8 @@ def make_plan(inputs: PlanInputs) -> Plan:
     rank_weights, pool, device = _device_side(inputs, kv.per_rank)
     budget = host_budget(inputs.machine, ranks)
     host = size_host_cache(kv.per_rank, device, inputs.host, budget, inputs.page_size)
-    best = size_host_cache(kv.per_rank, device, HostRequest.auto(), budget, inputs.page_size)
+    host_args = (kv.per_rank, device, HostRequest.auto(), budget, inputs.page_size)
+    best = size_host_cache(*host_args)
     plan = Plan(
         inputs=inputs,
         spec=spec,
@@ -526,6 +532,7 @@ def make_plan(inputs: PlanInputs) -> Plan:
         budget=budget,
         host=host,
         recommended=best,
+        shared=size_host_cache(*host_args, spec.host_sharing(ranks)),
         warnings=(),
         flags=LaunchFlags("", "", ""),
     )
@@ -559,11 +566,21 @@ def _replication_warning(plan: Plan) -> list[str]:
         else f"{plan.inputs.model.config.num_kv_heads} KV heads < tp {plan.inputs.tp}, heads are "
         "replicated"
     )
-    return [
+    lines = [
         f"{why}: each rank's host cache holds the same KV as {plan.kv_copies - 1} other(s), "
         f"so {format_gb(per_node)} of host RAM hold {format_gb(distinct)} of distinct KV "
         "(SGLang and vLLM keep one copy per rank)"
     ]
+    shared = plan.shared
+    if shared.sharing > 1:
+        ranks, rank_gb = plan.local_ranks, format_gb(plan.recommended.bytes_per_rank)
+        lines.append(
+            f"tierserve keeps one host copy per {shared.sharing} ranks instead: {ranks} × "
+            f"{rank_gb} = {format_gb(shared.bytes_per_node)} holds "
+            f"{format_count(shared.tokens_per_rank)} tokens; per-rank copies would hold "
+            f"{format_count(plan.recommended.tokens_per_rank)}"
+        )
+    return lines
 
 
 def _ratio_warning(plan: Plan) -> list[str]:
