@@ -21,6 +21,7 @@ from tests.test_hicache import mixed_workload
 from tierserve import LLM, SamplingParams
 from tierserve.bench.client import parse_prometheus
 from tierserve.layers.parallel import shards_by_name
+from tierserve.net import free_port
 from tierserve.planner import DEFAULT_MARGIN
 from tierserve.server.metrics import ServerMetrics
 
@@ -213,3 +214,24 @@ def test_the_host_tier_is_one_copy_per_node(tmp_path, family, tp, groups):
     # Per-rank copies grow the ranks by a copy each; shared ones by one per group.
     saved = grown_apart - grown_shared
     assert saved > 0.8 * written * (tp - groups), (grown_apart, grown_shared, written)
+
+
+def test_two_nodes_meet_on_loopback(llama_dir):
+    """--nnodes / --node-rank / --dist-init-addr: node 1's process joins node 0's group, runs
+    rank 1 without HTTP, and leaves when rank 0 closes (one machine: rendezvous and flags)."""
+    prompts = random_prompts(3, [20, 50], seed=9)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with LLM(str(llama_dir), max_total_tokens=2048) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, params)]
+    addr = f"127.0.0.1:{free_port()}"
+    dist = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
+    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(llama_dir)]
+    node1 = subprocess.Popen([*cmd, *dist, "--node-rank", "1", "--max-total-tokens", "2048"])
+    try:
+        kw = dict(tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr)
+        with LLM(str(llama_dir), max_total_tokens=2048, **kw) as llm:
+            assert llm.engine.ranks.workers == []  # one rank per node: nobody to start here
+            assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        assert node1.wait(timeout=30) == 0
+    finally:
+        node1.kill()

@@ -26,7 +26,7 @@ from tierserve.server.disconnect import unless_disconnected
 from tierserve.server.protocol import error_body, usage
 
 if TYPE_CHECKING:
-    from tierserve.server.api import Completion
+    from tierserve.server.completion import Completion
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,215 @@
+"""One request's life on the server: metrics, disconnects, and the three response shapes
+(completion, chat completion, native generate), streamed or whole."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tierserve.engine.request import RequestOutput
+from tierserve.errors import TierserveError
+from tierserve.layers.sampler import TokenLogprob
+from tierserve.sampling_params import SamplingParams
+from tierserve.server.async_engine import AsyncEngine, EngineDeadError
+from tierserve.server.disconnect import unless_disconnected
+from tierserve.server.logprobs import chat_logprobs, completion_logprobs, join
+from tierserve.server.metrics import ServerMetrics
+from tierserve.server.protocol import SamplingFields, error_body, new_id, now, usage
+
+
+class Completion:
+    """One request's life on the server: metrics, disconnects, and the three response shapes
+    (completion, chat completion, native generate), streamed or whole."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        metrics: ServerMetrics,
+        model: str,
+        body: SamplingFields | None,
+        kind: str,
+        params: SamplingParams | None = None,
+    ) -> None:
+        self.engine, self.metrics, self.model, self.kind = engine, metrics, model, kind
+        self.include_usage = bool(body and body.include_usage)
+        self.stream = bool(body and body.stream)
+        self.echo = bool(getattr(body, "echo", False))  # completions only
+        prefix = {"text_completion": "cmpl", "chat.completion": "chatcmpl"}.get(kind, "gen")
+        self.id = new_id(prefix)
+        self.created = now()
+        self._text, self._ids = "", []  # a /generate stream's output so far
+        self.logprobs = params is not None and params.logprobs is not None
+        self._offsets: dict[int, int] = {}  # per choice: characters streamed so far
+
+    async def respond(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request: Request,
+        stream: bool | None = None,
+    ) -> Response:
+        outputs = self.tracked(prompt, params)
+        first = await anext(outputs)  # errors in the prompt surface here, as a 400
+        if stream if stream is not None else self.stream:
+            return StreamingResponse(self._sse(first, outputs), media_type="text/event-stream")
+        last = await _until_done(first, outputs, request)
+        if last is None:
+            return Response(status_code=499)  # the client went away
+        return JSONResponse(self._whole(last))
+
+    async def tracked(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        start, first_at, out = time.perf_counter(), None, None
+        try:
+            async for out in self.engine.generate(prompt, params, request_id or self.id):
+                if first_at is None:
+                    first_at = time.perf_counter()
+                    self.metrics.ttft.observe(first_at - start)
+                yield out
+        except TierserveError:
+            raise  # a 400: the request never ran, so it is neither finished nor aborted
+        except BaseException:
+            self._record(start, first_at, out)
+            raise
+        else:
+            self._record(start, first_at, out)
+
+    def _record(self, start: float, first_at: float | None, out: RequestOutput | None) -> None:
+        if out is None or not out.finished:
+            self.metrics.requests.labels("abort").inc()
+            return
+        end = time.perf_counter()
+        self.metrics.requests.labels(out.finish_reason or "stop").inc()
+        self.metrics.e2e.observe(end - start)
+        if first_at is not None and out.num_output_tokens > 1:
+            self.metrics.tpot.observe((end - first_at) / (out.num_output_tokens - 1))
+
+    # --- response bodies ------------------------------------------------------------------
+
+    def _usage(self, out: RequestOutput) -> dict[str, Any]:
+        return usage(out.prompt_tokens, out.num_output_tokens, out.cached_tokens)
+
+    def _whole(self, out: RequestOutput) -> dict[str, Any]:
+        if self.kind == "generate":
+            return _native(out, out.text, out.token_ids)
+        return self.envelope(self.kind, [self.whole_choice(0, out)], usage=self._usage(out))
+
+    def whole_choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
+        echo_text, echo_logprobs = self._echoed(out, index)
+        if self.kind == "chat.completion":
+            choice = {"index": index, "message": {"role": "assistant", "content": out.text}}
+        else:
+            choice = {"index": index, "text": echo_text + out.text}
+        choice["logprobs"] = join(echo_logprobs, self._logprobs(out.logprobs, index))
+        choice["finish_reason"] = out.finish_reason
+        return choice
+
+    def _echoed(self, out: RequestOutput, index: int) -> tuple[str, dict[str, Any] | None]:
+        """With `echo`: the prompt's text (as sent, or its ids decoded) and its logprobs, the
+        first token's None."""
+        if not self.echo:
+            return "", None
+        tokenizer = self.engine.engine.tokenizer
+        ids = out.prompt_token_ids
+        text = out.prompt if out.prompt is not None else tokenizer.decode(ids)
+        if not self.logprobs:
+            return text, None
+        body = completion_logprobs(tokenizer, out.prompt_logprobs or [], 0, lead=ids[0])
+        self._offsets[index] = sum(map(len, body["tokens"]))
+        return text, body
+
+    def _logprobs(self, lps: list[TokenLogprob], index: int) -> dict[str, Any] | None:
+        if not self.logprobs:
+            return None
+        tokenizer = self.engine.engine.tokenizer
+        if self.kind == "chat.completion":
+            return chat_logprobs(tokenizer, lps)
+        body = completion_logprobs(tokenizer, lps, self._offsets.get(index, 0))
+        self._offsets[index] = self._offsets.get(index, 0) + sum(map(len, body["tokens"]))
+        return body
+
+    def envelope(self, obj: str, choices: list[dict], **extra: Any) -> dict[str, Any]:
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+        return {**body, "choices": choices, **extra}
+
+    def chunk(self, out: RequestOutput, first: bool, index: int = 0) -> dict[str, Any]:
+        if self.kind == "generate":
+            return _native(out, self._text, self._ids)
+        echo_text, echo_logprobs = self._echoed(out, index) if first else ("", None)
+        if self.kind == "chat.completion":
+            delta: dict[str, Any] = {"content": out.text_delta}
+            if first:
+                delta["role"] = "assistant"
+            choice = {"index": index, "delta": delta}
+        else:
+            choice = {"index": index, "text": echo_text + out.text_delta}
+        choice["logprobs"] = join(echo_logprobs, self._logprobs(out.new_logprobs, index))
+        choice["finish_reason"] = out.finish_reason if out.finished else None
+        extra = {"usage": None} if self.include_usage else {}
+        return self.envelope(self.chunk_object(), [choice], **extra)
+
+    async def _sse(
+        self, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
+    ) -> AsyncIterator[str]:
+        out, is_first = first, True
+        try:
+            while True:
+                if self.kind == "generate":  # SGLang's chunks carry the whole output so far
+                    self._text += out.text_delta
+                    self._ids += out.new_token_ids
+                if out.text_delta or out.finished or is_first or self.logprobs:
+                    yield f"data: {json.dumps(self.chunk(out, is_first))}\n\n"
+                    is_first = False
+                if out.finished:
+                    break
+                try:
+                    out = await anext(outputs)
+                except EngineDeadError as err:  # headers are sent: say so in the stream
+                    body = error_body(str(err), "service_unavailable", None, 503)
+                    yield f"data: {json.dumps(body)}\n\n"
+                    return
+            if self.include_usage and self.kind != "generate":
+                tail = self.envelope(self.chunk_object(), [], usage=self._usage(out))
+                yield f"data: {json.dumps(tail)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            await outputs.aclose()  # a client that left aborts the request and frees its KV
+
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.kind == "chat.completion" else self.kind
+
+
+def _native(out: RequestOutput, text: str, ids: list[int]) -> dict[str, Any]:
+    return {
+        "text": text,
+        "output_ids": ids,
+        "meta_info": {
+            "id": out.request_id,
+            "prompt_tokens": out.prompt_tokens,
+            "completion_tokens": out.num_output_tokens,
+            "cached_tokens": out.cached_tokens,
+            "finish_reason": out.finish_reason,
+        },
+    }
+
+
+async def _until_done(
+    first: RequestOutput, outputs: AsyncIterator[RequestOutput], request: Request
+) -> RequestOutput | None:
+    """The final output, or None if the client disconnects first (the request is aborted)."""
+    if first.finished:
+        return first
+
+    async def drain() -> RequestOutput:
+        last = first
+        async for out in outputs:
+            last = out
+        return last
+
+    return await unless_disconnected(drain(), outputs, request)
