@@ -352,10 +352,18 @@ def test_a_mooncake_outage_costs_hits_and_the_store_comes_back(llama_dir, master
         assert run(llm, 4) == reference[4]
         storage.flush_writes()
         assert time.monotonic() < deadline, storage.stats
-    hits = storage.stats.hit_pages
-    llm.engine.flush_cache()  # device and host emptied: only the store holds the pages
-    assert run(llm, 4) == reference[4]
-    assert storage.stats.hit_pages > hits
+    # Device and host emptied: only the store holds the pages. The client's reconnection can
+    # still fail a read or two (its RPCs time out under a loaded machine) and open the
+    # breaker for a moment, so the store counts as back once a run hits it.
+    deadline = time.monotonic() + 30
+    while True:
+        hits = storage.stats.hit_pages
+        llm.engine.flush_cache()
+        assert run(llm, 4) == reference[4]
+        if storage.stats.hit_pages > hits:
+            break
+        assert time.monotonic() < deadline, storage.stats
+        time.sleep(0.3)
     llm.engine.close()
 
 

@@ -44,8 +44,8 @@ def references(checkpoints) -> dict[str, list[list[int]]]:
 
 
 @pytest.mark.parametrize(
-    ("family", "tp"), [("llama", 2), ("qwen3", 4), ("deepseek-v3", 2)]
-)  # qwen3 at TP 4: two KV heads, each replicated on two ranks; DeepSeek: the latent on both
+    ("family", "tp"), [("llama", 2), ("llama", 4), ("qwen3", 2), ("qwen3", 4), ("deepseek-v3", 2)]
+)  # at TP 4 two KV heads are each replicated on two ranks; DeepSeek: the latent on both
 def test_greedy_outputs_equal_tp1_with_radix_and_host_tier(checkpoints, references, family, tp):
     with LLM(str(checkpoints[family]), tp_size=tp, **HOST) as llm:
         assert mixed_workload(llm) == references[family]
@@ -53,7 +53,7 @@ def test_greedy_outputs_equal_tp1_with_radix_and_host_tier(checkpoints, referenc
         assert stats.host_hit_tokens > 0 and stats.load_backs > 0
         assert llm.engine.scheduler.stats.num_cached_tokens > 0
         spec = llm.engine.kv_plan.spec
-        assert spec.tp == tp and spec.replicated == (family != "llama")
+        assert spec.tp == tp and spec.replicated == (family == "deepseek-v3" or tp > 2)
         # Replicated KV: one host copy per group of ranks holding it, written by one of them.
         assert (llm.engine.kv.host.share is not None) == spec.replicated
 
@@ -89,8 +89,10 @@ def test_a_node_budget_that_fits_one_rank_but_not_two_is_refused(llama_dir):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.count("host cache does not fit: 2 rank(s) ×") == 1
-    # Refused before any pool: the start-up table (printed before allocating) never appears.
+    # Refused before any pool: the start-up table (printed before allocating) never appears;
+    # the other rank refused too.
     assert "KV cache plan" not in proc.stderr
+    assert "rank 1 exited with status 2" in proc.stderr
     assert not _workers_left()
 
 
@@ -144,6 +146,8 @@ def test_server_with_tp2_answers_the_openai_client_and_a_dead_rank_gives_503(lla
         assert chat.choices[0].message.role == "assistant"
         metrics = httpx.get(f"{server.url}/metrics").text
         assert re.search(r"tierserve_cached_tokens_total\{tier=\"device\"\}", metrics)
+
+        assert "KV cache plan" in server.log_tail(10**6)  # printed when a start goes ahead
 
         workers = psutil.Process(server.proc.pid).children()
         assert len(workers) == 1

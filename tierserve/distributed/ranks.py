@@ -109,11 +109,12 @@ class Ranks:
         """Rank 0: the others have been told to stop; wait for the ones this process started."""
         self.closing.set()
         deadline = time.monotonic() + timeout_s
-        for worker in self.workers:
+        for i, worker in enumerate(self.workers, start=self.rank + 1):
             try:
                 worker.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 worker.kill()
+            logger.info("rank %d exited with status %s", i, worker.wait())
         if dist.is_initialized():
             dist.destroy_process_group()
         set_tp_group(TPGroup())  # a model built after this in the process is whole again

@@ -59,7 +59,12 @@ class Engine:
         # for the whole node, before any rank's weights or KV take memory.
         self.ranks = Ranks.start(args) if args.tp_size > 1 else None
         decide = lambda: Startup.from_args(args)  # noqa: E731
-        self.startup = startup = self.ranks.agree(decide) if self.ranks else decide()
+        try:
+            self.startup = startup = self.ranks.agree(decide) if self.ranks else decide()
+        except TierserveError:
+            if self.ranks is not None:
+                self.ranks.close()  # the other ranks refuse too: see them out before exiting
+            raise
         cfg, self.device, self.dtype = startup.config, startup.device, startup.dtype
         self.model_config, self.context_length = cfg, startup.context_length
         self.kv_plan = plan = startup.plan
