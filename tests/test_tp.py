@@ -44,7 +44,7 @@ def references(checkpoints) -> dict[str, list[list[int]]]:
 
 
 @pytest.mark.parametrize(
-    ("family", "tp"), [("llama", 2), ("llama", 4), ("qwen3", 2), ("qwen3", 4), ("deepseek-v3", 2)]
+    ("family", "tp"), [("llama", 2), ("qwen3", 4), ("deepseek-v3", 2)]
 )  # at TP 4 two KV heads are each replicated on two ranks; DeepSeek: the latent on both
 def test_greedy_outputs_equal_tp1_with_radix_and_host_tier(checkpoints, references, family, tp):
     with LLM(str(checkpoints[family]), tp_size=tp, **HOST) as llm:
@@ -126,7 +126,9 @@ def test_server_with_tp2_answers_the_openai_client_and_a_dead_rank_gives_503(lla
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
     with LLM(str(llama_dir), max_total_tokens=4096) as llm:
         want = llm.generate(prompt, params)[0]
-    server = Server(llama_dir, "--max-total-tokens", "4096", "--tp-size", "2")
+    server = Server(
+        llama_dir, "--max-total-tokens", "4096", "--tp-size", "2", "--log-level", "info"
+    )
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
         kw = dict(model=llama_dir.name, prompt=prompt, max_tokens=10, temperature=0)
@@ -181,9 +183,9 @@ def shared_segment_pss(llm: LLM) -> int:
 
 
 def fill_host(llm: LLM) -> tuple[list[list[int]], int]:
-    """Prompts of 3,000 tokens in all, each written through to the host tier; the outputs and
+    """Prompts of 2,000 tokens in all, each written through to the host tier; the outputs and
     the host bytes one copy holds."""
-    prompts = random_prompts(10, [300], seed=70)
+    prompts = random_prompts(8, [250], seed=70)
     outs = llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))
     written = llm.engine.kv.host.stats.host_written_tokens * llm.engine.kv_plan.spec.bytes_per_token
     return [o.token_ids for o in outs], written
