@@ -25,7 +25,11 @@ from tierserve.net import free_port
 from tierserve.planner import DEFAULT_MARGIN
 from tierserve.server.metrics import ServerMetrics
 
+# The ranks meet over gloo on CPU whatever the machine has (NCCL needs a GPU per rank), and the
+# one-process references run there too, so outputs compare exactly.
+CPU = dict(device="cpu")
 HOST = dict(
+    **CPU,
     max_total_tokens=480,
     chunked_prefill_size=128,
     enable_hierarchical_cache=True,
@@ -60,9 +64,9 @@ def test_greedy_outputs_equal_tp1_with_radix_and_host_tier(checkpoints, referenc
 
 def test_each_rank_holds_its_share_of_the_sharded_parameters(checkpoints):
     path = str(checkpoints["deepseek-v3"])
-    with LLM(path) as whole:
+    with LLM(path, **CPU) as whole:
         full = dict(whole.engine.runner.model.named_parameters())
-    with LLM(path, tp_size=2) as llm:
+    with LLM(path, tp_size=2, **CPU) as llm:
         model = llm.engine.runner.model
         sharded = shards_by_name(model)
         params = dict(model.named_parameters())
@@ -78,7 +82,16 @@ def test_each_rank_holds_its_share_of_the_sharded_parameters(checkpoints):
 def test_a_node_budget_that_fits_one_rank_but_not_two_is_refused(llama_dir):
     usable = psutil.virtual_memory().available - DEFAULT_MARGIN - 2 * 10**9  # minus overhead
     per_rank = int(usable * 0.7)  # one rank fits; two ranks ask 1.4× what the node has
-    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(llama_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tierserve.cli",
+        "serve",
+        "--model",
+        str(llama_dir),
+        "--device",
+        "cpu",
+    ]
     cmd += [
         "--tp-size",
         "2",
@@ -105,7 +118,16 @@ def _workers_left() -> list[psutil.Process]:
 
 
 def test_a_rank_killed_during_start_up_ends_the_others(llama_dir):
-    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(llama_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tierserve.cli",
+        "serve",
+        "--model",
+        str(llama_dir),
+        "--device",
+        "cpu",
+    ]
     proc = subprocess.Popen([*cmd, "--tp-size", "2"], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     worker = None
@@ -124,11 +146,12 @@ def test_a_rank_killed_during_start_up_ends_the_others(llama_dir):
 def test_server_with_tp2_answers_the_openai_client_and_a_dead_rank_gives_503(llama_dir):
     prompt = random_prompts(1, [40], seed=5)[0]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True, logprobs=2)
-    with LLM(str(llama_dir), max_total_tokens=4096) as llm:
+    with LLM(str(llama_dir), max_total_tokens=4096, **CPU) as llm:
         want = llm.generate(prompt, params)[0]
     server = Server(
-        llama_dir, "--max-total-tokens", "4096", "--tp-size", "2", "--log-level", "info"
-    )
+        llama_dir, "--max-total-tokens", "4096", "--tp-size", "2", "--log-level", "info",
+        "--device", "cpu",
+    )  # fmt: skip
     try:
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
         kw = dict(model=llama_dir.name, prompt=prompt, max_tokens=10, temperature=0)
@@ -195,7 +218,7 @@ def fill_host(llm: LLM) -> tuple[list[list[int]], int]:
 def test_the_host_tier_is_one_copy_per_node(tmp_path, family, tp, groups):
     path = make_checkpoint(tmp_path / family, family, **FAT_KV[family])
     common = dict(
-        tp_size=tp, max_total_tokens=4096, enable_hierarchical_cache=True, hicache_ratio=2
+        **CPU, tp_size=tp, max_total_tokens=4096, enable_hierarchical_cache=True, hicache_ratio=2
     )
     runs = {}
     for shared in (True, False):
@@ -227,15 +250,24 @@ def test_two_nodes_meet_on_loopback(llama_dir):
     rank 1 without HTTP, and leaves when rank 0 closes (one machine: rendezvous and flags)."""
     prompts = random_prompts(3, [20, 50], seed=9)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-    with LLM(str(llama_dir), max_total_tokens=2048) as llm:
+    with LLM(str(llama_dir), max_total_tokens=2048, **CPU) as llm:
         want = [o.token_ids for o in llm.generate(prompts, params)]
     addr = f"127.0.0.1:{free_port()}"
     dist = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
-    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(llama_dir)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "tierserve.cli",
+        "serve",
+        "--model",
+        str(llama_dir),
+        "--device",
+        "cpu",
+    ]
     node1 = subprocess.Popen([*cmd, *dist, "--node-rank", "1", "--max-total-tokens", "2048"])
     try:
         kw = dict(tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr)
-        with LLM(str(llama_dir), max_total_tokens=2048, **kw) as llm:
+        with LLM(str(llama_dir), max_total_tokens=2048, **CPU, **kw) as llm:
             assert llm.engine.ranks.workers == []  # one rank per node: nobody to start here
             assert [o.token_ids for o in llm.generate(prompts, params)] == want
         assert node1.wait(timeout=30) == 0

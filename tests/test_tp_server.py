@@ -41,6 +41,7 @@ from tests.test_structured_output import (  # noqa: F401
 
 @pytest.fixture(scope="module")
 def server(llama_dir) -> Iterator[Server]:
-    s = Server(llama_dir, "--max-total-tokens", "4096", "--body-timeout", "2", "--tp-size", "2")
+    flags = ("--max-total-tokens", "4096", "--body-timeout", "2", "--tp-size", "2")
+    s = Server(llama_dir, *flags, "--device", "cpu")  # gloo: one GPU per rank is not assumed
     yield s
     s.stop()
