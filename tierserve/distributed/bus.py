@@ -66,19 +66,21 @@ class CommandBus:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
         return [bool(x) for x in t.tolist()]
 
+    def share(self, value: object) -> object:
+        """Rank 0's `value` on every rank (the others pass None)."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
     def session(self) -> str:
         """A name rank 0 picks for this launch (shared-memory segments are named after it)."""
-        box = [uuid.uuid4().hex[:16] if self.leader else None]
-        dist.broadcast_object_list(box, src=0, group=self._group)
-        return str(box[0])
+        return str(self.share(uuid.uuid4().hex[:16] if self.leader else None))
 
     def exchange(self, step: bool = False, stop: bool = False) -> Message:
         """Rank 0 sends what happened since the last exchange; the others receive it."""
-        box: list[Message | None] = [None]
+        message = None
         if self.leader:
-            box[0] = Message(self._pending, step, stop)
-            self._pending = []
-        dist.broadcast_object_list(box, src=0, group=self._group)
-        message = box[0]
-        assert message is not None
-        return message
+            message, self._pending = Message(self._pending, step, stop), []
+        received = self.share(message)
+        assert isinstance(received, Message)
+        return received

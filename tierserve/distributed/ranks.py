@@ -55,6 +55,7 @@ class Ranks:
     session: str  # rank 0's name for this launch
     workers: list[subprocess.Popen] = field(default_factory=list)
     closing: threading.Event = field(default_factory=threading.Event)
+    threads: int = 0  # torch's CPU threads before this rank took its share of the cores
 
     @property
     def leader(self) -> bool:
@@ -75,6 +76,7 @@ class Ranks:
             workers = [_spawn(args, rank + i, addr) for i in range(1, local)]
             _watch(workers, closing)  # from now: a rank that dies, even before meeting, ends us
         cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        threads = torch.get_num_threads()
         if cuda:
             torch.cuda.set_device(rank % local)
         else:  # the node's ranks share its cores: more threads than cores only contend
@@ -88,19 +90,19 @@ class Ranks:
         )
         set_tp_group(TPGroup(rank, args.tp_size))
         bus = CommandBus(rank)
-        return cls(rank, args.tp_size, rank % local, bus, bus.session(), workers, closing)
+        session = bus.session()
+        return cls(rank, args.tp_size, rank % local, bus, session, workers, closing, threads)
 
     def agree(self, decide: Callable[[], T]) -> T:
         """Rank 0's `decide()`, on every rank; or its refusal, raised on every rank (rank 0's
         caller prints it once)."""
-        box: list[object] = [None]
+        outcome: tuple | None = None
         if self.leader:
             try:
-                box[0] = ("ok", decide())
+                outcome = ("ok", decide())
             except TierserveError as err:
-                box[0] = ("refused", err.message, err.field)
-        dist.broadcast_object_list(box, src=0)
-        kind, *rest = box[0]  # type: ignore[misc]
+                outcome = ("refused", err.message, err.field)
+        kind, *rest = self.bus.share(outcome)  # type: ignore[misc]
         if kind == "refused":
             raise TierserveError(rest[0], rest[1])
         return rest[0]
@@ -118,6 +120,7 @@ class Ranks:
         if dist.is_initialized():
             dist.destroy_process_group()
         set_tp_group(TPGroup())  # a model built after this in the process is whole again
+        torch.set_num_threads(self.threads)
 
 
 def _spawn(args: EngineArgs, rank: int, addr: str) -> subprocess.Popen:
