@@ -91,6 +91,8 @@ class Engine:
         self._requests: dict[str, Request] = {}
         self._default_generator = torch.Generator().manual_seed(args.seed)
         self.grammars = Grammars(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+        if self.ranks is not None:  # ready when every rank is: rank 0 serves only then
+            self.ranks.bus.barrier()
 
     @staticmethod
     def vocab_size_of(model_path: str) -> int:
