@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -191,6 +192,11 @@ def random_prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]
 
 
 # --- a real server, for the tests that speak HTTP -------------------------------------------
+
+
+def serve_cmd(model: Path, *flags: str) -> list[str]:
+    """`tierserve serve --model MODEL FLAGS...` as a subprocess command line."""
+    return [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(model), *flags]
 
 
 class Server(ServerProcess):

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.conftest import random_prompts
+from tests.conftest import random_prompts, serve_cmd
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.cache.host_sizing import startup_table
 from tierserve.units import format_bytes
@@ -137,17 +137,7 @@ def test_oversized_host_tier_is_refused_with_the_arithmetic(llama_dir):
 def test_serve_exits_2_within_seconds_allocating_nothing(llama_dir):
     start = time.monotonic()
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tierserve.cli",
-            "serve",
-            "--model",
-            str(llama_dir),
-            "--enable-hierarchical-cache",
-            "--hicache-node-size",
-            "50TB",
-        ],
+        serve_cmd(llama_dir, "--enable-hierarchical-cache", "--hicache-node-size", "50TB"),
         capture_output=True,
         text=True,
         timeout=120,
@@ -272,7 +262,7 @@ def test_a_pool_bigger_than_ram_is_refused_with_what_fits(llama_dir):
 )
 def test_serve_refuses_bad_sizes_with_one_line_and_status_2(llama_dir, flags):
     proc = subprocess.run(
-        [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(llama_dir), *flags],
+        serve_cmd(llama_dir, *flags),
         capture_output=True,
         text=True,
         timeout=120,

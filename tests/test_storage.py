@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from tests.conftest import Server, random_prompts
+from tests.conftest import Server, random_prompts, serve_cmd
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.cache.spec import KVSpec
 from tierserve.storage.backend import register
@@ -391,9 +391,9 @@ def test_objects_overwritten_in_mooncake_are_caught_and_recomputed(llama_dir, ma
 
 def test_the_start_up_plan_counts_mooncakes_ram_and_refuses_what_does_not_fit(llama_dir):
     extra = {"global_segment_size": "10TB", "local_buffer_size": "1GiB"}
-    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(llama_dir),
-           "--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake",
-           "--hicache-storage-backend-extra-config", json.dumps(extra), "--dry-run"]  # fmt: skip
+    cmd = serve_cmd(llama_dir, "--enable-hierarchical-cache", "--hicache-storage-backend",
+                    "mooncake", "--hicache-storage-backend-extra-config", json.dumps(extra),
+                    "--dry-run")  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert "overhead" in done.stderr and "Traceback" not in done.stderr

@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import httpx
@@ -16,7 +15,7 @@ import openai
 import psutil
 import pytest
 
-from tests.conftest import Server, make_checkpoint, random_prompts
+from tests.conftest import Server, make_checkpoint, random_prompts, serve_cmd
 from tests.test_hicache import mixed_workload
 from tierserve import LLM, SamplingParams
 from tierserve.bench.client import parse_prometheus
@@ -82,16 +81,7 @@ def test_each_rank_holds_its_share_of_the_sharded_parameters(checkpoints):
 def test_a_node_budget_that_fits_one_rank_but_not_two_is_refused(llama_dir):
     usable = psutil.virtual_memory().available - DEFAULT_MARGIN - 2 * 10**9  # minus overhead
     per_rank = int(usable * 0.7)  # one rank fits; two ranks ask 1.4× what the node has
-    cmd = [
-        sys.executable,
-        "-m",
-        "tierserve.cli",
-        "serve",
-        "--model",
-        str(llama_dir),
-        "--device",
-        "cpu",
-    ]
+    cmd = serve_cmd(llama_dir, "--device", "cpu")
     cmd += [
         "--tp-size",
         "2",
@@ -118,16 +108,7 @@ def _workers_left() -> list[psutil.Process]:
 
 
 def test_a_rank_killed_during_start_up_ends_the_others(llama_dir):
-    cmd = [
-        sys.executable,
-        "-m",
-        "tierserve.cli",
-        "serve",
-        "--model",
-        str(llama_dir),
-        "--device",
-        "cpu",
-    ]
+    cmd = serve_cmd(llama_dir, "--device", "cpu")
     proc = subprocess.Popen([*cmd, "--tp-size", "2"], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     worker = None
@@ -262,16 +243,7 @@ def test_two_nodes_meet_on_loopback(llama_dir):
         want = [o.token_ids for o in llm.generate(prompts, params)]
     addr = f"127.0.0.1:{free_port()}"
     dist = ["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr]
-    cmd = [
-        sys.executable,
-        "-m",
-        "tierserve.cli",
-        "serve",
-        "--model",
-        str(llama_dir),
-        "--device",
-        "cpu",
-    ]
+    cmd = serve_cmd(llama_dir, "--device", "cpu")
     node1 = subprocess.Popen([*cmd, *dist, "--node-rank", "1", "--max-total-tokens", "2048"])
     try:
         kw = dict(tp_size=2, nnodes=2, node_rank=0, dist_init_addr=addr)
