@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from tierserve.config import EngineArgs
 from tierserve.distributed.bus import CommandBus
+from tierserve.engine.startup import resolve_device
 from tierserve.errors import TierserveError
 from tierserve.layers.parallel import TPGroup, set_tp_group
 from tierserve.net import free_port
@@ -75,7 +76,7 @@ class Ranks:
             addr = args.dist_init_addr or f"127.0.0.1:{free_port()}"
             workers = [_spawn(args, rank + i, addr) for i in range(1, local)]
             _watch(workers, closing)  # from now: a rank that dies, even before meeting, ends us
-        cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+        cuda = resolve_device(args.device).type == "cuda"
         threads = torch.get_num_threads()
         if cuda:
             torch.cuda.set_device(rank % local)
