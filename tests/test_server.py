@@ -402,6 +402,37 @@ def test_hostile_bodies_get_openai_400s(server, route, body):
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 
+JSON = {"content-type": "application/json"}
+
+
+def _nested(depth: int, kind: str) -> str:
+    return "[" * depth + "]" * depth if kind == "list" else '{"a":' * depth + "1" + "}" * depth
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions", "/generate"])
+@pytest.mark.parametrize(("depth", "kind"), [(400, "dict"), (1000, "list"), (10_000, "dict")])
+def test_deeply_nested_bodies_are_400s_naming_the_limit(server, route, depth, kind):
+    """Nesting that once ran a walk out of stack (a 500 with a RecursionError) is refused
+    before anything parses it; a body at the limit is still read."""
+    head = {
+        "/v1/completions": '{"prompt": "A", "max_tokens": 1, ',
+        "/v1/chat/completions": '{"messages": [{"role": "user", "content": "A"}], "max_tokens": 1, ',
+        "/generate": '{"text": "A", "sampling_params": {"max_new_tokens": 1}, ',
+    }[route]
+    reply = httpx.post(
+        f"{server.url}{route}",
+        content=(head + '"foo": ' + _nested(depth, kind) + "}").encode(),
+        headers=JSON,
+    )
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["type"] == "invalid_request_error" and "128 levels" in error["message"]
+    if route != "/generate":  # /generate forbids unknown fields: there a shallow one is a 400
+        shallow = head + '"foo": ' + _nested(100, kind) + "}"
+        ok = httpx.post(f"{server.url}{route}", content=shallow.encode(), headers=JSON, timeout=60)
+        assert ok.status_code == 200, ok.text
+
+
 @pytest.mark.parametrize(
     ("method", "path", "status"), [("GET", "/nope", 404), ("GET", "/generate", 405)]
 )

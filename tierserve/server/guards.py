@@ -1,5 +1,5 @@
-"""What stands before the routes, as plain ASGI middleware: the API key, and the body's size
-and read time.
+"""What stands before the routes, as plain ASGI middleware: the API key, and the body's size,
+read time and nesting depth.
 
 Plain ASGI, not Starlette's BaseHTTPMiddleware, because that one hides a client's disconnect
 from the route (non-streaming requests of a client that left ran to the end). Both answer with
@@ -15,6 +15,8 @@ import time
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tierserve.server.json_depth import JsonDepthGauge
 
 # Routes that need the key when the server has one (vLLM's choice: health and metrics stay open
 # for load balancers and scrapers).
@@ -50,7 +52,8 @@ class ApiKey:
 class BodyLimit:
     """Counts the bytes actually received, so a chunked body (no Content-Length) is held to the
     limit too, and gives the whole body `timeout_s` to arrive, so a client trickling bytes
-    cannot hold a request open (413 and 408). Messages after the body pass untouched: the
+    cannot hold a request open (413 and 408), and refuses a body that nests deeper than any
+    parser or walk after it may recurse (400). Messages after the body pass untouched: the
     routes still see a disconnect at once."""
 
     def __init__(self, app: ASGIApp, max_bytes: int, timeout_s: float) -> None:
@@ -67,6 +70,7 @@ class BodyLimit:
             return
         deadline = time.monotonic() + self.timeout_s
         received, refusal, body_done, started = 0, None, False, False
+        gauge = JsonDepthGauge()
 
         async def guarded_receive() -> Message:
             nonlocal received, refusal, body_done
@@ -84,6 +88,9 @@ class BodyLimit:
                 body_done = not message.get("more_body", False)
                 if received > self.max_bytes:
                     refusal = (413, f"request body over {self.max_bytes} bytes")
+                    return {"type": "http.disconnect"}
+                if not gauge.feed(message.get("body", b"")):
+                    refusal = (400, f"request body nests deeper than {gauge.limit} levels")
                     return {"type": "http.disconnect"}
             return message
 

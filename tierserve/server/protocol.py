@@ -39,17 +39,21 @@ UNSUPPORTED_FIELDS = frozenset(
 
 def _lone_surrogate(value: Any) -> bool:
     """Whether any string in `value` (nested lists and dicts too) cannot be UTF-8: JSON lets a
-    client send a lone UTF-16 surrogate ("\\ud800"), which no tokenizer or response can carry."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            return True
-        return False
-    if isinstance(value, dict):
-        return any(_lone_surrogate(k) or _lone_surrogate(v) for k, v in value.items())
-    if isinstance(value, list):
-        return any(_lone_surrogate(v) for v in value)
+    client send a lone UTF-16 surrogate ("\\ud800"), which no tokenizer or response can carry.
+    A loop, not recursion: no nesting can run it out of stack."""
+    todo = [value]
+    while todo:
+        item = todo.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            todo += item.keys()
+            todo += item.values()
+        elif isinstance(item, list):
+            todo += item
     return False
 
 
@@ -189,10 +193,21 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: bool = False
 
+    @property
+    def prompt_only(self) -> bool:
+        """`echo` with `max_tokens: 0`: score the prompt and generate nothing (OpenAI's legacy
+        completions; what older lm-evaluation-harness versions send)."""
+        return self.echo and self.max_tokens == 0
+
     def sampling_params(self) -> SamplingParams:
         """With `echo` and `logprobs`, the prompt's tokens get logprobs too (lm-eval's
-        loglikelihood requests)."""
-        params = super().sampling_params()
+        loglikelihood requests). A prompt-only request runs one step, whose token is dropped."""
+        if self.max_tokens == 0 and not self.echo:
+            raise TierserveError("max_tokens 0 generates nothing: it needs echo", "max_tokens")
+        body = (
+            self.model_copy(update={"max_tokens": 1, "min_tokens": 0}) if self.prompt_only else self
+        )
+        params = SamplingFields.sampling_params(body)
         if self.echo and params.logprobs is not None:
             params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
         return params
