@@ -135,7 +135,33 @@ def test_echo_returns_the_prompt_and_its_logprobs_streamed_and_not(llama_dir, of
     for chunk in streamed:
         for choice in chunk.choices:
             scored.setdefault(choice.index, []).extend(choice.logprobs.token_logprobs)
-    got = [scored[i] for i in range(2)]
-    assert got == [c.logprobs.token_logprobs for c in sorted(whole.choices, key=lambda c: c.index)]
+    wanted = [c.logprobs.token_logprobs for c in sorted(whole.choices, key=lambda c: c.index)]
+    for got, want in zip((scored[i] for i in range(2)), wanted, strict=True):
+        # The same values to float noise: the batch each row ran in may differ between runs.
+        assert got[0] is None and got[1:] == pytest.approx(want[1:], abs=1e-5)
     text = client.completions.create(model=llama_dir.name, prompt="Hello", echo=True, max_tokens=2)
     assert text.choices[0].text.startswith("Hello") and text.choices[0].logprobs is None
+
+
+def test_echo_with_max_tokens_zero_scores_the_prompt_only(llama_dir, offline, client):
+    """OpenAI's legacy completions (and older lm-evaluation-harness): echo, logprobs and
+    max_tokens 0 answer the prompt's logprobs, equal to transformers', and no completion
+    token, streamed and not; without echo, max_tokens 0 is a 400."""
+    prompt = PROMPTS[1]
+    kw = dict(model=llama_dir.name, prompt=prompt, max_tokens=0, echo=True, logprobs=2)
+    whole = client.completions.create(**kw)
+    choice = whole.choices[0]
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(prompt) and lp.token_logprobs[0] is None
+    ref = hf_logprobs(llama_dir, prompt, [], start=1)
+    want = ref[torch.arange(len(prompt) - 1), prompt[1:]].tolist()
+    assert lp.token_logprobs[1:] == pytest.approx(want, abs=1e-4)
+    assert choice.text == offline.tokenizer.decode(prompt)
+    assert choice.finish_reason == "length"
+    assert whole.usage.completion_tokens == 0 and whole.usage.prompt_tokens == len(prompt)
+    chunks = list(client.completions.create(stream=True, **kw))
+    streamed = [t for c in chunks for ch in c.choices for t in ch.logprobs.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-5)
+    assert "".join(ch.text for c in chunks for ch in c.choices) == choice.text
+    with pytest.raises(openai.BadRequestError, match="needs echo"):
+        client.completions.create(model=llama_dir.name, prompt=prompt, max_tokens=0)

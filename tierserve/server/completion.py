@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator
@@ -39,6 +40,7 @@ class Completion:
         self.include_usage = bool(body and body.include_usage)
         self.stream = bool(body and body.stream)
         self.echo = bool(getattr(body, "echo", False))  # completions only
+        self.prompt_only = bool(getattr(body, "prompt_only", False))
         prefix = {"text_completion": "cmpl", "chat.completion": "chatcmpl"}.get(kind, "gen")
         self.id = new_id(prefix)
         self.created = now()
@@ -71,7 +73,7 @@ class Completion:
                 if first_at is None:
                     first_at = time.perf_counter()
                     self.metrics.ttft.observe(first_at - start)
-                yield out
+                yield _without_output(out) if self.prompt_only else out
         except TierserveError:
             raise  # a 400: the request never ran, so it is neither finished nor aborted
         except BaseException:
@@ -183,6 +185,15 @@ class Completion:
 
     def chunk_object(self) -> str:
         return "chat.completion.chunk" if self.kind == "chat.completion" else self.kind
+
+
+def _without_output(out: RequestOutput) -> RequestOutput:
+    """A prompt-only request's output: the prompt's part, none of the token its step sampled."""
+    empty: dict[str, Any] = dict(new_token_ids=[], token_ids=[], new_logprobs=[], logprobs=[])
+    reason = "length" if out.finished else None
+    return dataclasses.replace(
+        out, **empty, text_delta="", text="", num_output_tokens=0, finish_reason=reason
+    )
 
 
 def _native(out: RequestOutput, text: str, ids: list[int]) -> dict[str, Any]:
