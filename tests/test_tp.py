@@ -253,3 +253,25 @@ def test_two_nodes_meet_on_loopback(llama_dir):
         assert node1.wait(timeout=30) == 0
     finally:
         node1.kill()
+
+
+def test_a_stopped_rank_trips_the_watchdog_503_and_exit(llama_dir):
+    """SIGSTOP (not SIGKILL) on the worker: its sockets stay open, so rank 0's collective would
+    wait; past --watchdog-timeout, /health and the request in flight answer 503 and the server
+    exits non-zero, leaving no rank behind."""
+    server = Server(
+        llama_dir, "--max-total-tokens", "4096", "--tp-size", "2", "--device", "cpu",
+        "--watchdog-timeout", "5",
+    )  # fmt: skip
+    try:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        (worker,) = psutil.Process(server.proc.pid).children()
+        worker.send_signal(signal.SIGSTOP)
+        body = {"prompt": [5] * 20, "max_tokens": 50, "ignore_eos": True}
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 503 and "no engine step completed" in reply.text
+        assert httpx.get(f"{server.url}/health").status_code == 503  # until it closes its port
+        assert server.proc.wait(timeout=60) != 0
+        assert not psutil.pid_exists(worker.pid) or worker.status() == psutil.STATUS_ZOMBIE
+    finally:
+        server.stop()

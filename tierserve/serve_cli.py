@@ -9,10 +9,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import threading
 from pathlib import Path
 
 from tierserve.config import EngineArgs, default_model
 from tierserve.errors import TierserveError
+from tierserve.server.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,11 +45,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: 30; uvicorn has no header timeout: see docs/server.md)",
     )
     parser.add_argument(
+        "--watchdog-timeout",
+        type=float,
+        default=DEFAULT_WATCHDOG_TIMEOUT_S,
+        help="seconds one engine step may take; past that (a hung rank, a stuck collective) "
+        "/health and every request answer 503 and the server exits 1 "
+        f"(default: {DEFAULT_WATCHDOG_TIMEOUT_S:g}, SGLang's)",
+    )
+    parser.add_argument(
         "--max-queued-requests",
         type=int,
         default=None,
         help="answer 503 to new requests while this many wait for admission (default: no bound)",
     )
+
+
+# How long a failed server still answers /health with 503 before it closes its port.
+FAILURE_GRACE_S = 2.0
+
+
+def _later(delay_s: float, server: object) -> None:
+    timer = threading.Timer(delay_s, setattr, (server, "should_exit", True))
+    timer.daemon = True
+    timer.start()
 
 
 def served_model_name(args: EngineArgs, override: str | None = None) -> str:
@@ -71,7 +91,7 @@ def run(ns: argparse.Namespace) -> int:
 
     from tierserve.engine.engine import Engine
     from tierserve.server.api import ServerLimits, create_app
-    from tierserve.server.async_engine import AsyncEngine
+    from tierserve.server.async_engine import AsyncEngine, EngineHungError
 
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     args = EngineArgs.from_cli(ns)
@@ -85,6 +105,11 @@ def run(ns: argparse.Namespace) -> int:
             f"body_timeout must be in (0, 1e6) seconds, got {ns.body_timeout}",
             field="body_timeout",
         )
+    if not 0 < ns.watchdog_timeout < 1e6:
+        raise TierserveError(
+            f"watchdog_timeout must be in (0, 1e6) seconds, got {ns.watchdog_timeout}",
+            field="watchdog_timeout",
+        )
     if ns.dry_run:
         return dry_run(args)
     engine = Engine(args)  # raises TierserveError (exit 2) before anything listens
@@ -93,7 +118,7 @@ def run(ns: argparse.Namespace) -> int:
         return 0
     name = served_model_name(args, ns.served_model_name)
     limits = ServerLimits(ns.api_key or None, ns.max_queued_requests, ns.body_timeout)
-    async_engine = AsyncEngine(engine)
+    async_engine = AsyncEngine(engine, watchdog_timeout_s=ns.watchdog_timeout)
     app = create_app(async_engine, name, limits)
     logger = logging.getLogger("tierserve")
     logger.info("serving %s on http://%s:%d/v1", name, ns.host, ns.port)
@@ -105,10 +130,15 @@ def run(ns: argparse.Namespace) -> int:
         timeout_graceful_shutdown=120,  # SIGTERM: finish in-flight requests, then exit
     )
     server = uvicorn.Server(config)
-    # A dead engine loop cannot be revived in place: shut down (the waiting calls have their
-    # 503s) and exit non-zero, so a supervisor restarts the server.
-    async_engine.on_failure = lambda: setattr(server, "should_exit", True)
+    # A dead or hung engine loop cannot be revived in place: answer 503 for a moment (a
+    # router's health probe sees it), then shut down and exit non-zero, so a supervisor
+    # restarts the server.
+    async_engine.on_failure = lambda: _later(FAILURE_GRACE_S, server)
     server.run()
+    if isinstance(async_engine.error, EngineHungError):
+        logger.error("exiting with status 1: %s", async_engine.error)
+        logging.shutdown()
+        os._exit(1)  # the engine thread is stuck in a step: no orderly teardown can finish
     if async_engine.error is not None:
         logger.error("exiting with status 1: the engine loop failed: %r", async_engine.error)
         return 1

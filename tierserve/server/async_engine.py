@@ -23,6 +23,7 @@ from tierserve.engine.output import OutputBuilder
 from tierserve.engine.request import Request, RequestOutput, StepOutput
 from tierserve.errors import TierserveError
 from tierserve.sampling_params import SamplingParams
+from tierserve.server.watchdog import StepGate, StepWatchdog
 
 logger = logging.getLogger("tierserve")
 
@@ -31,12 +32,26 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class EngineHungError(EngineDeadError):
+    """A step outlived --watchdog-timeout: the engine thread is stuck inside it."""
+
+
 class AsyncEngine:
-    def __init__(self, engine: Engine, on_failure: Callable[[], None] | None = None) -> None:
-        """`on_failure` runs on the engine thread once the loop has died and every waiting
-        call has its 503: the server uses it to shut down and exit non-zero."""
+    def __init__(
+        self,
+        engine: Engine,
+        on_failure: Callable[[], None] | None = None,
+        watchdog_timeout_s: float | None = None,
+    ) -> None:
+        """`on_failure` runs once the loop has died (on the engine thread) or hung (on the
+        watchdog's) and every waiting call has its 503: the server uses it to shut down and
+        exit non-zero."""
         self.engine = engine
         self.on_failure = on_failure
+        self._gate = StepGate()
+        self._watchdog = (
+            StepWatchdog(watchdog_timeout_s, self._hung) if watchdog_timeout_s else None
+        )
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -46,10 +61,16 @@ class AsyncEngine:
 
     def start(self) -> None:
         self._thread.start()
+        if self._watchdog is not None:
+            self._watchdog.start()
 
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        if self._watchdog is not None:
+            self._watchdog.stop()
+        if isinstance(self.error, EngineHungError):
+            return  # the engine thread is stuck in a step: nothing can close it in order
         self._thread.join(timeout=30)
         self.engine.close()
 
@@ -104,21 +125,48 @@ class AsyncEngine:
 
     def _run(self) -> None:
         try:
-            while not self._stop.is_set():
+            while not self._stop.is_set() and self.error is None:
                 self._drain_inbox()
                 if not self.engine.has_unfinished():
                     self._wake.wait(timeout=0.1)
                     self._wake.clear()
                     continue
-                self._hand_over(self.engine.step())
+                if not self._gate.take():  # a test holds the next step
+                    self._wake.wait(timeout=0.01)
+                    self._wake.clear()
+                    continue
+                self._hand_over(self._timed_step())
         except BaseException as err:  # a bug, not bad input: say so everywhere, then stop
             logger.exception("engine loop failed; the server now answers 503")
-            self.error = err
-            for rid in list(self._streams):
-                self._deliver(rid, err)
-            self._fail_pending()
-            if self.on_failure is not None:
-                self.on_failure()
+            self._fail(err)
+
+    def _timed_step(self) -> list[StepOutput]:
+        if self._watchdog is None:
+            return self.engine.step()
+        self._watchdog.step_started()
+        try:
+            return self.engine.step()
+        finally:
+            self._watchdog.step_ended()
+
+    def _hung(self, timeout_s: float) -> None:
+        """On the watchdog's thread: the engine thread is stuck in a step. Tensor-parallel
+        ranks are ended, so the server goes the way a dead rank takes it."""
+        self._fail(EngineHungError(f"no engine step completed in {timeout_s:g} s"))
+        ranks = self.engine.ranks
+        for worker in ranks.workers if ranks is not None else ():
+            worker.kill()
+
+    def _fail(self, err: BaseException) -> None:
+        """Say so everywhere, once: every stream and waiting call gets its 503."""
+        if self.error is not None:
+            return
+        self.error = err
+        for rid in list(self._streams):
+            self._deliver(rid, err)
+        self._fail_pending()
+        if self.on_failure is not None:
+            self.on_failure()
 
     def _fail_pending(self) -> None:
         """Answer every call still in the inbox with the loop's failure."""

@@ -1,0 +1,83 @@
+"""The step watchdog (SGLang's `--watchdog-timeout`) and the test-only step gate.
+
+A step that never returns (a tensor-parallel rank stopped by SIGSTOP, a collective waiting on a
+peer that hangs) used to hang every stream while /health said 200. The watchdog is a thread that
+watches the engine loop's current step: once one has run longer than the timeout, the server
+fails every request with a 503, answers /health with 503 and exits non-zero, the way a dead rank
+ends it. Time spent idle, or held at the test gate, is not a step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+logger = logging.getLogger("tierserve")
+
+# SGLang's default. The longest step this server takes is one chunked prefill of
+# --chunked-prefill-size tokens (seconds on a CPU) or a storage read bounded by its own timeout;
+# a tensor-parallel collective gives up after two minutes (distributed/ranks.py) before this.
+DEFAULT_WATCHDOG_TIMEOUT_S = 300.0
+# Tests order the engine's steps through this file: absent, steps run freely; holding N, N more
+# steps may start (each takes one); holding 0, the loop waits before its next step, still taking
+# requests and aborts. Read only when the variable is set.
+STEP_GATE_ENV = "TIERSERVE_TEST_STEP_GATE"
+
+
+class StepWatchdog:
+    """Calls `on_hang(seconds)` once, from its own thread, when a step outlives `timeout_s`."""
+
+    def __init__(self, timeout_s: float, on_hang: Callable[[float], None]) -> None:
+        self.timeout_s = timeout_s
+        self._on_hang = on_hang
+        self._step_started: float | None = None
+        self._stop = threading.Event()
+        self.fired = False
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="tierserve-watchdog", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def step_started(self) -> None:
+        self._step_started = time.monotonic()
+
+    def step_ended(self) -> None:
+        self._step_started = None
+
+    def _run(self) -> None:
+        poll = min(1.0, self.timeout_s / 4)
+        while not self._stop.wait(poll):
+            started = self._step_started
+            if started is not None and time.monotonic() - started > self.timeout_s:
+                self.fired = True
+                message = "no engine step completed in %g s (--watchdog-timeout)"
+                logger.error(message, self.timeout_s)
+                self._on_hang(self.timeout_s)
+                return
+
+
+class StepGate:
+    """The test-only gate before each step (STEP_GATE_ENV); open when the variable is unset."""
+
+    def __init__(self, path: str | None = None) -> None:
+        path = path if path is not None else os.environ.get(STEP_GATE_ENV)
+        self.path = Path(path) if path else None
+
+    def take(self) -> bool:
+        """Whether the next step may start now (taking one from the gate's count)."""
+        if self.path is None:
+            return True
+        try:
+            left = int(self.path.read_text().strip() or 0)
+        except FileNotFoundError:
+            return True
+        if left <= 0:
+            return False
+        self.path.write_text(str(left - 1))
+        return True
