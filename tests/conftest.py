@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -16,6 +17,7 @@ import torch
 from tierserve import LLM
 from tierserve.bench.client import parse_prometheus
 from tierserve.bench.compare import ServerProcess
+from tierserve.server.watchdog import STEP_GATE_ENV
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -199,15 +201,39 @@ def serve_cmd(model: Path, *flags: str) -> list[str]:
     return [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(model), *flags]
 
 
+def hold_steps(gate: Path, steps: int = 0) -> None:
+    """Let an engine under STEP_GATE_ENV = `gate` start `steps` more steps, then wait."""
+    part = gate.with_suffix(".part")
+    part.write_text(str(steps))
+    part.replace(gate)  # whole, never half-written, when the engine reads it
+
+
 class Server(ServerProcess):
-    """`tierserve serve` in a subprocess (the benchmark's launcher), plus its parsed /metrics."""
+    """`tierserve serve` in a subprocess (the benchmark's launcher), plus its parsed /metrics
+    and its step gate: tests order its steps with `hold_steps` and `release_steps`, never by
+    how fast the machine runs them."""
 
     def __init__(self, model: Path, *flags: str) -> None:
-        log = Path(tempfile.mkdtemp()) / "server.log"
-        super().__init__(str(model), flags, log, startup_timeout_s=180)
+        root = Path(tempfile.mkdtemp())
+        self.gate = root / "step-gate"
+        env = {**os.environ, STEP_GATE_ENV: str(self.gate)}
+        super().__init__(str(model), flags, root / "server.log", startup_timeout_s=180, env=env)
 
     def metrics(self) -> dict[str, float]:
         return parse_prometheus(httpx.get(f"{self.url}/metrics").text)
+
+    def hold_steps(self, steps: int = 0) -> None:
+        hold_steps(self.gate, steps)
+
+    def release_steps(self) -> None:
+        self.gate.unlink(missing_ok=True)
+
+    def wait_for(self, ready: Callable[[dict[str, float]], bool], timeout_s: float = 60) -> None:
+        """Poll /metrics until `ready(metrics)` (bounded: a hang fails the test, never blocks)."""
+        deadline = time.monotonic() + timeout_s
+        while not ready(self.metrics()):
+            assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {self.metrics()}"
+            time.sleep(0.02)
 
 
 @pytest.fixture(scope="module")

@@ -9,16 +9,17 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import Server, random_prompts
+from tests.conftest import Server, hold_steps, random_prompts
 from tierserve import LLM, SamplingParams
 from tierserve.net import free_port
+from tierserve.server.watchdog import STEP_GATE_ENV
 
 
 def test_completion_matches_offline_and_reports_usage(client, offline):
@@ -178,7 +179,12 @@ def test_aborted_streams_free_their_kv(server):
         async with httpx.AsyncClient(base_url=server.url, timeout=60) as client:
             await asyncio.gather(*(abort_half_way(client, i) for i in range(20)))
 
-    asyncio.run(run())
+    # 60 steps give each stream its 5 chunks and no stream its 400 tokens, however fast.
+    server.hold_steps(60)
+    try:
+        asyncio.run(run())
+    finally:
+        server.release_steps()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         m = server.metrics()
@@ -293,9 +299,17 @@ def test_batch_runner_resumes_after_a_kill(llama_dir, tmp_path):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_batch_input(src, 40)
     cmd = batch_command(src, out, "--model", str(llama_dir))
-    first = subprocess.Popen(cmd, stderr=subprocess.PIPE)
+    # 150 steps finish some lines (4 at a time, 24 tokens each) but never all 40: then the run
+    # holds, and is killed part-way however fast the machine is.
+    gate = tmp_path / "gate"
+    hold_steps(gate, 150)
+    first = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, env={**os.environ, STEP_GATE_ENV: str(gate)}
+    )
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and (not out.exists() or out.read_text().count("\n") < 5):
+    while time.monotonic() < deadline and (
+        gate.read_text() != "0" or not out.exists() or out.read_text().count("\n") < 5
+    ):
         time.sleep(0.05)
     os.kill(first.pid, signal.SIGKILL)
     first.wait()
@@ -416,7 +430,8 @@ def test_deeply_nested_bodies_are_400s_naming_the_limit(server, route, depth, ki
     before anything parses it; a body at the limit is still read."""
     head = {
         "/v1/completions": '{"prompt": "A", "max_tokens": 1, ',
-        "/v1/chat/completions": '{"messages": [{"role": "user", "content": "A"}], "max_tokens": 1, ',
+        "/v1/chat/completions": '{"messages": [{"role": "user", "content": "A"}], '
+        '"max_tokens": 1, ',
         "/generate": '{"text": "A", "sampling_params": {"max_new_tokens": 1}, ',
     }[route]
     reply = httpx.post(
@@ -461,24 +476,30 @@ def test_chunked_bodies_are_held_to_the_limit(server):
 
 
 def test_a_non_streaming_client_that_leaves_aborts_its_request(server):
+    """The engine may run three steps (the prefill and two decodes), then holds: the request
+    is running, unfinished, when its client gives up, however fast the machine is."""
     before = server.metrics()
     body = {"prompt": [9] * 40, "max_tokens": 1500, "ignore_eos": True}
-    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-        httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=2))
     aborts = "tierserve_requests_total{status=abort}"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:  # the server notices within its 0.25 s poll
-        m = server.metrics()
-        if m.get(aborts, 0) > before.get(aborts, 0) and m["tierserve_num_requests_running"] == 0:
-            break
-        time.sleep(0.2)
+    server.hold_steps(3)
+    try:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=2))
+        server.wait_for(
+            lambda m: (
+                m.get(aborts, 0) > before.get(aborts, 0)
+                and m["tierserve_num_requests_running"] == 0
+            )
+        )
+    finally:
+        server.release_steps()
     after = server.metrics()
     assert after["tierserve_num_requests_running"] == 0
     assert after.get(aborts, 0) - before.get(aborts, 0) == 1
     generated = (
         after["tierserve_generation_tokens_total"] - before["tierserve_generation_tokens_total"]
     )
-    assert generated < 1500
+    assert generated == 3  # one token a step: the three the gate let run, none after the abort
 
 
 def test_api_key_and_a_bounded_waiting_queue(llama_dir):
@@ -506,15 +527,27 @@ def test_api_key_and_a_bounded_waiting_queue(llama_dir):
             body = {"prompt": [5] * 20, "max_tokens": 600, "ignore_eos": True}
             async with httpx.AsyncClient(base_url=s.url, headers=headers, timeout=120) as h:
 
-                async def one(delay: float) -> int:
-                    await asyncio.sleep(delay)
-                    return (await h.post("/v1/completions", json=body)).status_code
+                def send() -> asyncio.Future:
+                    return asyncio.ensure_future(h.post("/v1/completions", json=body))
 
-                # One runs, one waits, the third finds the queue full.
-                return await asyncio.gather(one(0), one(0.5), one(1.0))
+                async def until(ready: Callable[[dict[str, float]], bool]) -> None:
+                    await asyncio.to_thread(s.wait_for, ready)
 
-        codes = asyncio.run(burst())
-        assert sorted(codes) == [200, 200, 503], codes
+                # One runs, one waits, the third finds the queue full; the engine's steps are
+                # held, so none finishes before the test says.
+                s.hold_steps(0)
+                first = send()
+                await until(lambda m: m["tierserve_num_requests_waiting"] == 1)
+                s.hold_steps(1)  # one step: the first is admitted and prefilled
+                await until(lambda m: m["tierserve_num_requests_running"] == 1)
+                await until(lambda m: m["tierserve_num_requests_waiting"] == 0)
+                second = send()
+                await until(lambda m: m["tierserve_num_requests_waiting"] == 1)
+                third = (await h.post("/v1/completions", json=body)).status_code
+                s.release_steps()
+                return [(await first).status_code, (await second).status_code, third]
+
+        assert asyncio.run(burst()) == [200, 200, 503]
     finally:
         s.stop()
 

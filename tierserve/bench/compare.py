@@ -18,7 +18,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,7 +123,12 @@ class ServerProcess:
     """`tierserve serve` in a subprocess on a free port; stopped with SIGTERM."""
 
     def __init__(
-        self, model: str, flags: Sequence[str], log_path: Path, startup_timeout_s: float = 300
+        self,
+        model: str,
+        flags: Sequence[str],
+        log_path: Path,
+        startup_timeout_s: float = 300,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -133,7 +138,9 @@ class ServerProcess:
         self.cmd = cmd
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=None if env is None else dict(env)
+        )
         try:
             self._wait_ready(startup_timeout_s)
         except BaseException:
