@@ -406,6 +406,35 @@ class MoEFields:
         return fields_
 
 
+# Layer types of config.json's `layer_types` that attend as the Llama family does.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def _layer_windows(raw: Mapping[str, Any], layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (keys within `window` positions of the query, itself
+    included), None for full attention; as transformers' Mistral, Qwen2 and Qwen3 read it."""
+    window = None if raw.get("sliding_window") is None else config_int(raw, "sliding_window")
+    if window == 0:  # would leave a query nothing to attend to, not even itself
+        raise TierserveError("model config 'sliding_window' must be > 0, got 0", "sliding_window")
+    model_type = raw.get("model_type")
+    if window is not None and model_type == "mistral":  # transformers' Mistral reads nothing else
+        return (window,) * layers
+    # Qwen2/3 configs drop the window unless use_sliding_window (which defaults to false).
+    use = _config_of_type(raw, "use_sliding_window", bool, model_type not in ("qwen2", "qwen3"))
+    if window is None or not use:
+        return (None,) * layers
+    types = _config_of_type(raw, "layer_types", list, None)
+    if types is not None:
+        if len(types) != layers or any(t not in LAYER_TYPES for t in types):
+            message = f"model config 'layer_types' must be {layers} of {LAYER_TYPES}, got {types!r}"
+            raise TierserveError(message, "layer_types")
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if "use_sliding_window" in raw:  # an older Qwen config: windows from max_window_layers on
+        first = config_int(raw, "max_window_layers", 28)  # transformers' default
+        return tuple(window if i >= first else None for i in range(layers))
+    return (window,) * layers  # a Mistral-style config: every layer
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """What a Hugging Face config.json says, reduced to what the engine and the planner need.
@@ -436,6 +465,12 @@ class ModelConfig:
     qk_nope_head_dim: int = 0
     v_head_dim: int = 0
     moe: MoEFields | None = None
+    # Per layer: the sliding window in tokens, or None (full attention). Empty: none anywhere.
+    layer_windows: tuple[int | None, ...] = ()
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, None where it attends to the whole context."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @property
     def rope_dim(self) -> int:
@@ -506,4 +541,5 @@ class ModelConfig:
             qk_nope_head_dim=config_int(raw, "qk_nope_head_dim", 0),
             v_head_dim=config_int(raw, "v_head_dim", 0),
             moe=MoEFields.from_dict(raw, archs[0] if archs else ""),
+            layer_windows=_layer_windows(raw, layers),
         )

@@ -1,8 +1,10 @@
 """Attention backends behind one interface, chosen by name (`--attention-backend`).
 
 A backend is prepared once per forward step with the batch layout, then called per layer: it
-stores the new K/V in the pool and attends over each sequence's whole context. The torch backend
-(gather from the pool + SDPA) is the CPU path and the oracle for any faster kernel.
+stores the new K/V in the pool and attends over each sequence's whole context, or, for a layer
+with a sliding window, its last `window` positions (the pool still holds every token: other
+layers and later requests sharing the prefix need them). The torch backend (gather from the pool
++ SDPA) is the CPU path and the oracle for any faster kernel.
 """
 
 from __future__ import annotations
@@ -31,9 +33,15 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
-        """q: [tokens, heads, dim], k/v: [tokens, kv_heads, dim] -> [tokens, heads, dim]."""
+        """q: [tokens, heads, dim], k/v: [tokens, kv_heads, dim] -> [tokens, heads, dim]. With a
+        `window`, a query at position i attends to keys at positions (i - window, i]."""
 
     @abstractmethod
     def forward_latent(
@@ -63,22 +71,41 @@ class TorchAttention(AttentionBackend):
         else:
             self.workspace.reset()
         self.extend_masks = [_bottom_right_causal(s.q_len, s.kv_len, device) for s in self.extend]
+        # Sliding-window masks by window, one per extend span: built by the first layer that
+        # needs them and shared by the step's other layers with that window.
+        self.window_masks: dict[int, list[torch.Tensor | None]] = {}
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None = None,
     ) -> torch.Tensor:
         self.pool.write(layer, self.batch.out_slots, k, v)
         k, v = self.pool.as_stored(k), self.pool.as_stored(v)
         nd = self.num_decode
         if nd == len(q):
-            return self._decode(layer, q, k, v)
+            return self._decode(layer, q, k, v, window)
         out = torch.empty_like(q)
         if nd:
-            out[:nd] = self._decode(layer, q[:nd], k[:nd], v[:nd])
-        for span, mask in zip(self.extend, self.extend_masks, strict=True):
+            out[:nd] = self._decode(layer, q[:nd], k[:nd], v[:nd], window)
+        for span, mask in zip(self.extend, self._extend_masks(window), strict=True):
             rows = slice(span.q_start, span.q_start + span.q_len)
             out[rows] = self._extend(layer, span, q[rows], k[rows], v[rows], mask)
         return out
+
+    def _extend_masks(self, window: int | None) -> list[torch.Tensor | None]:
+        """Each extend span's mask for a layer with this sliding window (None: causal only)."""
+        if window is None:
+            return self.extend_masks
+        if window not in self.window_masks:
+            device = self.batch.out_slots.device
+            self.window_masks[window] = [
+                _windowed_causal(s.q_len, s.kv_len, window, device) for s in self.extend
+            ]
+        return self.window_masks[window]
 
     def forward_latent(
         self, layer: int, mla: MLA, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor
@@ -101,19 +128,25 @@ class TorchAttention(AttentionBackend):
         return out
 
     def _decode(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
     ) -> torch.Tensor:
         groups = self.workspace.groups
         if len(groups) == 1:
-            return self._decode_group(groups[0], layer, q, k, v)
+            return self._decode_group(groups[0], layer, q, k, v, window)
         out = torch.empty_like(q)
         for g in groups:
             rows = g.rows
-            out[rows] = self._decode_group(g, layer, q[rows], k[rows], v[rows])
+            out[rows] = self._decode_group(g, layer, q[rows], k[rows], v[rows], window)
         return out
 
     def _decode_group(
-        self, g: _Group, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        g: _Group,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None,
     ) -> torch.Tensor:
         """One query per sequence: the G query heads that share a KV head form one matmul
         against it, so K/V are never repeated per query head."""
@@ -121,7 +154,7 @@ class TorchAttention(AttentionBackend):
         b, heads, dim = q.shape
         kv_heads = kc.shape[0]
         qg = (q * dim**-0.5).view(b, kv_heads, heads // kv_heads, dim).transpose(0, 1)
-        scores = (qg @ kc.transpose(-1, -2)).add_(g.bias)  # [kv_heads, B, G, L]
+        scores = (qg @ kc.transpose(-1, -2)).add_(g.bias_for(window))  # [kv_heads, B, G, L]
         out = scores.softmax(-1).to(vc.dtype) @ vc  # [kv_heads, B, G, dim]
         return out.transpose(0, 1).reshape(b, heads, dim)
 
@@ -153,6 +186,16 @@ class TorchAttention(AttentionBackend):
 def _bottom_right_causal(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor | None:
     """None when there is no prefix: then SDPA's own (top-left) causal mask is the same thing."""
     return None if kv_len == q_len else causal_mask(q_len, kv_len, device)
+
+
+def _windowed_causal(
+    q_len: int, kv_len: int, window: int, device: torch.device
+) -> torch.Tensor | None:
+    """The causal mask, less keys past the window; the plain one when the whole context fits
+    in the window (the last query, at kv_len - 1, still sees key 0)."""
+    if kv_len <= window:
+        return _bottom_right_causal(q_len, kv_len, device)
+    return causal_mask(q_len, kv_len, device, window)
 
 
 ATTENTION_BACKENDS: dict[str, Callable[[PagedKV, int], AttentionBackend]] = {

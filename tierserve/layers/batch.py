@@ -28,8 +28,13 @@ class ForwardBatch:
     spans: list[SeqSpan]
 
 
-def causal_mask(q_len: int, kv_len: int, device: torch.device) -> torch.Tensor:
+def causal_mask(
+    q_len: int, kv_len: int, device: torch.device, window: int | None = None
+) -> torch.Tensor:
     """[q_len, kv_len], True where query i, at context position kv_len - q_len + i (the new
-    tokens end the context), may attend: keys up to its own position."""
+    tokens end the context), may attend: keys up to its own position and, with a sliding
+    `window`, after its position - window (the window counts the query itself)."""
     rows = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
-    return torch.arange(kv_len, device=device)[None, :] <= rows
+    keys = torch.arange(kv_len, device=device)[None, :]
+    mask = keys <= rows
+    return mask if window is None else mask & (keys > rows - window)

@@ -23,10 +23,25 @@ class _Group:
     arange: torch.Tensor | None = None
     kv: list[torch.Tensor | None] = field(default_factory=list)
     appending: bool = False
+    # This step's bias for each sliding window, built by the first layer with that window.
+    window_bias: dict[int, torch.Tensor] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
         return self.capacity * len(self.lens)
+
+    def bias_for(self, window: int | None) -> torch.Tensor:
+        """`bias` for a layer with a sliding `window` (None: the whole context): also -inf
+        at keys at or before the query's position - window (the query is at lens - 1)."""
+        assert self.bias is not None, "plan() sets the bias"
+        if window is None:
+            return self.bias
+        bias = self.window_bias.get(window)
+        if bias is None:
+            keys = torch.arange(self.capacity, device=self.lens.device)[None, :]
+            old = keys <= (self.lens - 1 - window)[:, None]  # [B, capacity]
+            bias = self.window_bias[window] = self.bias.masked_fill(old[:, None], float("-inf"))
+        return bias
 
 
 class DecodeWorkspace:
@@ -73,6 +88,7 @@ class DecodeWorkspace:
             g.arange = torch.arange(len(g.lens), device=device)
             pad = torch.arange(g.capacity, device=device)[None, :] >= g.lens[:, None]
             g.bias = torch.zeros(pad.shape, device=device).masked_fill_(pad, float("-inf"))[:, None]
+            g.window_bias = {}  # the lengths moved: windowed biases are built again on use
 
     def live_tokens(self, spans: list[SeqSpan]) -> int:
         """The batch's live KV in tokens, at page granularity (what the pool holds for it)."""

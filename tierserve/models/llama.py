@@ -1,4 +1,5 @@
-"""Llama family in plain PyTorch: Llama 2/3, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm).
+"""Llama family in plain PyTorch: Llama 2/3, Mistral, Qwen2/2.5 (qkv bias), Qwen3 (q/k norm);
+Mistral's and Qwen's sliding windows, per layer, as config.json sets them.
 
 The family's attention and MLP; the layer stack, embeddings and LM head are models/decoder.py's.
 """
@@ -21,6 +22,7 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
         super().__init__()
         self.layer_id = layer_id
+        self.window = cfg.window(layer_id)  # Mistral, some Qwen layers: a sliding window
         # This rank's heads: a slice of the query heads, and of the KV heads or, when there
         # are more ranks than KV heads, the one KV head its query heads read (replicated).
         tp, hidden, dim = tp_group().size, cfg.hidden_size, cfg.head_dim
@@ -49,7 +51,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](positions, q, k)
-        out = attn.forward(self.layer_id, q, k, v)
+        out = attn.forward(self.layer_id, q, k, v, window=self.window)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.head_dim))
 
 
