@@ -14,6 +14,7 @@ from pathlib import Path
 
 from tierserve.config import EngineArgs, default_model
 from tierserve.errors import TierserveError
+from tierserve.server.grammar_pool import DEFAULT_COMPILE_TIMEOUT_S
 from tierserve.server.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
 
 
@@ -51,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds one engine step may take; past that (a hung rank, a stuck collective) "
         "/health and every request answer 503 and the server exits 1 "
         f"(default: {DEFAULT_WATCHDOG_TIMEOUT_S:g}, SGLang's)",
+    )
+    parser.add_argument(
+        "--grammar-compile-timeout",
+        type=float,
+        default=DEFAULT_COMPILE_TIMEOUT_S,
+        help="seconds a structured output's grammar may compile; past that its compile "
+        f"process is ended and the request answered 400 (default: {DEFAULT_COMPILE_TIMEOUT_S:g})",
     )
     parser.add_argument(
         "--max-queued-requests",
@@ -110,6 +118,12 @@ def run(ns: argparse.Namespace) -> int:
             f"watchdog_timeout must be in (0, 1e6) seconds, got {ns.watchdog_timeout}",
             field="watchdog_timeout",
         )
+    if not 0 < ns.grammar_compile_timeout < 1e6:
+        raise TierserveError(
+            f"grammar_compile_timeout must be in (0, 1e6) seconds, got "
+            f"{ns.grammar_compile_timeout}",
+            field="grammar_compile_timeout",
+        )
     if ns.dry_run:
         return dry_run(args)
     engine = Engine(args)  # raises TierserveError (exit 2) before anything listens
@@ -118,7 +132,11 @@ def run(ns: argparse.Namespace) -> int:
         return 0
     name = served_model_name(args, ns.served_model_name)
     limits = ServerLimits(ns.api_key or None, ns.max_queued_requests, ns.body_timeout)
-    async_engine = AsyncEngine(engine, watchdog_timeout_s=ns.watchdog_timeout)
+    async_engine = AsyncEngine(
+        engine,
+        watchdog_timeout_s=ns.watchdog_timeout,
+        grammar_compile_timeout_s=ns.grammar_compile_timeout,
+    )
     app = create_app(async_engine, name, limits)
     logger = logging.getLogger("tierserve")
     logger.info("serving %s on http://%s:%d/v1", name, ns.host, ns.port)

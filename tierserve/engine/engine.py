@@ -55,6 +55,7 @@ def load_tokenizer(path: str) -> Any:  # a transformers PreTrainedTokenizerBase
 class Engine:
     def __init__(self, args: EngineArgs, transfer: TransferFactory = default_transfer) -> None:
         self.args = args
+        self._closed = False
         # Tensor parallelism: every rank joins here; rank 0 decides every size, and checks it
         # for the whole node, before any rank's weights or KV take memory.
         self.ranks = Ranks.start(args) if args.tp_size > 1 else None
@@ -65,34 +66,41 @@ class Engine:
             if self.ranks is not None:
                 self.ranks.close()  # the other ranks refuse too: see them out before exiting
             raise
-        cfg, self.device, self.dtype = startup.config, startup.device, startup.dtype
-        self.model_config, self.context_length = cfg, startup.context_length
-        self.kv_plan = plan = startup.plan
-        logger.info("KV cache plan:\n%s", startup_table(plan))
-        self.tokenizer = load_tokenizer(args.tokenizer or startup.model_path)
-        self.eos_token_ids = set(cfg.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None:
-            self.eos_token_ids.add(self.tokenizer.eos_token_id)
-        # Before the weights: a store that cannot be reached refuses the start at no cost.
-        self.storage = self._storage_tier(startup) if startup.storage else None
-        model = load_model(startup.model_path, cfg, self.dtype, self.device)
-        pages = plan.device_tokens // plan.spec.page_size
-        pool = PagedKV(plan.spec, pages, self.device, compute_dtype=self.dtype)
-        host = self._host_tier(pool, plan, transfer) if plan.host else None
-        self.kv = KVCacheManager(pool, not args.disable_radix_cache, host)
-        sched_cfg = SchedulerConfig(
-            args.max_running_requests, args.chunked_prefill_size, self.context_length
-        )
-        self.scheduler = Scheduler(sched_cfg, self.kv)
-        attn = ATTENTION_BACKENDS[args.attention_backend](pool, cfg.num_layers)
-        self.runner = ModelRunner(model, attn, args.page_size, self.device)
-        self._ids = itertools.count()
-        self._arrivals = itertools.count()
-        self._requests: dict[str, Request] = {}
-        self._default_generator = torch.Generator().manual_seed(args.seed)
-        self.grammars = Grammars(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
-        if self.ranks is not None:  # ready when every rank is: rank 0 serves only then
-            self.ranks.bus.barrier()
+        try:
+            cfg, self.device, self.dtype = startup.config, startup.device, startup.dtype
+            self.model_config, self.context_length = cfg, startup.context_length
+            self.kv_plan = plan = startup.plan
+            logger.info("KV cache plan:\n%s", startup_table(plan))
+            self.tokenizer = load_tokenizer(args.tokenizer or startup.model_path)
+            self.eos_token_ids = set(cfg.eos_token_ids)
+            if self.tokenizer.eos_token_id is not None:
+                self.eos_token_ids.add(self.tokenizer.eos_token_id)
+            # Before the weights: a store that cannot be reached refuses the start at no cost.
+            self.storage = self._storage_tier(startup) if startup.storage else None
+            model = load_model(startup.model_path, cfg, self.dtype, self.device)
+            pages = plan.device_tokens // plan.spec.page_size
+            pool = PagedKV(plan.spec, pages, self.device, compute_dtype=self.dtype)
+            host = self._host_tier(pool, plan, transfer) if plan.host else None
+            self.kv = KVCacheManager(pool, not args.disable_radix_cache, host)
+            sched_cfg = SchedulerConfig(
+                args.max_running_requests, args.chunked_prefill_size, self.context_length
+            )
+            self.scheduler = Scheduler(sched_cfg, self.kv)
+            attn = ATTENTION_BACKENDS[args.attention_backend](pool, cfg.num_layers)
+            self.runner = ModelRunner(model, attn, args.page_size, self.device)
+            self._ids = itertools.count()
+            self._arrivals = itertools.count()
+            self._requests: dict[str, Request] = {}
+            self._default_generator = torch.Generator().manual_seed(args.seed)
+            self.grammars = Grammars(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+            if self.ranks is not None:  # ready when every rank is: rank 0 serves only then
+                self.ranks.bus.barrier()
+        except BaseException:
+            # The other ranks may wait in a collective this rank will never reach: end them
+            # now rather than after the collective's timeout, and leave the group.
+            if self.ranks is not None:
+                self.ranks.kill()
+            raise
 
     @staticmethod
     def vocab_size_of(model_path: str) -> int:
@@ -153,8 +161,10 @@ class Engine:
         params: SamplingParams,
         request_id: str | None,
         arrival: int,
+        compiled_grammar: Any = None,
     ) -> Request:
-        """Tokenize and validate; touches no scheduler state, so another thread may call it."""
+        """Tokenize and validate; touches no scheduler state, so another thread may call it.
+        A structured output is compiled here unless the server's compile pool already has."""
         prompt_ids = self._encode(prompt)
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=self._room_after(prompt_ids))
@@ -171,7 +181,11 @@ class Engine:
             | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)),
             generator=generator,
             prompt_text=prompt if isinstance(prompt, str) else None,
-            grammar=self.grammars.start(spec) if (spec := params.structured_output) else None,
+            grammar=(
+                self.grammars.start(spec, compiled_grammar)
+                if (spec := params.structured_output)
+                else None
+            ),
         )
 
     def submit(self, req: Request) -> None:
@@ -317,15 +331,24 @@ class Engine:
 
     def close(self, write_timeout_s: float = 5.0) -> None:
         """Let queued storage writes finish (bounded: a restarted server finds them), then
-        release the store's client; rank 0 stops the other ranks."""
-        if self.storage is not None:
-            self.storage.flush_writes(write_timeout_s)
-            self.storage.close()
-        if self.ranks is not None:
-            if self.ranks.leader:
-                self.ranks.bus.exchange(stop=True)
-            self.ranks.close()
-            self.ranks = None
+        release the store's client; rank 0 stops the other ranks, and the process group is
+        left whatever fails on the way. Idempotent; `LLM`'s finalizer calls it."""
+        if self._closed:
+            return
+        self._closed = True
+        ranks, self.ranks = self.ranks, None
+        try:
+            if self.storage is not None:
+                self.storage.flush_writes(write_timeout_s)
+                self.storage.close()
+            if ranks is not None and ranks.leader:
+                ranks.bus.exchange(stop=True)
+        except BaseException:
+            if ranks is not None:
+                ranks.kill()  # a rank that cannot be told to stop would wait until killed
+            raise
+        if ranks is not None:
+            ranks.close()
 
     def flush_cache(self) -> dict[str, int | str]:
         """Pages dropped per tier (device, host) and what storage did (nothing)."""

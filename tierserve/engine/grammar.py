@@ -10,6 +10,7 @@ that never sees one never loads it.
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from typing import Any
@@ -21,6 +22,13 @@ from tierserve.sampling_params import StructuredOutput
 
 # Compiled grammars kept for reuse across requests (xgrammar's cache, evicted by size).
 CACHE_BYTES = 64 * 1024 * 1024
+# What a grammar may be, checked before compiling: its source (a JSON schema's text, a regex, an
+# EBNF) in characters, and the enum/const values a JSON schema lists (compile time grows with
+# them: 100,000 took 87 s). Past these a request is a 400; within them, the server's compile
+# time limit (--grammar-compile-timeout) bounds the rest.
+MAX_GRAMMAR_CHARS = 4_000_000
+MAX_SCHEMA_ENUM_VALUES = 10_000
+MAX_SCHEMA_DEPTH = 128  # JSON levels, as a request body (server/json_depth.py)
 # xgrammar (0.2.9) writes the characters of a length-bounded JSON string as [^"\\\r\n],
 # which lets raw control characters (U+0000-U+001F) in: JSON forbids them, and json.loads
 # refuses the output. Its unbounded strings exclude them; bounded ones are rewritten to match.
@@ -62,25 +70,24 @@ class Grammars:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: set[int]) -> None:
         self._tokenizer, self._vocab_size, self._stop_ids = tokenizer, vocab_size, stop_ids
         self._compiler: Any = None
+        self._info: Any = None
         self._lock = threading.Lock()
 
-    def start(self, spec: StructuredOutput) -> GrammarState:
-        """A fresh matcher for `spec`; a grammar that does not compile is the user's error."""
+    def start(self, spec: StructuredOutput, compiled: Any = None) -> GrammarState:
+        """A fresh matcher for `spec`, compiled here unless `compiled` (a CompiledGrammar from
+        the server's compile pool) is given; a grammar that does not compile is the user's
+        error."""
         import xgrammar
 
-        compiler = self._get_compiler()
-        compile_by_kind = {
-            "json_schema": lambda: compiler.compile_grammar(_json_schema_ebnf(spec.source)),
-            "json_object": compiler.compile_builtin_json_grammar,
-            "regex": lambda: compiler.compile_regex(spec.source),
-            "ebnf": lambda: compiler.compile_grammar(spec.source),
-        }
-        try:
-            compiled = compile_by_kind[spec.kind]()
-        except (RuntimeError, ValueError) as err:  # xgrammar's parse errors
-            message = f"{spec.kind} does not compile: {_reason(err)}"
-            raise TierserveError(message, spec.kind) from None
+        if compiled is None:
+            check_size(spec)
+            compiled = compile_spec(self._get_compiler(), spec)
         return GrammarState(xgrammar.GrammarMatcher(compiled), self._vocab_size)
+
+    def tokenizer_info(self) -> Any:
+        """xgrammar's view of the tokenizer (what a compile process needs), made once."""
+        self._get_compiler()
+        return self._info
 
     def _get_compiler(self) -> Any:
         with self._lock:
@@ -92,10 +99,70 @@ class Grammars:
                     vocab_size=self._vocab_size,
                     stop_token_ids=sorted(self._stop_ids),
                 )
-                self._compiler = xgrammar.GrammarCompiler(
-                    info, max_threads=1, cache_limit_bytes=CACHE_BYTES
-                )
+                self._info, self._compiler = info, new_compiler(info)
             return self._compiler
+
+
+def new_compiler(tokenizer_info: Any) -> Any:
+    import xgrammar
+
+    return xgrammar.GrammarCompiler(tokenizer_info, max_threads=1, cache_limit_bytes=CACHE_BYTES)
+
+
+def check_size(spec: StructuredOutput) -> None:
+    """Refuse, before compiling, a grammar past the documented limits (docs/server.md)."""
+    if len(spec.source) > MAX_GRAMMAR_CHARS:
+        message = f"{spec.kind} of {len(spec.source):,} characters is over {MAX_GRAMMAR_CHARS:,}"
+        raise TierserveError(message, spec.kind)
+    if spec.kind != "json_schema":
+        return
+    try:
+        schema = json.loads(spec.source)
+    except RecursionError:
+        raise TierserveError("json_schema nests too deeply to read", spec.kind) from None
+    except ValueError:
+        return  # not JSON: the compile says so, with xgrammar's reason
+    values, depth = _enum_values_and_depth(schema)
+    if values > MAX_SCHEMA_ENUM_VALUES:
+        message = f"json_schema lists {values:,} enum values, over {MAX_SCHEMA_ENUM_VALUES:,}"
+        raise TierserveError(message, spec.kind)
+    if depth > MAX_SCHEMA_DEPTH:
+        message = f"json_schema nests {depth} levels deep, over {MAX_SCHEMA_DEPTH}"
+        raise TierserveError(message, spec.kind)
+
+
+def _enum_values_and_depth(schema: Any) -> tuple[int, int]:
+    """How many enum and const values a schema lists anywhere, and how deeply its JSON nests
+    (a loop: no depth can run it out of stack)."""
+    count, deepest, todo = 0, 0, [(schema, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, dict):
+            enum = item.get("enum")
+            count += (len(enum) if isinstance(enum, list) else 0) + ("const" in item)
+            todo += ((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            todo += ((v, depth + 1) for v in item)
+        else:
+            continue
+        deepest = max(deepest, depth)
+    return count, deepest
+
+
+def compile_spec(compiler: Any, spec: StructuredOutput) -> Any:
+    """`spec` compiled by an xgrammar GrammarCompiler; a grammar that does not compile is the
+    user's error. The one compile path: in-process (`LLM`) and in the server's compile pool."""
+    compile_by_kind = {
+        "json_schema": lambda: compiler.compile_grammar(_json_schema_ebnf(spec.source)),
+        "json_object": compiler.compile_builtin_json_grammar,
+        "regex": lambda: compiler.compile_regex(spec.source),
+        "ebnf": lambda: compiler.compile_grammar(spec.source),
+    }
+    try:
+        return compile_by_kind[spec.kind]()
+    except (RuntimeError, ValueError) as err:  # xgrammar's parse errors
+        message = f"{spec.kind} does not compile: {_reason(err)}"
+        raise TierserveError(message, spec.kind) from None
 
 
 def _reason(err: Exception) -> str:

@@ -54,7 +54,7 @@ class QueueFull(Exception):
 def create_app(
     engine: AsyncEngine, model_name: str, limits: ServerLimits = ServerLimits()
 ) -> FastAPI:
-    metrics = ServerMetrics(engine.engine)
+    metrics = ServerMetrics(engine.engine, engine.grammar_pool)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -2,7 +2,8 @@
 
 The engine thread owns all scheduler state and speaks token ids only: after each step it hands
 the step's StepOutputs to each event loop in one call. Detokenization and stop strings run on
-the event loop (`OutputBuilder`), tokenization in a worker thread. Each request has its own
+the event loop (`OutputBuilder`), tokenization in a worker thread, grammar compiles in the
+compile pool's processes. Each request has its own
 queue, so a slow client never stalls the others. Why a thread and not a process:
 docs/server.md.
 """
@@ -23,6 +24,7 @@ from tierserve.engine.output import OutputBuilder
 from tierserve.engine.request import Request, RequestOutput, StepOutput
 from tierserve.errors import TierserveError
 from tierserve.sampling_params import SamplingParams
+from tierserve.server.grammar_pool import DEFAULT_COMPILE_TIMEOUT_S, GrammarCompilePool
 from tierserve.server.watchdog import StepGate, StepWatchdog
 
 logger = logging.getLogger("tierserve")
@@ -42,6 +44,7 @@ class AsyncEngine:
         engine: Engine,
         on_failure: Callable[[], None] | None = None,
         watchdog_timeout_s: float | None = None,
+        grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
     ) -> None:
         """`on_failure` runs once the loop has died (on the engine thread) or hung (on the
         watchdog's) and every waiting call has its 503: the server uses it to shut down and
@@ -49,6 +52,7 @@ class AsyncEngine:
         self.engine = engine
         self.on_failure = on_failure
         self._gate = StepGate()
+        self.grammar_pool = GrammarCompilePool(engine.grammars, grammar_compile_timeout_s)
         self._watchdog = (
             StepWatchdog(watchdog_timeout_s, self._hung) if watchdog_timeout_s else None
         )
@@ -67,6 +71,7 @@ class AsyncEngine:
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        self.grammar_pool.close()
         if self._watchdog is not None:
             self._watchdog.stop()
         if isinstance(self.error, EngineHungError):
@@ -81,8 +86,11 @@ class AsyncEngine:
         if self.error is not None:
             raise EngineDeadError(f"engine loop failed: {self.error}")
         arrival = self.engine.next_arrival()  # before tokenizing: its place is when it came
+        grammar = None
+        if params.structured_output is not None:  # in the pool's processes: a cancel ends it
+            grammar = await self.grammar_pool.compile(params.structured_output)
         make = self.engine.make_request
-        req = await asyncio.to_thread(make, prompt, params, request_id, arrival)
+        req = await asyncio.to_thread(make, prompt, params, request_id, arrival, grammar)
         outputs: asyncio.Queue = asyncio.Queue()
         builder = OutputBuilder(req, self.engine.tokenizer)
         self._streams[req.rid] = Stream(asyncio.get_running_loop(), outputs, builder)

@@ -92,7 +92,10 @@ async def respond(
     c: Completion, todo: list[Job], n: int, request: Request, stream: bool
 ) -> Response:
     outputs = merged(c, todo)
-    first = await anext(outputs)  # a bad prompt is a 400 here, before any byte is sent
+    # A bad prompt is a 400 here, before any byte is sent; a client that leaves ends its work.
+    first = await unless_disconnected(anext(outputs), outputs, request)
+    if first is None:
+        return Response(status_code=499)
     if stream:
         return StreamingResponse(_sse(c, first, outputs, n), media_type="text/event-stream")
     finals = await _collect(first, outputs, request)

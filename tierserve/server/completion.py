@@ -56,7 +56,11 @@ class Completion:
         stream: bool | None = None,
     ) -> Response:
         outputs = self.tracked(prompt, params)
-        first = await anext(outputs)  # errors in the prompt surface here, as a 400
+        # Errors in the prompt surface here, as a 400; a client that leaves while its grammar
+        # compiles or its prompt is read ends that work.
+        first = await unless_disconnected(anext(outputs), outputs, request)
+        if first is None:
+            return Response(status_code=499)
         if stream if stream is not None else self.stream:
             return StreamingResponse(self._sse(first, outputs), media_type="text/event-stream")
         last = await _until_done(first, outputs, request)

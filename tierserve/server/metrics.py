@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from tierserve.engine.engine import Engine
+from tierserve.server.grammar_pool import GrammarCompilePool
 from tierserve.storage.tier import StorageTier
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -168,10 +169,37 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
 
 
+class GrammarCollector(Collector):
+    """The compile pool's ended compiles, by why: the client left, the time limit, a crash."""
+
+    REASONS = ("client_left", "timeout", "crashed")
+
+    def __init__(self, pool: GrammarCompilePool) -> None:
+        self.pool = pool
+
+    def collect(self) -> Iterator[Metric]:
+        ended = CounterMetricFamily(
+            "tierserve_grammar_compiles_ended",
+            "grammar compiles ended before they finished",
+            labels=["reason"],
+        )
+        for reason in self.REASONS:
+            ended.add_metric([reason], self.pool.ended[reason])
+        yield ended
+        yield _gauge("tierserve_grammar_compile_workers", "compile processes", len(self.pool.pids))
+        yield _gauge(
+            "tierserve_grammar_compiles_in_flight",
+            "compiles queued or running",
+            self.pool.in_flight,
+        )
+
+
 class ServerMetrics:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, grammar_pool: GrammarCompilePool | None = None) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(engine))
+        if grammar_pool is not None:
+            self.registry.register(GrammarCollector(grammar_pool))
         self.requests = Counter(
             "tierserve_requests", "finished requests by status", ["status"], registry=self.registry
         )

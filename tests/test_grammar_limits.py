@@ -1,0 +1,120 @@
+"""Grammar compiles with a budget: grammars past the documented limits are 400s before any
+compile; a compile past --grammar-compile-timeout is ended (its process killed) and answered 400;
+compiles whose clients leave are ended, queued or running, and plain requests are served beside
+them. Ordered by the server's own counters, never by how long a compile takes here."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import Server
+from tierserve import LLM, SamplingParams, TierserveError
+from tierserve.engine.grammar import MAX_GRAMMAR_CHARS, MAX_SCHEMA_ENUM_VALUES
+from tierserve.sampling_params import StructuredOutput
+
+ENDED = "tierserve_grammar_compiles_ended_total{reason=%s}"
+
+
+def big_enum_body(seed: int, values: int = 500, chars: int = 5_000) -> dict:
+    """The reported hostile grammar: an enum of 500 strings of 5,000 characters (2.5 MB), which
+    compiled for more than ten minutes."""
+    enum = [f"{seed}-{i}-" + "x" * chars for i in range(values)]
+    schema = {"type": "object", "properties": {"a": {"enum": enum}}, "required": ["a"]}
+    return {
+        "prompt": "A",
+        "max_tokens": 4,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "e", "schema": schema}},
+    }
+
+
+def compile_workers(server: Server) -> list[psutil.Process]:
+    children = psutil.Process(server.proc.pid).children()
+    return [
+        p
+        for p in children
+        if "tierserve.server.grammar_worker" in " ".join(p.cmdline())
+        and p.status() != psutil.STATUS_ZOMBIE
+    ]
+
+
+@pytest.fixture(scope="module")
+def patient(llama_dir) -> Iterator[Server]:
+    """A server whose compile time limit no test reaches: compiles end only when clients leave."""
+    s = Server(llama_dir, "--max-total-tokens", "2048", "--grammar-compile-timeout", "600")
+    yield s
+    s.stop()
+
+
+def test_compiles_whose_clients_leave_are_ended_and_plain_requests_still_run(patient):
+    async def leave_after_queueing() -> None:
+        async with httpx.AsyncClient(base_url=patient.url, timeout=600) as h:
+            sent = [
+                asyncio.ensure_future(h.post("/v1/completions", json=big_enum_body(i)))
+                for i in range(6)
+            ]
+            # Every compile is queued or running before the clients give up.
+            in_flight = "tierserve_grammar_compiles_in_flight"
+            await asyncio.to_thread(patient.wait_for, lambda m: m[in_flight] == 6, 120)
+            for task in sent:
+                task.cancel()
+            await asyncio.gather(*sent, return_exceptions=True)
+
+    asyncio.run(leave_after_queueing())
+    patient.wait_for(lambda m: m[ENDED % "client_left"] == 6)
+    body = {"prompt": "Once upon", "max_tokens": 8}
+    reply = httpx.post(f"{patient.url}/v1/completions", json=body, timeout=120)
+    assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 8
+    m = patient.metrics()
+    assert m[ENDED % "client_left"] == 6 and m["tierserve_grammar_compiles_in_flight"] == 0
+    assert not compile_workers(patient)  # the one that was compiling was killed, not left to run
+    # The pool still compiles for the next client.
+    ok = {"prompt": "A", "max_tokens": 8, "response_format": {"type": "json_object"}}
+    assert httpx.post(f"{patient.url}/v1/completions", json=ok, timeout=120).status_code == 200
+
+
+def test_a_compile_past_its_time_limit_is_a_400_and_its_process_is_gone(llama_dir):
+    s = Server(llama_dir, "--max-total-tokens", "2048", "--grammar-compile-timeout", "0.001")
+    try:
+        reply = httpx.post(f"{s.url}/v1/completions", json=big_enum_body(0), timeout=120)
+        assert reply.status_code == 400, reply.text
+        error = reply.json()["error"]
+        assert "--grammar-compile-timeout" in error["message"]
+        assert error["param"] == "json_schema"
+        m = s.metrics()
+        assert m[ENDED % "timeout"] > 0 and m["tierserve_grammar_compile_workers"] == 0
+        assert not compile_workers(s)
+        assert httpx.get(f"{s.url}/health").status_code == 200
+    finally:
+        s.stop()
+
+
+@pytest.mark.parametrize(
+    ("spec", "says"),
+    [
+        (StructuredOutput("regex", "a" * (MAX_GRAMMAR_CHARS + 1)), "characters is over"),
+        (
+            StructuredOutput.json({"enum": list(range(MAX_SCHEMA_ENUM_VALUES + 1))}),
+            "enum values, over",
+        ),
+        (StructuredOutput("json_schema", '{"a":' * 200 + "1" + "}" * 200), "levels deep"),
+        (StructuredOutput("json_schema", "[" * 100_000 + "]" * 100_000), "nests"),
+    ],
+)
+def test_grammars_past_the_documented_limits_are_refused_before_compiling(llama_dir, spec, says):
+    llm = LLM(str(llama_dir), max_total_tokens=1024)
+    with pytest.raises(TierserveError, match=says):
+        llm.generate("A", SamplingParams(max_tokens=2, structured_output=spec))
+    assert llm.engine.grammars._compiler is None  # nothing was compiled, not even the compiler
+
+
+def test_the_limits_reach_http_clients_as_400s(patient):
+    schema = {"enum": list(range(MAX_SCHEMA_ENUM_VALUES + 1))}
+    rf = {"type": "json_schema", "json_schema": {"name": "e", "schema": schema}}
+    body = {"prompt": "A", "max_tokens": 2, "response_format": rf}
+    reply = httpx.post(f"{patient.url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 400 and "enum values" in reply.json()["error"]["message"]

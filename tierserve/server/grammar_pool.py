@@ -1,0 +1,182 @@
+"""The server's grammar compile pool: structured outputs compile in processes of their own.
+
+A grammar compiled in a thread could not be stopped: an enum of 500 strings of 5,000 characters
+compiled for more than ten minutes after its client had left, and six of them starved plain
+requests, whose tokenization shared their thread pool. Here each compile runs in a worker process
+(server/grammar_worker.py) that is killed when its client leaves, when it outlives
+`--grammar-compile-timeout` (a 400), or when the server stops; the next compile starts a fresh
+one (about two seconds: Python, torch and xgrammar). Plain requests never wait for this pool.
+Compiled grammars come back in xgrammar's serialised form and are kept, by size, for requests
+that ask for the same grammar.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import sys
+from collections import Counter, OrderedDict
+from typing import Any
+
+from tierserve.engine.grammar import CACHE_BYTES, Grammars, check_size
+from tierserve.errors import TierserveError
+from tierserve.sampling_params import StructuredOutput
+from tierserve.server.grammar_worker import READY, CompileJob, CompileResult
+
+logger = logging.getLogger("tierserve")
+
+DEFAULT_COMPILE_TIMEOUT_S = 30.0
+# A compiled grammar's serialised form of a large enum runs to many megabytes on one line.
+LINE_LIMIT = 1 << 30
+WORKER = [sys.executable, "-m", "tierserve.server.grammar_worker"]
+
+
+def default_workers() -> int:
+    """Half the cores, at least one: compiles must not take the engine's cores."""
+    return max(1, min(4, (os.cpu_count() or 2) // 2))
+
+
+class CompileWorker:
+    """One worker process and its pipes."""
+
+    def __init__(self, proc: asyncio.subprocess.Process) -> None:
+        self.proc = proc
+
+    @classmethod
+    async def start(cls, tokenizer_info: str) -> CompileWorker:
+        proc = await asyncio.create_subprocess_exec(
+            *WORKER, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=LINE_LIMIT
+        )
+        worker = cls(proc)
+        try:
+            await worker._send(tokenizer_info.encode() + b"\n")
+            if await proc.stdout.readline() != READY:  # type: ignore[union-attr]
+                raise RuntimeError(f"grammar compile worker exited with {await proc.wait()}")
+        except BaseException:
+            worker.kill()
+            raise
+        return worker
+
+    async def run(self, job: CompileJob) -> CompileResult:
+        await self._send(job.encode())
+        line = await self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            raise RuntimeError(f"grammar compile worker exited with {await self.proc.wait()}")
+        return CompileResult.decode(line)
+
+    async def _send(self, data: bytes) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(data)
+        await self.proc.stdin.drain()
+
+    def kill(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.kill()
+
+
+class GrammarCompilePool:
+    """`await compile(spec)` gives an xgrammar CompiledGrammar for one request."""
+
+    def __init__(
+        self,
+        grammars: Grammars,
+        timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        workers: int | None = None,
+    ) -> None:
+        self.grammars = grammars
+        self.timeout_s = timeout_s
+        self.size = workers or default_workers()
+        self.ended: Counter[str] = Counter()  # compiles ended unfinished, by reason
+        self.in_flight = 0  # compiles queued or running
+        self._free: list[CompileWorker] = []
+        self._all: set[CompileWorker] = set()
+        self._slots: asyncio.Semaphore | None = None
+        self._info: str | None = None
+        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cached_bytes = 0
+
+    async def compile(self, spec: StructuredOutput) -> Any:
+        check_size(spec)  # a 400 before any process sees it
+        key = (spec.kind, spec.source)
+        if key in self._cache:
+            self._cache.move_to_end(key)
+            return self._cache[key]
+        self.in_flight += 1
+        try:
+            serialised = await self._compile_in_worker(spec)
+        except asyncio.CancelledError:  # the client left, the compile queued or running
+            self.ended["client_left"] += 1
+            raise
+        finally:
+            self.in_flight -= 1
+        compiled = await asyncio.to_thread(self._deserialise, serialised)
+        self._keep(key, compiled)
+        return compiled
+
+    async def _compile_in_worker(self, spec: StructuredOutput) -> str:
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.size)
+        async with self._slots:
+            worker = self._free.pop() if self._free else await self._start_worker()
+            try:
+                result = await asyncio.wait_for(
+                    worker.run(CompileJob(spec.kind, spec.source)), self.timeout_s
+                )
+            except BaseException as err:
+                self._retire(worker)
+                if isinstance(err, (TimeoutError, asyncio.TimeoutError)):
+                    self.ended["timeout"] += 1
+                    message = (
+                        f"{spec.kind} did not compile within {self.timeout_s:g} s "
+                        "(--grammar-compile-timeout)"
+                    )
+                    raise TierserveError(message, spec.kind) from None
+                if isinstance(err, RuntimeError):  # the compiler itself died on this grammar
+                    self.ended["crashed"] += 1
+                    raise TierserveError(f"{spec.kind} crashed the compiler", spec.kind) from None
+                raise
+            self._free.append(worker)
+        if result.error is not None:
+            raise TierserveError(result.error, spec.kind)
+        assert result.compiled is not None
+        return result.compiled
+
+    async def _start_worker(self) -> CompileWorker:
+        if self._info is None:
+            info = await asyncio.to_thread(self.grammars.tokenizer_info)
+            self._info = info.serialize_json()
+        worker = await CompileWorker.start(self._info)
+        self._all.add(worker)
+        return worker
+
+    def _retire(self, worker: CompileWorker) -> None:
+        """Kill a worker that is mid-compile; the next compile starts a fresh one."""
+        worker.kill()
+        self._all.discard(worker)
+        logger.info("ended a grammar compile (worker pid %d)", worker.proc.pid)
+
+    def _deserialise(self, serialised: str) -> Any:
+        import xgrammar
+
+        return xgrammar.CompiledGrammar.deserialize_json(serialised, self.grammars.tokenizer_info())
+
+    def _keep(self, key: tuple[str, str], compiled: Any) -> None:
+        size = compiled.memory_size_bytes
+        if size > CACHE_BYTES:
+            return
+        self._cache[key] = compiled
+        self._cached_bytes += size
+        while self._cached_bytes > CACHE_BYTES:
+            _, old = self._cache.popitem(last=False)
+            self._cached_bytes -= old.memory_size_bytes
+
+    @property
+    def pids(self) -> list[int]:
+        return [w.proc.pid for w in self._all]
+
+    def close(self) -> None:
+        for worker in list(self._all):
+            worker.kill()
+        self._all.clear()
+        self._free.clear()

@@ -1,0 +1,78 @@
+"""One grammar compile process of the server's compile pool (server/grammar_pool.py).
+
+xgrammar's compile threads cannot be stopped, and a hostile grammar can compile for minutes; a
+process can be ended. The pool starts this as `python -m tierserve.server.grammar_worker`, sends
+the tokenizer's xgrammar description, then one CompileJob per line; each answer is one
+CompileResult line, the compiled grammar in xgrammar's serialised form. It ends when its stdin
+closes (the server left) or when the pool kills it (a client that left, a compile past its time).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import BinaryIO
+
+READY = b"ready\n"
+
+
+@dataclass(frozen=True)
+class CompileJob:
+    kind: str
+    source: str
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode() + b"\n"
+
+    @classmethod
+    def decode(cls, line: bytes) -> CompileJob:
+        return cls(**json.loads(line))
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    compiled: str | None = None  # xgrammar's CompiledGrammar.serialize_json()
+    error: str | None = None  # the user's error: the grammar does not compile
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode() + b"\n"
+
+    @classmethod
+    def decode(cls, line: bytes) -> CompileResult:
+        return cls(**json.loads(line))
+
+
+def serve(requests: BinaryIO, replies: BinaryIO) -> None:
+    import xgrammar
+
+    from tierserve.engine.grammar import compile_spec, new_compiler
+    from tierserve.errors import TierserveError
+    from tierserve.sampling_params import StructuredOutput
+
+    info = xgrammar.TokenizerInfo.deserialize_json(requests.readline().decode())
+    compiler = new_compiler(info)
+    replies.write(READY)
+    replies.flush()
+    for line in requests:
+        job = CompileJob.decode(line)
+        try:
+            spec = StructuredOutput(job.kind, job.source)
+            result = CompileResult(compiled=compile_spec(compiler, spec).serialize_json())
+        except TierserveError as err:
+            result = CompileResult(error=err.message)
+        replies.write(result.encode())
+        replies.flush()
+
+
+def main() -> int:
+    # Replies go to the pipe that was stdout; anything a library prints goes to stderr instead.
+    replies = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    serve(sys.stdin.buffer, replies)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
