@@ -154,6 +154,7 @@ def make_checkpoint(path: Path, family: str, seed: int = 0, **overrides) -> Path
             {"tie_word_embeddings": True},
         ),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 32}),
+        "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {}),
         **DEEPSEEK_FAMILIES,
     }
     config_cls, model_cls, extra = configs[family]

@@ -13,7 +13,7 @@ import pytest
 import torch
 import transformers
 
-from tests.conftest import VOCAB, make_checkpoint, make_tokenizer, random_prompts
+from tests.conftest import make_checkpoint, random_prompts
 from tests.test_models import hf_greedy
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.cache.pool import PagedKV
@@ -35,30 +35,9 @@ PROMPT_LENGTHS = [64, 80, 49, 72]  # each at least 3 windows
 MAX_NEW = 24
 
 
-def make_mistral_checkpoint(path: Path, seed: int = 0, **overrides) -> Path:
-    """conftest's 2-layer GQA shape, as a Mistral (which make_checkpoint does not build)."""
-    torch.manual_seed(seed)
-    config = transformers.MistralConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        initializer_range=0.2,
-        bos_token_id=0,
-        eos_token_id=1,
-        **overrides,
-    )
-    transformers.MistralForCausalLM(config).eval().save_pretrained(path)
-    make_tokenizer(path)
-    return path
-
-
 def make_windowed(path: Path, family: str) -> Path:
     if family == "mistral":
-        return make_mistral_checkpoint(path, sliding_window=WINDOW)
+        return make_checkpoint(path, family, sliding_window=WINDOW)
     return make_checkpoint(path, family, **QWEN_WINDOWS)
 
 
