@@ -5,21 +5,26 @@ for all of a node's ranks once; a rank that dies takes the others with it."""
 
 from __future__ import annotations
 
+import gc
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import httpx
 import openai
 import psutil
 import pytest
+import torch.distributed as dist
 
 from tests.conftest import Server, make_checkpoint, random_prompts, serve_cmd
 from tests.test_hicache import mixed_workload
-from tierserve import LLM, SamplingParams
+from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.bench.client import parse_prometheus
-from tierserve.layers.parallel import shards_by_name
+from tierserve.distributed import ranks as ranks_module
+from tierserve.engine import engine as engine_module
+from tierserve.layers.parallel import TPGroup, shards_by_name, tp_group
 from tierserve.net import free_port
 from tierserve.planner import DEFAULT_MARGIN
 from tierserve.server.metrics import ServerMetrics
@@ -275,3 +280,171 @@ def test_a_stopped_rank_trips_the_watchdog_503_and_exit(llama_dir):
         assert not psutil.pid_exists(worker.pid) or worker.status() == psutil.STATUS_ZOMBIE
     finally:
         server.stop()
+
+
+# --- one group per process; no rank outlives a close, a failed start or its parent ----------
+
+GREEDY8 = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+def _my_workers() -> list[psutil.Process]:
+    """Rank processes this (test) process started and that still run."""
+    return [p for p in psutil.Process().children() if p.pid in {w.pid for w in _workers_left()}]
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE  # nobody may reap it here
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _still_running(pids: list[int], within_s: float) -> list[int]:
+    """The pids still running after up to `within_s` seconds of polling."""
+    deadline = time.monotonic() + within_s
+    while (alive := [pid for pid in pids if _running(pid)]) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return alive
+
+
+def _group_released() -> bool:
+    return not dist.is_initialized() and tp_group() == TPGroup()
+
+
+def _record_spawns(monkeypatch) -> list[int]:
+    pids: list[int] = []
+    spawn = ranks_module._spawn
+
+    def recording(*args: object) -> subprocess.Popen:
+        proc = spawn(*args)
+        pids.append(proc.pid)
+        return proc
+
+    monkeypatch.setattr(ranks_module, "_spawn", recording)
+    return pids
+
+
+def test_a_tp_engine_after_a_closed_one_in_the_same_process(llama_dir):
+    prompts = random_prompts(4, [20, 45], seed=11)
+    with LLM(str(llama_dir), **CPU) as llm:
+        want = [o.token_ids for o in llm.generate(prompts, GREEDY8)]
+    first = LLM(str(llama_dir), tp_size=2, **CPU)
+    at_2 = [o.token_ids for o in first.generate(prompts, GREEDY8)]
+    first.close()
+    assert _group_released()
+    with LLM(str(llama_dir), tp_size=4, **CPU) as second:  # was: "initialize ... twice!"
+        assert len(second.engine.ranks.workers) == 3
+        first.close()  # idempotent: the group the second engine made is not the first's
+        at_4 = [o.token_ids for o in second.generate(prompts, GREEDY8)]
+    assert at_2 == want and at_4 == want
+    assert _group_released() and not _still_running([p.pid for p in _my_workers()], 5)
+
+
+def test_a_second_tp_engine_while_one_is_open_is_refused_before_any_rank_starts(
+    llama_dir, monkeypatch
+):
+    with LLM(str(llama_dir), tp_size=2, **CPU) as first:
+        before = {p.pid for p in _my_workers()}
+        spawned = _record_spawns(monkeypatch)
+        message = r"already open in this process \(tp_size 2\); close it first: llm.close\(\)"
+        with pytest.raises(TierserveError, match=message):
+            LLM(str(llama_dir), tp_size=2, **CPU)
+        assert spawned == [] and {p.pid for p in _my_workers()} == before and len(before) == 1
+        assert first.generate([3, 4, 5], GREEDY8)[0].token_ids  # the first is untouched
+    assert not _still_running(list(before), 5)
+
+
+def test_an_llm_dropped_without_close_stops_its_ranks_and_leaves_the_group(llama_dir):
+    llm = LLM(str(llama_dir), tp_size=2, **CPU)
+    pids = [w.pid for w in llm.engine.ranks.workers]
+    assert pids and all(_running(pid) for pid in pids)
+    del llm
+    gc.collect()
+    assert not _still_running(pids, 10)
+    assert _group_released()
+
+
+def _fail_load(monkeypatch) -> None:
+    def load_model(*args: object) -> None:
+        raise RuntimeError("injected: the weights do not load on rank 0")
+
+    monkeypatch.setattr(engine_module, "load_model", load_model)
+
+
+def _fail_rendezvous(monkeypatch) -> None:
+    def init_process_group(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("injected: rank 0 cannot open the rendezvous")
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+
+
+@pytest.mark.parametrize(
+    ("failure", "error", "match"),
+    [
+        ("refused", TierserveError, "exceeds the model's max_position_embeddings"),
+        ("load", RuntimeError, "the weights do not load on rank 0"),
+        ("rendezvous", RuntimeError, "rank 0 cannot open the rendezvous"),
+    ],
+)  # after the ranks were spawned: in Ranks.agree, after it (rank 0 only), in the rendezvous
+def test_a_start_that_fails_after_spawning_leaves_no_rank(
+    llama_dir, monkeypatch, failure, error, match
+):
+    spawned = _record_spawns(monkeypatch)
+    extra: dict[str, object] = {}
+    if failure == "refused":
+        extra["context_length"] = 10**9
+    else:
+        {"load": _fail_load, "rendezvous": _fail_rendezvous}[failure](monkeypatch)
+    with pytest.raises(error, match=match):
+        LLM(str(llama_dir), tp_size=2, **CPU, **extra)
+    assert len(spawned) == 1
+    assert not _still_running(spawned, 5)
+    assert _group_released()
+    monkeypatch.undo()
+    with LLM(str(llama_dir), tp_size=2, **CPU) as llm:  # the process is free for the next
+        assert llm.generate([3, 4, 5], GREEDY8)[0].token_ids
+
+
+PARENT_SCRIPT = """
+import socket, sys, time
+kw = {}
+if sys.argv[2] == "rendezvous":  # rank 0 holds a store that never answers: rank 1 waits in it
+    import torch.distributed as dist
+
+    store = socket.create_server(("127.0.0.1", 0))
+    kw["dist_init_addr"] = f"127.0.0.1:{store.getsockname()[1]}"
+
+    def init_process_group(*args, **kwargs):
+        store.accept()
+        print("ready", flush=True)
+        time.sleep(600)
+
+    dist.init_process_group = init_process_group
+from tierserve import LLM
+llm = LLM(sys.argv[1], tp_size=2, device="cpu", **kw)
+print("ready", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("when", ["serving", "rendezvous", "stopped"])
+def test_ranks_die_with_a_parent_killed_by_sigkill(llama_dir, when):
+    """Stopped: a rank that runs no code of its own (as one whose main thread holds the GIL in
+    C++) still dies with its parent, which a thread polling for the parent could not do."""
+    if when == "stopped" and not sys.platform.startswith("linux"):
+        pytest.skip("the parent-death signal is Linux's; elsewhere a thread polls")
+    mode = "rendezvous" if when == "rendezvous" else "serving"
+    cmd = [sys.executable, "-c", PARENT_SCRIPT, str(llama_dir), mode]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        workers = psutil.Process(proc.pid).children()
+        assert len(workers) == 1
+        if when == "stopped":
+            workers[0].send_signal(signal.SIGSTOP)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        assert not _still_running([w.pid for w in workers], 5)
+    finally:
+        proc.kill()
+        proc.wait()

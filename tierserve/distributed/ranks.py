@@ -6,14 +6,19 @@ torch.distributed group (gloo on CPU, NCCL on CUDA) at `--dist-init-addr`. Globa
 HTTP, tokenization and detokenization; it alone decides the start-up sizes (`agree`) and each
 step's inputs (`bus.py`). A rank that dies takes the others with it: the first process of a node
 watches the ranks it started, and those watch it.
+
+One group per process (torch's default group): a second engine is refused until the first is
+closed, and a start that fails ends the ranks it started and leaves the group at once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -28,6 +33,7 @@ import torch.distributed as dist
 
 from tierserve.config import EngineArgs
 from tierserve.distributed.bus import CommandBus
+from tierserve.distributed.worker import ENV_ARGS, ENV_PARENT
 from tierserve.engine.startup import resolve_device
 from tierserve.errors import TierserveError
 from tierserve.layers.parallel import TPGroup, set_tp_group
@@ -37,7 +43,6 @@ logger = logging.getLogger("tierserve")
 
 ENV_RANK = "TIERSERVE_RANK"
 ENV_ADDR = "TIERSERVE_DIST_ADDR"
-ENV_ARGS = "TIERSERVE_ENGINE_ARGS"
 # Collectives of the model and the start-up rendezvous give up after this.
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 # A rank that died: its peers' collectives fail at once (closed sockets) and the server answers
@@ -45,6 +50,10 @@ COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 DEATH_GRACE_S = 5.0
 
 T = TypeVar("T")
+
+# The tp_size of the engine whose group this process is in, if one is open.
+_open_tp: int | None = None
+_open_lock = threading.Lock()
 
 
 @dataclass
@@ -57,6 +66,7 @@ class Ranks:
     workers: list[subprocess.Popen] = field(default_factory=list)
     closing: threading.Event = field(default_factory=threading.Event)
     threads: int = 0  # torch's CPU threads before this rank took its share of the cores
+    released: bool = field(default=False, init=False, repr=False)
 
     @property
     def leader(self) -> bool:
@@ -64,34 +74,27 @@ class Ranks:
 
     @classmethod
     def start(cls, args: EngineArgs) -> Ranks:
-        """This process's rank in the group, started and joined; blocks until every rank has."""
+        """This process's rank in the group, started and joined; blocks until every rank has.
+        Anything that fails on the way ends the ranks started here before it is raised."""
         local = args.local_ranks
+        rank = int(os.environ.get(ENV_RANK, args.node_rank * local))
         workers: list[subprocess.Popen] = []
         closing = threading.Event()
-        if ENV_RANK in os.environ:
-            rank, addr = int(os.environ[ENV_RANK]), os.environ[ENV_ADDR]
-            _exit_with_parent()
-        else:  # the node's first process: start the node's other ranks
-            rank = args.node_rank * local
-            addr = args.dist_init_addr or f"127.0.0.1:{free_port()}"
-            workers = [_spawn(args, rank + i, addr) for i in range(1, local)]
-            _watch(workers, closing)  # from now: a rank that dies, even before meeting, ends us
-        cuda = resolve_device(args.device).type == "cuda"
         threads = torch.get_num_threads()
-        if cuda:
-            torch.cuda.set_device(rank % local)
-        else:  # the node's ranks share its cores: more threads than cores only contend
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-        dist.init_process_group(
-            "nccl" if cuda else "gloo",
-            init_method=f"tcp://{addr}",
-            rank=rank,
-            world_size=args.tp_size,
-            timeout=COLLECTIVE_TIMEOUT,
-        )
-        set_tp_group(TPGroup(rank, args.tp_size))
-        bus = CommandBus(rank)
-        session = bus.session()
+        _claim_group(args.tp_size)
+        try:
+            if ENV_RANK in os.environ:  # worker.py made this rank die with its parent
+                addr = os.environ[ENV_ADDR]
+            else:  # the node's first process: start the node's other ranks
+                addr = args.dist_init_addr or f"127.0.0.1:{free_port()}"
+                workers = _spawn_ranks(args, rank, addr, closing)
+                _watch(workers, closing)  # from now: a rank that dies, even before meeting, ends us
+            _join(args, rank, addr)
+            bus = CommandBus(rank)
+            session = bus.session()
+        except BaseException:
+            _release(workers, rank, closing, threads, wait_s=0.0)
+            raise
         return cls(rank, args.tp_size, rank % local, bus, session, workers, closing, threads)
 
     def agree(self, decide: Callable[[], T]) -> T:
@@ -109,19 +112,118 @@ class Ranks:
         return rest[0]
 
     def close(self, timeout_s: float = 30.0) -> None:
-        """Rank 0: the others have been told to stop; wait for the ones this process started."""
-        self.closing.set()
-        deadline = time.monotonic() + timeout_s
-        for i, worker in enumerate(self.workers, start=self.rank + 1):
-            try:
-                worker.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                worker.kill()
-            logger.info("rank %d exited with status %s", i, worker.wait())
+        """Rank 0, once the others were told to stop: wait for the ranks this process started
+        (ending those still there after `timeout_s`), then leave the group. Idempotent, and
+        safe from a finalizer or at interpreter exit."""
+        if self.released:
+            return
+        self.released = True
+        _release(self.workers, self.rank, self.closing, self.threads, timeout_s)
+
+    def kill(self) -> None:
+        """A start or a stop that failed: the ranks this process started are ended at once
+        (they may wait in a collective that will never come), then the group is left."""
+        self.close(timeout_s=0.0)
+
+
+def _claim_group(tp_size: int) -> None:
+    """Refuse a second group before any rank is spawned: torch holds one default group per
+    process, and a second init fails only after the ranks are running."""
+    global _open_tp
+    if _open_tp is not None:
+        gc.collect()  # an engine in a reference cycle that nobody holds closes in its finalizer
+    with _open_lock:
+        if _open_tp is not None:
+            raise TierserveError(
+                "a tensor-parallel engine is already open in this process "
+                f"(tp_size {_open_tp}); close it first: llm.close(), or use `with LLM(...)`",
+                field="tp_size",
+            )
+        if dist.is_initialized():
+            raise TierserveError(
+                "torch.distributed's default process group is already initialized in this "
+                "process; tensor parallelism needs its own: torch.distributed."
+                "destroy_process_group() first",
+                field="tp_size",
+            )
+        _open_tp = tp_size
+
+
+def _join(args: EngineArgs, rank: int, addr: str) -> None:
+    local = args.local_ranks
+    cuda = resolve_device(args.device).type == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank % local)
+    else:  # the node's ranks share its cores: more threads than cores only contend
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=f"tcp://{addr}",
+        rank=rank,
+        world_size=args.tp_size,
+        timeout=COLLECTIVE_TIMEOUT,
+    )
+    set_tp_group(TPGroup(rank, args.tp_size))
+
+
+def _release(
+    workers: list[subprocess.Popen],
+    rank: int,
+    closing: threading.Event,
+    threads: int,
+    wait_s: float,
+) -> None:
+    """Reap the ranks this process started (killing any still there after `wait_s`), leave
+    the group and free the process for another engine."""
+    global _open_tp
+    closing.set()  # first: a rank ended on purpose must not take this process with it
+    deadline = time.monotonic() + wait_s
+    for worker in workers:
+        try:
+            worker.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            worker.kill()
+    for i, worker in enumerate(workers, start=rank + 1):
+        logger.info("rank %d exited with status %s", i, worker.wait())
+    try:
         if dist.is_initialized():
             dist.destroy_process_group()
+    finally:
         set_tp_group(TPGroup())  # a model built after this in the process is whole again
-        torch.set_num_threads(self.threads)
+        torch.set_num_threads(threads)
+        with _open_lock:
+            _open_tp = None
+
+
+def _spawn_ranks(
+    args: EngineArgs, rank: int, addr: str, closing: threading.Event
+) -> list[subprocess.Popen]:
+    """Ranks rank + 1 … of this node, started from a thread that outlives them: their
+    parent-death signal (worker.py) fires when the *thread* that forked them exits, so the
+    caller's thread (a notebook's, an executor's) must not be that one."""
+    handed: queue.SimpleQueue[list[subprocess.Popen] | BaseException] = queue.SimpleQueue()
+
+    def run() -> None:
+        workers: list[subprocess.Popen] = []
+        try:
+            for i in range(1, args.local_ranks):
+                workers.append(_spawn(args, rank + i, addr))
+        except BaseException as err:
+            for worker in workers:
+                worker.kill()
+                worker.wait()
+            handed.put(err)
+            return
+        handed.put(workers)
+        closing.wait()
+        for worker in workers:  # close() reaps them too; this thread only has to outlive them
+            worker.wait()
+
+    threading.Thread(target=run, name="tierserve-rank-spawner", daemon=True).start()
+    got = handed.get()
+    if isinstance(got, BaseException):
+        raise got
+    return got
 
 
 def _spawn(args: EngineArgs, rank: int, addr: str) -> subprocess.Popen:
@@ -130,6 +232,7 @@ def _spawn(args: EngineArgs, rank: int, addr: str) -> subprocess.Popen:
         ENV_RANK: str(rank),
         ENV_ADDR: addr,
         ENV_ARGS: json.dumps(dataclasses.asdict(args)),
+        ENV_PARENT: str(os.getpid()),
     }
     cmd = [sys.executable, "-m", "tierserve.distributed.worker"]
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
@@ -139,27 +242,15 @@ def _watch(workers: list[subprocess.Popen], closing: threading.Event) -> None:
     """End this process soon after a rank it started dies (unless it is being closed)."""
 
     def run() -> None:
-        while True:
+        while not closing.is_set():
             for worker in workers:
                 code = worker.poll()
                 if code is not None and not closing.is_set():
                     if code != 2:  # 2: a start-up refusal, which rank 0 reports itself
                         logger.error("a tensor-parallel rank exited with status %s", code)
-                    time.sleep(DEATH_GRACE_S)
-                    if not closing.is_set():
+                    if not closing.wait(DEATH_GRACE_S):
                         os._exit(1 if code != 2 else 2)
                     return
-            time.sleep(0.2)
+            closing.wait(0.2)
 
     threading.Thread(target=run, name="tierserve-rank-watch", daemon=True).start()
-
-
-def _exit_with_parent() -> None:
-    parent = os.getppid()
-
-    def run() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        os._exit(1)
-
-    threading.Thread(target=run, name="tierserve-parent-watch", daemon=True).start()

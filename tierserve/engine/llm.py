@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -17,11 +18,19 @@ __all__ = ["LLM", "RequestOutput"]
 
 
 class LLM:
-    """Every engine flag is a keyword argument here: `--page-size 16` is `page_size=16`."""
+    """Every engine flag is a keyword argument here: `--page-size 16` is `page_size=16`.
+
+    With `tp_size` > 1 one LLM at a time may be open in a process (it holds torch's process
+    group): close it (`close()`, `with LLM(...)`), or drop every reference to it, before the
+    next."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         self.args = EngineArgs.from_kwargs(model, **engine_args)
         self.engine = Engine(self.args)
+        # An LLM nobody holds (`del llm`, `llm = None`) still stops its ranks and leaves the
+        # group, and so does one left open at interpreter exit. The finalizer holds the engine
+        # only: holding the LLM would keep it alive.
+        self._finalizer = weakref.finalize(self, self.engine.close)
 
     @property
     def tokenizer(self) -> Any:
@@ -29,7 +38,7 @@ class LLM:
 
     def close(self) -> None:
         """Stop the tensor-parallel ranks (and the storage tier's writers); idempotent."""
-        self.engine.close()
+        self._finalizer()
 
     def __enter__(self) -> LLM:
         return self
