@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from tierserve import LLM
+from tierserve.args import DEMO_MODEL_DIR
 from tierserve.bench.agreement import PROMPTS, greedy_agreement
-from tierserve.config import DEMO_MODEL_DIR
 
 
 def random_deepseek_v3(out: Path, seed: int) -> Path:

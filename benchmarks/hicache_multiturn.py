@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from tierserve import SamplingParams
-from tierserve.config import EngineArgs, default_model
+from tierserve.args import EngineArgs, default_model
 from tierserve.engine.engine import Engine
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from tierserve.config import EngineArgs, default_model
+from tierserve.args import EngineArgs, default_model
 from tierserve.engine.engine import Engine
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -16,7 +16,7 @@ import argparse
 import torch
 from hicache_multiturn import run  # the same workload and measurement
 
-from tierserve.config import EngineArgs, default_model
+from tierserve.args import EngineArgs, default_model
 from tierserve.engine.engine import Engine
 from tierserve.engine.startup import Startup
 

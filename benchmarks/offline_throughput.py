@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from tierserve import LLM, SamplingParams
-from tierserve.config import default_model
+from tierserve.args import default_model
 
 
 def random_init_model(path: Path) -> str:

@@ -45,8 +45,8 @@ def worker() -> dict[str, float]:
 
     import tierserve
     from tierserve import LLM, SamplingParams
+    from tierserve.args import default_model
     from tierserve.bench.compare import ServerProcess
-    from tierserve.config import default_model
 
     model = default_model()
     g = torch.Generator().manual_seed(0)

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.conftest's
 from hicache_multiturn import run_once
 
 from tests.conftest import make_checkpoint
-from tierserve.config import EngineArgs
+from tierserve.args import EngineArgs
 from tierserve.engine.engine import Engine
 
 LAYOUTS = {  # name: (family, tp, checkpoint overrides)
@@ -110,8 +110,8 @@ def main() -> None:
 
 def _per_rank_bytes(args: EngineArgs, tokens: int) -> int:
     """Bytes per rank at which per-rank copies hold `tokens` host tokens."""
-    from tierserve.cache.spec import KVSpec
-    from tierserve.config import ModelConfig
+    from tierserve.args import ModelConfig
+    from tierserve.sizing.kv import KVSpec
 
     cfg = ModelConfig.from_dir(args.model)
     spec = KVSpec.from_model(cfg, "float32", args.page_size, tp=args.tp_size)

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from tests.conftest import random_prompts
 from tierserve import LLM, SamplingParams
+from tierserve.args import EngineArgs
 from tierserve.cache.pool import PagedKV
 from tierserve.cache.transfer import CopyOp, TransferBackend, copy_pages
-from tierserve.config import EngineArgs
 from tierserve.engine.engine import Engine
 
 

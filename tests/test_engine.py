@@ -186,7 +186,7 @@ def test_engine_flags_are_llm_kwargs(llama_dir):
 def test_cli_flags_and_llm_kwargs_are_one_config():
     import argparse
 
-    from tierserve.config import EngineArgs
+    from tierserve.args import EngineArgs
 
     parser = argparse.ArgumentParser()
     EngineArgs.add_cli_args(parser)

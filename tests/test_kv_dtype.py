@@ -10,8 +10,8 @@ import torch
 from tests.conftest import random_prompts
 from tests.test_hicache import mixed_workload
 from tierserve import LLM, SamplingParams, TierserveError
+from tierserve.args import default_model
 from tierserve.bench.agreement import PROMPTS, greedy_agreement
-from tierserve.config import default_model
 
 FP8 = "fp8_e4m3"
 

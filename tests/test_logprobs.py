@@ -91,14 +91,15 @@ def test_openai_shapes_streamed_and_not(llama_dir, offline, client):
     c, model, extra = client, llama_dir.name, {"ignore_eos": True}
     kw = dict(model=model, prompt=prompt, max_tokens=6, temperature=0, extra_body=extra)
     whole = c.completions.create(logprobs=3, **kw).choices[0].logprobs
-    assert whole.token_logprobs == pytest.approx(want, abs=1e-6)
+    # A --tp-size server sums its partial products in another order: equal to float noise.
+    assert whole.token_logprobs == pytest.approx(want, abs=1e-5)
     # The legacy format keys alternatives by text: pieces that decode alike (partial UTF-8
     # bytes all read "\ufffd") share one key, as in vLLM.
     assert len(whole.tokens) == 6 and all(1 <= len(t) <= 3 for t in whole.top_logprobs)
     assert whole.text_offset[0] == 0
     streamed = [ch.choices[0].logprobs for ch in c.completions.create(
         logprobs=3, stream=True, **kw) if ch.choices and ch.choices[0].logprobs]  # fmt: skip
-    assert [v for lp in streamed for v in lp.token_logprobs] == pytest.approx(want, abs=1e-6)
+    assert [v for lp in streamed for v in lp.token_logprobs] == pytest.approx(want, abs=1e-5)
 
     messages = [{"role": "user", "content": "hello there"}]
     chat = dict(model=model, messages=messages, max_tokens=5, temperature=0, extra_body=extra)

@@ -8,11 +8,11 @@ import transformers
 
 from tests.conftest import DEEPSEEK_FAMILIES, random_prompts
 from tierserve import LLM, SamplingParams
+from tierserve.args import ModelConfig
 from tierserve.cache.pool import PagedKV
-from tierserve.cache.spec import KVSpec
-from tierserve.config import ModelConfig
 from tierserve.layers.attention import ForwardBatch, SeqSpan, TorchAttention
 from tierserve.models.loader import load_model
+from tierserve.sizing.kv import KVSpec
 
 FAMILIES = ["llama", "llama3", "qwen2", "qwen3", *DEEPSEEK_FAMILIES]
 LENGTHS = [3, 9, 16, 17, 40, 64, 129, 300]

@@ -18,12 +18,15 @@ from hypothesis import strategies as st
 
 from tierserve import cli
 from tierserve.errors import TierserveError
-from tierserve.planner import HostRequest, Machine, PlanInputs, Workload, make_plan
-from tierserve.presets import GPU_PRESETS, MODEL_PRESETS, model_preset
-from tierserve.sglang_check import check_sglang
+from tierserve.plan.launch import launch_flags
+from tierserve.plan.plan import Machine, PlanInputs, Workload, make_plan
+from tierserve.plan.presets import GPU_PRESETS, MODEL_PRESETS, model_preset
+from tierserve.plan.sglang import check_sglang
+from tierserve.plan.verdict import judge
+from tierserve.plan.vllm import check_vllm
+from tierserve.plan.weights import model_spec
+from tierserve.sizing.pools import HostRequest
 from tierserve.units import GB
-from tierserve.vllm_check import check_vllm
-from tierserve.weights import model_spec
 
 NUMBERS = st.sampled_from(
     [
@@ -275,7 +278,8 @@ def test_fits_exactly_when_every_constraint_holds(data) -> None:
     inputs = valid_inputs(lambda: data.draw(plan_inputs()))
     assume(inputs is not None)
     plan = make_plan(inputs)
-    # Each constraint from first principles, not from verdict.py.
+    verdict = judge(plan)
+    # Each constraint from first principles, not from plan/verdict.py.
     static = int(inputs.machine.gpu_memory * inputs.mem_fraction_static)
     weights = math.ceil(inputs.model.weight_bytes / (inputs.tp * inputs.pp))
     bpt, tokens = plan.kv.per_rank, plan.device_tokens_per_rank
@@ -293,10 +297,10 @@ def test_fits_exactly_when_every_constraint_holds(data) -> None:
     wanted = inputs.workload.concurrency
     running_ok = wanted is None or wanted * inputs.workload.avg_seq_len <= tokens * inputs.dp
     every = device_ok and ram_ok and length_ok and running_ok
-    assert plan.fits == every, [c for c in plan.constraints if not c.holds]
-    if plan.fits:
+    assert verdict.fits == every, [c for c in verdict.constraints if not c.holds]
+    if verdict.fits:
         assert tokens > 0 and host_pools <= budget.usable
-    for c in plan.failed:  # what to do instead: never a zero size, in words or in numbers
+    for c in verdict.failed:  # what to do instead: never a zero size, in words or in numbers
         assert c.fix and not re.search(r"(size|tokens|node-size) 0\b", c.fix), c.fix
         assert all(value > 0 for value in c.suggest.values()), c
 
@@ -314,16 +318,18 @@ def test_printed_sglang_lines_reproduce_the_plan(data) -> None:
     inputs = valid_inputs(lambda: data.draw(plan_inputs(roomy=True)))
     assume(inputs is not None)
     plan = make_plan(inputs)
-    assume(plan.launchable)
-    check = check_sglang(plan.flags.sglang, inputs)
+    verdict = judge(plan)
+    assume(verdict.launchable)
+    flags = launch_flags(verdict)
+    check = check_sglang(flags.sglang, inputs)
     assert check.flags.local_ranks == plan.local_ranks
     assert check.plan.device_tokens_per_rank == plan.device_tokens_per_rank
     assert check.plan.kv.per_rank == plan.kv.per_rank
-    vllm = check_vllm(plan.flags.vllm, inputs)
+    vllm = check_vllm(flags.vllm, inputs)
     assert vllm.plan.local_ranks == plan.local_ranks and vllm.plan.kv.per_rank == plan.kv.per_rank
     assert 0 <= plan.device_tokens_per_rank - vllm.plan.device_tokens_per_rank < 16
-    assert {c.name for c in vllm.plan.failed} <= {c.name for c in plan.failed}, vllm.lines
-    if "--enable-hierarchical-cache" in plan.flags.sglang:
+    assert {c.name for c in vllm.verdict.failed} <= {c.name for c in verdict.failed}, vllm.lines
+    if "--enable-hierarchical-cache" in flags.sglang:
         assert check.fits, check.lines
         asked = plan.host if plan.host.fits else plan.recommended
         if asked.mode != "ratio":

@@ -8,24 +8,23 @@ from types import SimpleNamespace
 
 import pytest
 
-from tierserve import cli, planner, sglang_check
-from tierserve.config import ModelConfig
+from tierserve import cli
+from tierserve.args import ModelConfig
 from tierserve.errors import TierserveError
-from tierserve.planner import (
-    HostBudget,
-    HostRequest,
-    Machine,
-    PlanInputs,
-    kv_bytes,
-    kv_spec,
-    make_plan,
-    size_host_cache,
-)
-from tierserve.presets import GPU_PRESETS, MODEL_PRESETS, gpu_preset, model_preset
-from tierserve.sglang_check import check_sglang
+from tierserve.plan import sglang as sglang_check
+from tierserve.plan.launch import LaunchFlags, launch_flags
+from tierserve.plan.plan import Machine, Plan, PlanInputs, Workload, make_plan
+from tierserve.plan.presets import GPU_PRESETS, MODEL_PRESETS, gpu_preset, model_preset
+from tierserve.plan.render import plan_json
+from tierserve.plan.sglang import check_sglang
+from tierserve.plan.verdict import judge
+from tierserve.plan.vllm import check_vllm
+from tierserve.plan.weights import checkpoint_dtypes, estimate_parameters, model_spec
+from tierserve.sizing import kv as kv_sizing
+from tierserve.sizing import pools
+from tierserve.sizing.kv import kv_bytes, kv_spec
+from tierserve.sizing.pools import HostBudget, HostRequest, size_host_cache
 from tierserve.units import GB, GiB, format_gb, parse_size
-from tierserve.vllm_check import check_vllm
-from tierserve.weights import checkpoint_dtypes, estimate_parameters, model_spec
 
 # The seed's server: Kimi-K2.5 on 8 GPUs, as SGLang reported it and as the user measured RAM.
 SEED_BYTES_PER_TOKEN = 136_793
@@ -57,7 +56,7 @@ def shape(name: str) -> ModelConfig:
     return ModelConfig.from_dict(model_preset(name).config)
 
 
-def kv_bytes_per_token(model: ModelConfig, kv_dtype: str, tp: int = 1) -> planner.KVBytes:
+def kv_bytes_per_token(model: ModelConfig, kv_dtype: str, tp: int = 1) -> kv_sizing.KVBytes:
     return kv_bytes(kv_spec(model, kv_dtype, tp))
 
 
@@ -122,9 +121,9 @@ def test_attention_kinds_and_mla_detection() -> None:
 
 def test_measured_override_keeps_the_split() -> None:
     kv = kv_bytes_per_token(shape("llama-3-8b"), "bf16", tp=8)
-    assert planner.override_per_rank(kv, 20_000) == (160_000, 20_000, False)
+    assert kv_sizing.override_per_rank(kv, 20_000) == (160_000, 20_000, False)
     with pytest.raises(TierserveError):
-        planner.override_per_rank(kv, 0)
+        kv_sizing.override_per_rank(kv, 0)
 
 
 def test_unknown_kv_dtype_is_a_user_error() -> None:
@@ -181,17 +180,17 @@ def test_unknown_model_preset_lists_the_known_ones() -> None:
 
 
 def test_device_pool_is_static_fraction_minus_weights() -> None:
-    assert planner.device_pool_bytes(80 * GB, 0.9, 16 * GB) == 56 * GB
-    assert planner.device_pool_bytes(80 * GB, 0.5, 60 * GB) == 0  # weights do not fit
-    assert planner.weights_per_rank(16 * GB, 8) == 2 * GB
-    assert planner.tokens_in(999_900, 100, page_size=16) == 9_984
+    assert pools.device_pool_bytes(80 * GB, 80 * GB, 16 * GB, 0.9) == 56 * GB
+    assert pools.device_pool_bytes(80 * GB, 80 * GB, 60 * GB, 0.5) == 0  # weights do not fit
+    assert pools.weights_per_rank(16 * GB, 8) == 2 * GB
+    assert pools.tokens_in(999_900, 100, page_size=16) == 9_984
 
 
 def test_local_ranks() -> None:
-    assert planner.local_ranks(8, 8) == 8
-    assert planner.local_ranks(16, 8) == 8  # TP across two nodes
-    assert planner.local_ranks(4, 8) == 4  # replicas are counted when asked for (--dp), only
-    assert planner.local_ranks(1, 1) == 1
+    assert pools.local_ranks(8, 8) == 8
+    assert pools.local_ranks(16, 8) == 8  # TP across two nodes
+    assert pools.local_ranks(4, 8) == 4  # replicas are counted when asked for (--dp), only
+    assert pools.local_ranks(1, 1) == 1
 
 
 # --- host sizing: the seed's numbers ---------------------------------------------------------
@@ -244,8 +243,12 @@ def test_host_budget_rejects_negative_sizes() -> None:
 # --- the plan --------------------------------------------------------------------------------
 
 
+def flags_of(plan: Plan) -> LaunchFlags:
+    return launch_flags(judge(plan))
+
+
 def test_plan_dict_has_the_documented_keys() -> None:
-    data = make_plan(seed_inputs()).to_dict()
+    data = plan_json(judge(make_plan(seed_inputs())))
     for key in (
         "kv_bytes_per_token_per_rank",
         "kv_replicated",
@@ -265,7 +268,7 @@ def test_plan_dict_has_the_documented_keys() -> None:
 
 
 def test_plan_warns_about_the_per_rank_trap_and_replicated_copies() -> None:
-    warnings = "\n".join(make_plan(seed_inputs()).warnings)
+    warnings = "\n".join(judge(make_plan(seed_inputs())).warnings)
     assert "PER RANK" in warnings and "8 × 394 GB" in warnings
     assert "identical on every rank" in warnings and "7 other" in warnings
 
@@ -279,34 +282,38 @@ def test_plan_counts_tierserves_shared_host_copy_once() -> None:
     assert shared.bytes_per_node == pytest.approx(apart.bytes_per_node, rel=1e-4)  # pages round
     assert shared.tokens_per_rank // 8 == pytest.approx(apart.tokens_per_rank, abs=1)
     assert shared.bytes_per_node <= plan.budget.usable
-    note = next(w for w in plan.warnings if w.startswith("tierserve keeps"))
+    note = next(w for w in judge(plan).warnings if w.startswith("tierserve keeps"))
     assert f"{shared.tokens_per_rank:,} tokens" in note and f"{apart.tokens_per_rank:,}" in note
     gqa = make_plan(PlanInputs(**{**seed_inputs().__dict__, "tp": 1}))
-    assert gqa.shared.sharing == 1 and not any("tierserve keeps" in w for w in gqa.warnings)
+    assert gqa.shared.sharing == 1
+    assert not any("tierserve keeps" in w for w in judge(gqa).warnings)
 
 
 def test_plan_launch_flags() -> None:
     plan = make_plan(seed_inputs())
-    assert "--enable-hierarchical-cache --hicache-size 49" in plan.flags.sglang
+    flags = flags_of(plan)
+    assert "--enable-hierarchical-cache --hicache-size 49" in flags.sglang
     # vLLM takes GiB for the whole instance: 8 ranks × ~49.4 GB.
-    assert f"--kv-offloading-size {plan.recommended.bytes_per_rank * 8 // GiB}" in plan.flags.vllm
-    assert "--hicache-node-size 394GB" in plan.flags.tierserve
-    assert "--enable-hierarchical-cache" in plan.flags.tierserve
+    assert f"--kv-offloading-size {plan.recommended.bytes_per_rank * 8 // GiB}" in flags.vllm
+    assert "--hicache-node-size 394GB" in flags.tierserve
+    assert "--enable-hierarchical-cache" in flags.tierserve
     ratio = make_plan(PlanInputs(**{**seed_inputs().__dict__, "host": HostRequest.of_ratio(2.5)}))
-    assert ratio.flags.sglang.endswith("--hicache-ratio 2.5")
+    assert flags_of(ratio).sglang.endswith("--hicache-ratio 2.5")
     sized = make_plan(PlanInputs(**{**seed_inputs().__dict__, "host": HostRequest.per_rank(48e9)}))
-    assert sized.flags.sglang.endswith("--hicache-size 48")
+    assert flags_of(sized).sglang.endswith("--hicache-size 48")
 
 
 def test_plan_concurrency_at_the_average_length() -> None:
-    inputs = PlanInputs(**{**seed_inputs().__dict__, "workload": planner.Workload(4000, 150)})
+    inputs = PlanInputs(**{**seed_inputs().__dict__, "workload": Workload(4000, 150)})
     plan = make_plan(inputs)
     assert plan.device_concurrency == SEED_DEVICE_TOKENS // 4000 == 31
     assert plan.cached_concurrency == plan.total_tokens_per_rank // 4000
     # Concurrency asked for is a constraint: 150 × 4,000 tokens do not run at once on 127,000.
-    assert [c.name for c in plan.failed] == ["concurrency"] and not plan.fits
+    verdict = judge(plan)
+    assert [c.name for c in verdict.failed] == ["concurrency"] and not verdict.fits
     assert (
-        "150 requests × 4,000 tokens = 600,000 > device pool 127,000" in plan.failed[0].arithmetic
+        "150 requests × 4,000 tokens = 600,000 > device pool 127,000"
+        in verdict.failed[0].arithmetic
     )
 
 
@@ -582,36 +589,40 @@ def test_suggestions_are_never_zero_sizes() -> None:
     assert not check.fits and "--hicache-size 0" not in check.suggestion
     assert "drop --enable-hierarchical-cache" in check.suggestion
     plan = make_plan(inputs)  # auto: the largest that fits is under 1 GB a rank, so none
-    assert "--hicache-node-size 0GB" not in plan.flags.tierserve
-    assert "--enable-hierarchical-cache" not in plan.flags.tierserve + plan.flags.sglang
+    flags = flags_of(plan)
+    assert "--hicache-node-size 0GB" not in flags.tierserve
+    assert "--enable-hierarchical-cache" not in flags.tierserve + flags.sglang
     broke = dataclasses.replace(seed_inputs().machine, host_available=30 * GB)
-    plan = make_plan(dataclasses.replace(seed_inputs(), machine=broke))
-    assert not plan.fits and [c.name for c in plan.failed] == ["host RAM"]
-    assert "the processes alone do not fit" in plan.failed[0].arithmetic
+    verdict = judge(make_plan(dataclasses.replace(seed_inputs(), machine=broke)))
+    assert not verdict.fits and [c.name for c in verdict.failed] == ["host RAM"]
+    assert "the processes alone do not fit" in verdict.failed[0].arithmetic
 
 
 def test_max_total_tokens_is_checked_against_gpu_memory_and_printed() -> None:
     inputs = dataclasses.replace(seed_inputs(), device_tokens_per_rank=24_000_000, page_size=64)
-    plan = make_plan(inputs)  # 24 M × 136,793 B = 3.3 TB on a 96 GB GPU
-    assert not plan.fits and plan.failed[0].name == "device memory"
-    assert "at most --max-total-tokens" in plan.failed[0].fix
-    ok = make_plan(dataclasses.replace(inputs, device_tokens_per_rank=127_000))
+    verdict = judge(make_plan(inputs))  # 24 M × 136,793 B = 3.3 TB on a 96 GB GPU
+    assert not verdict.fits and verdict.failed[0].name == "device memory"
+    assert "at most --max-total-tokens" in verdict.failed[0].fix
+    ok = judge(make_plan(dataclasses.replace(inputs, device_tokens_per_rank=127_000)))
     assert ok.fits
-    for line in (ok.flags.tierserve, ok.flags.sglang):
+    ok_flags = launch_flags(ok)
+    for line in (ok_flags.tierserve, ok_flags.sglang):
         assert "--max-total-tokens 127000" in line and "--page-size 64" in line
-    off = make_plan(
-        dataclasses.replace(inputs, device_tokens_per_rank=127_000, host=HostRequest("off"))
+    off = flags_of(
+        make_plan(
+            dataclasses.replace(inputs, device_tokens_per_rank=127_000, host=HostRequest("off"))
+        )
     )
-    assert "hicache" not in off.flags.tierserve + off.flags.sglang
-    assert "kv-offloading" not in off.flags.vllm
+    assert "hicache" not in off.tierserve + off.sglang
+    assert "kv-offloading" not in off.vllm
 
 
 def test_a_context_length_the_device_cannot_hold_does_not_fit() -> None:
     inputs = dataclasses.replace(seed_inputs(), context_length=131_072)  # pool: 127,000 tokens
-    plan = make_plan(inputs)
-    assert not plan.fits and [c.name for c in plan.failed] == ["context length"]
-    assert "131,072 tokens > device pool 127,000" in plan.failed[0].arithmetic
-    assert make_plan(dataclasses.replace(inputs, context_length=100_000)).fits
+    verdict = judge(make_plan(inputs))
+    assert not verdict.fits and [c.name for c in verdict.failed] == ["context length"]
+    assert "131,072 tokens > device pool 127,000" in verdict.failed[0].arithmetic
+    assert judge(make_plan(dataclasses.replace(inputs, context_length=100_000))).fits
     assert make_plan(seed_inputs()).longest_request == 127_000
 
 
@@ -686,9 +697,10 @@ def test_vllm_command_lines_are_checked_with_vllms_semantics() -> None:
 
 def test_printed_vllm_line_reproduces_the_plan() -> None:
     plan = make_plan(seed_inputs())
-    check = check_vllm(plan.flags.vllm, seed_inputs())
+    vllm_line = flags_of(plan).vllm
+    check = check_vllm(vllm_line, seed_inputs())
     # The model's 131,072 would not fit the 127,000-token pool: capped, in whole 16-token blocks.
-    assert "--max-model-len 126992 --num-gpu-blocks-override 7937" in plan.flags.vllm
+    assert "--max-model-len 126992 --num-gpu-blocks-override 7937" in vllm_line
     assert check.fits and check.plan.local_ranks == plan.local_ranks
     assert check.plan.device_tokens_per_rank == 7937 * 16
     assert abs(check.plan.host.bytes_per_rank - plan.recommended.bytes_per_rank) <= GiB
@@ -712,7 +724,8 @@ def test_plan_speaks_serve_sglang_and_vllm_spellings(capsys: pytest.CaptureFixtu
 def test_plan_and_serve_share_one_definition_of_their_common_flags() -> None:
     import argparse
 
-    from tierserve import plan_cli, serve_cli
+    from tierserve.plan import cli as plan_cli
+    from tierserve.server import cli as serve_cli
 
     def actions(add) -> dict[str, argparse.Action]:
         parser = argparse.ArgumentParser()

@@ -111,9 +111,9 @@ def check_invariants(tree: RadixCache, alloc: PageAllocator) -> None:
 import torch  # noqa: E402
 
 from tierserve.cache.pool import PagedKV  # noqa: E402
-from tierserve.cache.spec import KVSpec  # noqa: E402
 from tierserve.cache.tiers import HostTier  # noqa: E402
 from tierserve.cache.transfer import ImmediateTransfer  # noqa: E402
+from tierserve.sizing.kv import KVSpec  # noqa: E402
 
 
 class TwoTiers:

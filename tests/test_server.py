@@ -722,7 +722,7 @@ def test_batch_rerun_retries_failed_lines_and_names_a_corrupt_one(llama_dir, tmp
 )
 def test_batch_input_lines_of_the_wrong_shape_are_named(tmp_path, line, message):
     from tierserve import TierserveError
-    from tierserve.batch import read_input
+    from tierserve.server.batch import read_input
 
     good = '{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "hi"}}'
     src = tmp_path / "in.jsonl"

@@ -16,11 +16,11 @@ import transformers
 from tests.conftest import make_checkpoint, random_prompts
 from tests.test_models import hf_greedy
 from tierserve import LLM, SamplingParams, TierserveError
+from tierserve.args import ModelConfig
 from tierserve.cache.pool import PagedKV
-from tierserve.cache.spec import KVSpec
-from tierserve.config import ModelConfig
 from tierserve.layers.attention import ForwardBatch, SeqSpan, TorchAttention
 from tierserve.models.loader import load_model
+from tierserve.sizing.kv import KVSpec
 
 WINDOW = 16
 FAMILIES = ["mistral", "qwen2", "qwen3"]

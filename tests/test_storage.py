@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import Server, random_prompts, serve_cmd
 from tierserve import LLM, SamplingParams, TierserveError
-from tierserve.cache.spec import KVSpec
+from tierserve.sizing.kv import KVSpec
 from tierserve.storage.backend import register
 from tierserve.storage.file import FileBackend
 from tierserve.storage.keys import Namespace
@@ -267,7 +267,7 @@ def test_keys_name_model_format_and_shard_and_are_stable_across_processes():
     assert base.chain(keys[1], tokens[32:]) == keys[2:]
     assert base.chain(None, [9, *tokens[1:]])[3] != keys[3]
     code = (
-        "from tierserve.cache.spec import KVSpec; from tierserve.storage.keys import Namespace;"
+        "from tierserve.sizing.kv import KVSpec; from tierserve.storage.keys import Namespace;"
         "print(Namespace('model-a', KVSpec('kv', 2, 2, 32, 'float32', 16, 2, 1))"
         ".chain(None, list(range(64)))[-1])"
     )

@@ -26,8 +26,8 @@ from tierserve.distributed import ranks as ranks_module
 from tierserve.engine import engine as engine_module
 from tierserve.layers.parallel import TPGroup, shards_by_name, tp_group
 from tierserve.net import free_port
-from tierserve.planner import DEFAULT_MARGIN
 from tierserve.server.metrics import ServerMetrics
+from tierserve.sizing.pools import DEFAULT_MARGIN
 
 # The ranks meet over gloo on CPU whatever the machine has (NCCL needs a GPU per rank), and the
 # one-process references run there too, so outputs compare exactly.
@@ -108,7 +108,7 @@ def _workers_left() -> list[psutil.Process]:
     return [
         p
         for p in psutil.process_iter(["cmdline"])
-        if "tierserve.distributed.worker" in " ".join(p.info["cmdline"] or [])
+        if "tierserve.engine.worker" in " ".join(p.info["cmdline"] or [])
     ]
 
 

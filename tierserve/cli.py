@@ -15,10 +15,13 @@ JSON_SCHEMA_VERSION = 2  # of every --json output; docs/plan.md lists the keys
 
 # name -> (module path, help); each module defines add_arguments(parser) and run(ns) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("tierserve.serve_cli", "serve a model (OpenAI-compatible HTTP server)"),
-    "plan": ("tierserve.plan_cli", "size the KV cache before launch (tierserve, SGLang, vLLM)"),
-    "batch": ("tierserve.batch", "run an OpenAI Batch file (resumable) against a server or model"),
-    "bench": ("tierserve.bench_cli", "benchmark a server with the field's workloads"),
+    "serve": ("tierserve.server.cli", "serve a model (OpenAI-compatible HTTP server)"),
+    "plan": ("tierserve.plan.cli", "size the KV cache before launch (tierserve, SGLang, vLLM)"),
+    "batch": (
+        "tierserve.server.batch",
+        "run an OpenAI Batch file (resumable) against a server or model",
+    ),
+    "bench": ("tierserve.bench.cli", "benchmark a server with the field's workloads"),
 }
 
 

@@ -18,8 +18,8 @@ import logging
 
 import torch
 
-from tierserve.cache.spec import KVSpec
 from tierserve.errors import TierserveError
+from tierserve.sizing.kv import KVSpec
 
 logger = logging.getLogger("tierserve")
 

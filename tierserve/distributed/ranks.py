@@ -1,7 +1,7 @@
 """Starting the tensor-parallel ranks and making them agree before anything is allocated.
 
 The process a user starts is its node's first rank: it starts the node's other ranks as
-`python -m tierserve.distributed.worker` processes, then every rank joins one
+`python -m tierserve.engine.worker` processes, then every rank joins one
 torch.distributed group (gloo on CPU, NCCL on CUDA) at `--dist-init-addr`. Global rank 0 keeps
 HTTP, tokenization and detokenization; it alone decides the start-up sizes (`agree`) and each
 step's inputs (`bus.py`). A rank that dies takes the others with it: the first process of a node
@@ -31,18 +31,15 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from tierserve.config import EngineArgs
+from tierserve.args import EngineArgs
 from tierserve.distributed.bus import CommandBus
-from tierserve.distributed.worker import ENV_ARGS, ENV_PARENT
-from tierserve.engine.startup import resolve_device
+from tierserve.distributed.rank_env import ENV_ADDR, ENV_ARGS, ENV_PARENT, ENV_RANK
 from tierserve.errors import TierserveError
 from tierserve.layers.parallel import TPGroup, set_tp_group
 from tierserve.net import free_port
 
 logger = logging.getLogger("tierserve")
 
-ENV_RANK = "TIERSERVE_RANK"
-ENV_ADDR = "TIERSERVE_DIST_ADDR"
 # Collectives of the model and the start-up rendezvous give up after this.
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
 # A rank that died: its peers' collectives fail at once (closed sockets) and the server answers
@@ -73,9 +70,10 @@ class Ranks:
         return self.rank == 0
 
     @classmethod
-    def start(cls, args: EngineArgs) -> Ranks:
+    def start(cls, args: EngineArgs, device: torch.device) -> Ranks:
         """This process's rank in the group, started and joined; blocks until every rank has.
-        Anything that fails on the way ends the ranks started here before it is raised."""
+        `device` is where the engine runs (NCCL on CUDA, gloo elsewhere). Anything that fails
+        on the way ends the ranks started here before it is raised."""
         local = args.local_ranks
         rank = int(os.environ.get(ENV_RANK, args.node_rank * local))
         workers: list[subprocess.Popen] = []
@@ -89,7 +87,7 @@ class Ranks:
                 addr = args.dist_init_addr or f"127.0.0.1:{free_port()}"
                 workers = _spawn_ranks(args, rank, addr, closing)
                 _watch(workers, closing)  # from now: a rank that dies, even before meeting, ends us
-            _join(args, rank, addr)
+            _join(args, rank, addr, device.type == "cuda")
             bus = CommandBus(rank)
             session = bus.session()
         except BaseException:
@@ -149,9 +147,8 @@ def _claim_group(tp_size: int) -> None:
         _open_tp = tp_size
 
 
-def _join(args: EngineArgs, rank: int, addr: str) -> None:
+def _join(args: EngineArgs, rank: int, addr: str, cuda: bool) -> None:
     local = args.local_ranks
-    cuda = resolve_device(args.device).type == "cuda"
     if cuda:
         torch.cuda.set_device(rank % local)
     else:  # the node's ranks share its cores: more threads than cores only contend
@@ -234,7 +231,7 @@ def _spawn(args: EngineArgs, rank: int, addr: str) -> subprocess.Popen:
         ENV_ARGS: json.dumps(dataclasses.asdict(args)),
         ENV_PARENT: str(os.getpid()),
     }
-    cmd = [sys.executable, "-m", "tierserve.distributed.worker"]
+    cmd = [sys.executable, "-m", "tierserve.engine.worker"]
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
 
 

@@ -13,20 +13,20 @@ from typing import Any
 
 import torch
 
-from tierserve.cache.host_sizing import KVPlan, startup_table
+from tierserve.args import EngineArgs, ModelConfig
 from tierserve.cache.manager import KVCacheManager
 from tierserve.cache.pool import PagedKV, pages_for
 from tierserve.cache.shared_host import HostShare, open_share
 from tierserve.cache.tiers import HostTier
 from tierserve.cache.transfer import TransferFactory, default_transfer
-from tierserve.config import EngineArgs, ModelConfig
 from tierserve.distributed.bus import AbortRequest, AddRequest, Command, FlushCache
 from tierserve.distributed.ranks import Ranks
 from tierserve.engine.grammar import Grammars
+from tierserve.engine.kv_plan import KVPlan, startup_table
 from tierserve.engine.request import Request, StepOutput
 from tierserve.engine.runner import ChunkResult, ModelRunner
 from tierserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
-from tierserve.engine.startup import Startup
+from tierserve.engine.startup import Startup, resolve_device
 from tierserve.errors import TierserveError
 from tierserve.layers.attention import ATTENTION_BACKENDS
 from tierserve.layers.sampler import TokenLogprob
@@ -58,7 +58,8 @@ class Engine:
         self._closed = False
         # Tensor parallelism: every rank joins here; rank 0 decides every size, and checks it
         # for the whole node, before any rank's weights or KV take memory.
-        self.ranks = Ranks.start(args) if args.tp_size > 1 else None
+        device = resolve_device(args.device)
+        self.ranks = Ranks.start(args, device) if args.tp_size > 1 else None
         decide = lambda: Startup.from_args(args)  # noqa: E731
         try:
             self.startup = startup = self.ranks.agree(decide) if self.ranks else decide()

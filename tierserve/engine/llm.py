@@ -6,7 +6,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from tierserve.config import EngineArgs
+from tierserve.args import EngineArgs
 from tierserve.engine.engine import Engine
 from tierserve.engine.output import OutputBuilder
 from tierserve.engine.request import RequestOutput

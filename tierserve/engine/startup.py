@@ -13,18 +13,19 @@ from pathlib import Path
 
 import torch
 
-from tierserve.cache.host_sizing import KVPlan, check_cpu_ram, size_host_tier
+from tierserve.args import EngineArgs, ModelConfig, default_model
 from tierserve.cache.pool import check_pool_size
-from tierserve.cache.spec import KVSpec
-from tierserve.config import EngineArgs, ModelConfig, default_model
+from tierserve.dtypes import COMPUTE_DTYPES, torch_dtype
+from tierserve.engine.kv_plan import KVPlan, check_cpu_ram, size_host_tier
 from tierserve.errors import TierserveError
 from tierserve.layers.attention import DecodeWorkspace
 from tierserve.models.loader import checkpoint_numel
+from tierserve.sizing.kv import KVSpec
+from tierserve.sizing.pools import device_pool_bytes
 from tierserve.storage.backend import backend_class
 from tierserve.storage.tier import StorageConfig
 
 CPU_DEFAULT_POOL_TOKENS = 32768
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_device(name: str) -> torch.device:
@@ -37,10 +38,11 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
     if name != "auto":
-        return DTYPES[name]
+        return torch_dtype(name)
     if device.type == "cpu":
         return torch.float32  # CPU matmuls in half precision are slow and less exact
-    return DTYPES.get(cfg.torch_dtype or "", torch.bfloat16)
+    checkpoint = cfg.torch_dtype or ""
+    return torch_dtype(checkpoint) if checkpoint in COMPUTE_DTYPES else torch.bfloat16
 
 
 @dataclass(frozen=True)
@@ -148,9 +150,8 @@ def _pool_tokens(args: EngineArgs, device: torch.device, spec: KVSpec, weight_by
     if device.type != "cuda":
         return CPU_DEFAULT_POOL_TOKENS
     free, total = torch.cuda.mem_get_info(device)
-    # As SGLang: weights + KV pool may use this fraction of the card.
     frac = args.mem_fraction_static
-    budget = total * frac - (total - free) - weight_bytes
+    budget = device_pool_bytes(total, free, weight_bytes, frac)  # what `plan` computes too
     if budget < spec.bytes_per_page:
         raise TierserveError(
             f"no room for a KV pool: {total / 1e9:.1f} GB × {frac} − "

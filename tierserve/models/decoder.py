@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierserve.config import ModelConfig
+from tierserve.args import ModelConfig
 from tierserve.layers.attention import AttentionBackend
 from tierserve.layers.norm import RMSNorm
 from tierserve.layers.parallel import ParallelLMHead, VocabParallelEmbedding

@@ -13,7 +13,7 @@ import re
 import torch
 from torch import nn
 
-from tierserve.config import ModelConfig
+from tierserve.args import ModelConfig
 from tierserve.layers.attention import AttentionBackend
 from tierserve.layers.mla import MLA, MLAConfig, softmax_scale
 from tierserve.layers.mlp import GatedMLP

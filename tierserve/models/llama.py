@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierserve.config import ModelConfig
+from tierserve.args import ModelConfig
 from tierserve.layers.attention import AttentionBackend
 from tierserve.layers.mlp import GatedMLP
 from tierserve.layers.norm import RMSNorm

@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from torch import nn
 from tqdm import tqdm
 
-from tierserve.config import ModelConfig, read_hf_config, text_config
+from tierserve.args import ModelConfig, read_hf_config, text_config
 from tierserve.errors import TierserveError
 from tierserve.layers.parallel import shards_by_name
 from tierserve.layers.rotary import rotary_for

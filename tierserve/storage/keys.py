@@ -20,7 +20,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from tierserve.cache.spec import KVSpec
+from tierserve.sizing.kv import KVSpec
 
 KEY_CHARS = 32  # 128 bits of SHA-256, hex
 

@@ -14,7 +14,7 @@ import hashlib
 import json
 import struct
 
-from tierserve.cache.spec import KVSpec
+from tierserve.sizing.kv import KVSpec
 
 MAGIC = b"TSKV"
 VERSION = 1

@@ -1,6 +1,6 @@
 """`tierserve plan`: KV capacity and host-cache sizing before launch, for tierserve, SGLang, vLLM.
 
-This module reads flags, files and this machine's free RAM; all arithmetic is in planner.py.
+This module reads flags, files and this machine's free RAM; all arithmetic is in plan/plan.py.
 Exit status: 0 the plan fits, 1 it does not (the output says why and what does), 2 bad input.
 """
 
@@ -11,18 +11,27 @@ import dataclasses
 import json
 from pathlib import Path
 
-from tierserve import planner
+from tierserve.args import EngineArgs, read_hf_config
 from tierserve.cli import JSON_SCHEMA_VERSION, emit
-from tierserve.config import EngineArgs, read_hf_config
 from tierserve.errors import TierserveError
-from tierserve.planner import HostRequest, Machine, Plan, PlanInputs
-from tierserve.presets import GPU_PRESETS, MODEL_PRESETS, ModelPreset, find_model_preset, gpu_preset
-from tierserve.sglang_check import SGLangCheck, check_sglang, parse_sglang_flags
+from tierserve.plan.plan import DEFAULT_AVG_SEQ_LEN, Machine, PlanInputs, Workload, make_plan
+from tierserve.plan.presets import (
+    GPU_PRESETS,
+    MODEL_PRESETS,
+    ModelPreset,
+    find_model_preset,
+    gpu_preset,
+)
+from tierserve.plan.render import plan_json, render_check, render_plan
+from tierserve.plan.sglang import check_sglang, parse_sglang_flags
+from tierserve.plan.verdict import judge
+from tierserve.plan.vllm import check_vllm, parse_vllm_flags
+from tierserve.plan.weights import WEIGHT_DTYPE_BYTES, ModelSpec, model_spec
+from tierserve.sizing.kv import short_kv_dtype
+from tierserve.sizing.pools import HostRequest, host_request
 from tierserve.storage.backend import backend_class
 from tierserve.storage.tier import StorageConfig
-from tierserve.units import format_bytes, format_count, format_gb, parse_size
-from tierserve.vllm_check import VLLMCheck, check_vllm, parse_vllm_flags
-from tierserve.weights import WEIGHT_DTYPE_BYTES, ModelSpec, model_spec
+from tierserve.units import format_gb, parse_size
 
 SIZES = "sizes: 48GB, 48GiB, 0.5TB, 300MB; a bare number is decimal GB (as SGLang's flags)"
 EPILOG = f"""{SIZES}. Exit status: 0 the plan fits, 1 it does not, 2 bad input.
@@ -60,9 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add(
         "--avg-seq-len",
         type=int,
-        default=4000,
+        default=DEFAULT_AVG_SEQ_LEN,
         metavar="N",
-        help="prompt + output tokens of an average request (4000)",
+        help=f"prompt + output tokens of an average request ({DEFAULT_AVG_SEQ_LEN})",
     )
     add(
         "--check-sglang",
@@ -207,9 +216,10 @@ def run(ns: argparse.Namespace) -> int:
         )
         emit(_json(check.to_dict()) if ns.json else render_check(check))
         return 0 if check.fits else 1
-    plan = planner.make_plan(inputs)
-    emit(_json(plan.to_dict()) if ns.json else render_plan(plan))
-    return 0 if plan.fits else 1
+    plan = make_plan(inputs)
+    verdict = judge(plan)
+    emit(_json(plan_json(verdict)) if ns.json else render_plan(verdict))
+    return 0 if verdict.fits else 1
 
 
 def _json(data: dict) -> str:
@@ -223,7 +233,7 @@ def _json(data: dict) -> str:
 def _kv_dtype(text: str) -> str:
     """The planner's short KV dtype names, from ours, SGLang's or vLLM's spelling."""
     try:
-        name = planner.short_kv_dtype(text)
+        name = short_kv_dtype(text)
     except TierserveError as err:
         raise argparse.ArgumentTypeError(f"{err.message}, auto") from None
     return name or "bf16"  # auto: the model's dtype, bf16 for the checkpoints planned here
@@ -331,15 +341,7 @@ def _host_available(text: str | None) -> tuple[int, str]:
 
 
 def _host_request(ns: argparse.Namespace) -> HostRequest:
-    if ns.no_host_cache:
-        return HostRequest("off")
-    if ns.host_ratio is not None:
-        return HostRequest.of_ratio(ns.host_ratio)
-    if ns.host_per_rank is not None:
-        return HostRequest.per_rank(parse_size(ns.host_per_rank, field="host_per_rank"))
-    if ns.host_per_node is not None:
-        return HostRequest.per_node(parse_size(ns.host_per_node, field="host_per_node"))
-    return HostRequest.auto()
+    return host_request(ns.host_per_node, ns.host_per_rank, ns.host_ratio, ns.no_host_cache)
 
 
 def _storage_ram(ns: argparse.Namespace) -> int:
@@ -374,183 +376,8 @@ def build_inputs(ns: argparse.Namespace, model: ModelSpec) -> PlanInputs:
         mem_fraction_static=ns.mem_fraction_static,
         page_size=ns.page_size,
         host=_host_request(ns),
-        workload=planner.Workload(ns.avg_seq_len, ns.max_running_requests),
+        workload=Workload(ns.avg_seq_len, ns.max_running_requests),
         kv_bytes_per_token_per_rank=ns.kv_bytes_per_token,
         device_tokens_per_rank=ns.max_total_tokens,
         context_length=ns.context_length,
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# Output
-
-Row = tuple[str, str, str]
-
-
-def _table(sections: list[tuple[str, list[Row]]]) -> list[str]:
-    lines = []
-    for title, rows in sections:
-        lines.append(title)
-        lines += [f"  {label:<26}{value:>16}   {note}".rstrip() for label, value, note in rows]
-        lines.append("")
-    return lines
-
-
-def _kv_note(plan: Plan) -> str:
-    kv, tp = plan.inputs.model.config, plan.inputs.tp
-    if plan.spec.kind == "latent":
-        return f"MLA latent: not split, identical on all {tp} ranks" if tp > 1 else "MLA latent"
-    if plan.kv.replicated:
-        return (
-            f"{kv.num_kv_heads} KV heads < tp {tp}: 1 head per rank, each on {plan.kv_copies} ranks"
-        )
-    return (
-        f"{kv.num_kv_heads} KV heads split over {tp} ranks"
-        if tp > 1
-        else f"{kv.num_kv_heads} KV heads"
-    )
-
-
-def _device_rows(plan: Plan) -> list[Row]:
-    inputs = plan.inputs
-    gpu, frac = inputs.machine.gpu_memory, inputs.mem_fraction_static
-    static = int(gpu * frac)
-    length = format_count(inputs.workload.avg_seq_len)
-    pool_note = f"= {format_gb(static)} − {format_gb(plan.weights_bytes_per_rank)}"
-    if inputs.device_tokens_per_rank is not None:
-        pool_note = "--max-total-tokens given; memory formula not used"
-    return [
-        (
-            "weights",
-            format_gb(plan.weights_bytes_per_rank),
-            f"{inputs.model.weight_note} / {inputs.tp} ranks",
-        ),
-        ("GPU × mem-fraction-static", format_gb(static), f"{format_gb(gpu)} × {frac:g}"),
-        ("KV pool", format_gb(plan.device_pool_bytes_per_rank), pool_note),
-        (
-            "tokens",
-            format_count(plan.device_tokens_per_rank),
-            f"pool // {format_bytes(plan.kv.per_rank)}",
-        ),
-        (f"requests of {length} tokens", format_count(plan.device_concurrency), "decoding at once"),
-    ]
-
-
-def _host_rows(plan: Plan) -> list[Row]:
-    budget, best, host = plan.budget, plan.recommended, plan.host
-    usable_note = (
-        f"= {format_gb(budget.available)} available − {format_gb(budget.overhead)} overhead "
-        f"− {format_gb(budget.margin)} margin"
-    )
-    store = plan.inputs.machine.storage_ram_per_process
-    if store:
-        usable_note += f" (overhead incl. {budget.local_ranks} × {format_gb(store)} storage client)"
-    rows = [
-        ("usable on the node", format_gb(budget.usable), usable_note),
-        ("recommended per rank", format_gb(best.bytes_per_rank), _per_rank_note(plan)),
-        ("recommended per node", format_gb(best.bytes_per_node), f"× {plan.local_ranks} ranks"),
-        ("host tokens per rank", format_count(best.tokens_per_rank), "at the recommended size"),
-    ]
-    if host.mode == "auto":
-        return rows
-    verdict = "fits" if host.fits else "DOES NOT FIT"
-    sizes = f"{format_gb(host.bytes_per_rank)}/rank, {format_gb(host.bytes_per_node)}/node"
-    requested = f"{plan.inputs.host.describe()}: {sizes}, {verdict}"
-    return [*rows, ("requested host tokens", format_count(host.tokens_per_rank), requested)]
-
-
-def _per_rank_note(plan: Plan) -> str:
-    budget = plan.budget
-    return f"= {format_gb(budget.usable)} / {budget.local_ranks} local ranks, rounded down"
-
-
-def _total_rows(plan: Plan) -> list[Row]:
-    length = format_count(plan.inputs.workload.avg_seq_len)
-    mode = "recommended" if plan.host.mode == "auto" else "requested"
-    return [
-        ("tokens per rank", format_count(plan.total_tokens_per_rank), f"device + {mode} host"),
-        (
-            f"requests of {length} tokens",
-            format_count(plan.cached_concurrency),
-            "whose KV stays cached (device + host)",
-        ),
-    ]
-
-
-def _header(plan: Plan) -> str:
-    inputs, machine = plan.inputs, plan.inputs.machine
-    gpus = f"{plan.local_ranks} × {machine.gpu_name} ({format_gb(machine.gpu_memory)} each)"
-    nodes = f" on {plan.nodes} nodes" if plan.nodes > 1 else ""
-    return (
-        f"tierserve plan: {inputs.model.name} ({inputs.model.config.attention}), "
-        f"KV {inputs.kv_dtype}, "
-        f"TP {inputs.tp}{nodes}, {gpus}, mem-fraction-static {inputs.mem_fraction_static:g}\n"
-        f"host RAM: {format_gb(machine.host_available)} available ({machine.host_source})\n"
-    )
-
-
-def render_plan(plan: Plan) -> str:
-    kv_rows: list[Row] = [
-        ("whole model", format_bytes(plan.kv.total), f"one copy, {plan.inputs.kv_dtype}"),
-        ("per rank", format_bytes(plan.kv.per_rank), _kv_note(plan)),
-    ]
-    sections = [
-        ("KV bytes per token", kv_rows),
-        ("Device pool, per rank", _device_rows(plan)),
-        ("Host cache", _host_rows(plan)),
-        ("Total", _total_rows(plan)),
-    ]
-    lines = [_header(plan), *_table(sections), *_verdict_lines(plan)]
-    lines += ["", "Launch flags", *_flag_lines(plan)]
-    if plan.warnings:
-        lines += ["", "Warnings", *(f"  - {w}" for w in plan.warnings)]
-    return "\n".join(lines)
-
-
-def _verdict_lines(plan: Plan) -> list[str]:
-    lines = ["Constraints"]
-    for c in plan.constraints:
-        lines.append(f"  {'ok  ' if c.holds else 'FAIL'} {c.name}: {c.arithmetic}")
-        if c.fix:
-            lines.append(f"       instead: {c.fix}")
-    if plan.inputs.context_length is None:
-        lines.append(
-            f"  longest request the device pool holds: {format_count(plan.longest_request)} "
-            "tokens (SGLang starts and caps requests at it; vLLM refuses a max_model_len above "
-            "it; give --context-length to check one)"
-        )
-    names = ", ".join(c.name for c in plan.failed)
-    lines += ["", "fits: yes" if plan.fits else f"fits: NO ({names})"]
-    return lines
-
-
-def _flag_lines(plan: Plan) -> list[str]:
-    if not plan.launchable:
-        return ["  none: a server would not start on this machine (see Constraints)"]
-    path, flags = plan.inputs.model.path or plan.inputs.model.name, plan.flags
-    local, fetch = path, []
-    if not Path(path).is_dir():  # a preset: serve loads a local directory, never the hub
-        local = f"./{path.rsplit('/', 1)[-1]}"
-        fetch = [f"    first: huggingface-cli download {path} --local-dir {local}"]
-    return [
-        f"  tierserve serve --model {local} {flags.tierserve}",
-        *fetch,
-        "    --hicache-node-size: all local ranks together (--hicache-size would be per rank)",
-        f"  python -m sglang.launch_server --model-path {path} {flags.sglang}",
-        "    --hicache-size: decimal GB PER RANK; --hicache-ratio: × each rank's device pool",
-        f"  vllm serve {path} {flags.vllm}",
-        "    --gpu-memory-utilization also covers activations (vLLM's KV pool comes out smaller);",
-        "    --kv-offloading-size: GiB for the whole instance, split across its TP ranks",
-    ]
-
-
-def render_check(check: SGLangCheck | VLLMCheck) -> str:
-    verdict = "fits" if check.fits else "DOES NOT FIT"
-    plan, engine = check.plan, "vllm" if isinstance(check, VLLMCheck) else "sglang"
-    lines = [
-        f"tierserve plan --check-{engine}: {verdict}",
-        f"  model {plan.inputs.model.name}: {format_bytes(plan.kv.per_rank)} of KV per token "
-        f"per rank, device pool {format_count(plan.device_tokens_per_rank)} tokens per rank",
-        *(f"  {line}" for line in check.lines),
-    ]
-    return "\n".join(lines)

@@ -16,9 +16,17 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from tierserve.dtypes import COMPUTE_DTYPES, canonical
 from tierserve.errors import TierserveError
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
+
+
+def check_mem_fraction(fraction: float, field: str = "mem_fraction_static", who: str = "") -> None:
+    """--mem-fraction-static is a fraction of the card in (0, 1), in tierserve as in SGLang."""
+    if not 0 < fraction < 1:  # NaN fails this too
+        message = f"{who}mem_fraction_static must be in (0, 1), got {fraction}"
+        raise TierserveError(message, field=field)
 
 
 def default_model() -> str | None:
@@ -46,7 +54,7 @@ class EngineArgs:
         default="auto",
         metadata=_flag(
             "weight and KV dtype; auto = float32 on CPU, the checkpoint's dtype on CUDA",
-            choices=["auto", "float32", "bfloat16", "float16"],
+            choices=["auto", *COMPUTE_DTYPES],
         ),
     )
     device: str = field(
@@ -167,12 +175,7 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto":
-            from tierserve.cache.spec import kv_dtype_name
-
-            try:
-                kv_dtype_name(self.kv_cache_dtype)
-            except TierserveError as err:
-                raise TierserveError(err.message, field="kv_cache_dtype") from None
+            canonical(self.kv_cache_dtype, field="kv_cache_dtype", what="KV dtype")
         positive = {
             "page_size": self.page_size,
             "max_running_requests": self.max_running_requests,
@@ -218,11 +221,7 @@ class EngineArgs:
                 field=given[0],
             )
         self._check_distributed()
-        if not 0.0 < self.mem_fraction_static < 1.0:
-            raise TierserveError(
-                f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}",
-                field="mem_fraction_static",
-            )
+        check_mem_fraction(self.mem_fraction_static)
 
     def _check_distributed(self) -> None:
         for name in ("tp_size", "nnodes"):

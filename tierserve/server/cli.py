@@ -12,7 +12,7 @@ import os
 import threading
 from pathlib import Path
 
-from tierserve.config import EngineArgs, default_model
+from tierserve.args import EngineArgs, default_model
 from tierserve.errors import TierserveError
 from tierserve.server.grammar_pool import DEFAULT_COMPILE_TIMEOUT_S
 from tierserve.server.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
@@ -83,8 +83,8 @@ def served_model_name(args: EngineArgs, override: str | None = None) -> str:
 
 
 def dry_run(args: EngineArgs) -> int:
-    from tierserve.cache.host_sizing import startup_table
     from tierserve.engine.engine import load_tokenizer
+    from tierserve.engine.kv_plan import startup_table
     from tierserve.engine.startup import Startup
 
     startup = Startup.from_args(args)

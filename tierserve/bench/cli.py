@@ -212,7 +212,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _vocab_size(ns: argparse.Namespace) -> int:
     if ns.vocab_size:
         return ns.vocab_size
-    from tierserve.config import default_model
+    from tierserve.args import default_model
 
     for d in (getattr(ns, "model", None), ns.tokenizer, default_model()):
         if d and (Path(d) / "config.json").is_file():
@@ -276,7 +276,7 @@ def build_workload(ns: argparse.Namespace) -> tuple[Any, Any]:
 
 def _context_length(ns: argparse.Namespace) -> int | None:
     """The served model's context, when the bench knows the model."""
-    from tierserve.config import ModelConfig, default_model
+    from tierserve.args import ModelConfig, default_model
 
     model = getattr(ns, "model", None) or (
         default_model() if getattr(ns, "bench_command", "") == "compare" else None
@@ -369,7 +369,7 @@ def run(ns: argparse.Namespace) -> int:
             print(f"report: {path}")
         return 0 if summary["completed"] else 1
 
-    from tierserve.config import default_model
+    from tierserve.args import default_model
 
     model = ns.model or default_model()
     if model is None:

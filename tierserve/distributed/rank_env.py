@@ -1,6 +1,6 @@
-"""A tensor-parallel rank other than 0: builds its engine (its shard of the model, its pools)
-and runs the steps rank 0 announces until told to stop. Started by distributed/ranks.py.
+"""What rank 0 puts in a worker rank's environment, and how a worker dies with rank 0.
 
+Light on purpose (no torch): a worker arms its parent-death signal before anything heavy loads.
 A rank dies with the process that started it: on Linux the kernel sends it SIGKILL when the
 thread that started it exits (set before torch loads: rank 0 may die while this rank sits in
 the rendezvous, where no Python thread of its own gets to run); elsewhere a thread polls.
@@ -15,32 +15,14 @@ import sys
 import threading
 import time
 
-# What rank 0 puts in a worker's environment (distributed/ranks.py writes them).
-ENV_PARENT = "TIERSERVE_PARENT_PID"
+ENV_RANK = "TIERSERVE_RANK"
+ENV_ADDR = "TIERSERVE_DIST_ADDR"
 ENV_ARGS = "TIERSERVE_ENGINE_ARGS"
+ENV_PARENT = "TIERSERVE_PARENT_PID"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def main() -> int:
-    _die_with_parent()  # first: the parent may already be gone, or go while torch loads
-    import json
-    import logging
-
-    from tierserve.config import EngineArgs
-    from tierserve.engine.engine import Engine
-    from tierserve.errors import TierserveError
-
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s rank %(process)d %(message)s")
-    args = EngineArgs(**json.loads(os.environ[ENV_ARGS]))
-    try:
-        engine = Engine(args)
-    except TierserveError:
-        return 2  # rank 0 refused the start-up and says why
-    engine.follow()
-    return 0
-
-
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     parent = int(os.environ.get(ENV_PARENT, "0")) or os.getppid()
     if not _parent_death_signal():
         threading.Thread(target=_poll_parent, args=(parent,), daemon=True).start()
@@ -65,7 +47,3 @@ def _poll_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(0.5)
     os._exit(1)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,41 +19,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
+from tierserve.dtypes import DTYPES, canonical, float8_of, torch_dtype
 from tierserve.errors import TierserveError
 
 if TYPE_CHECKING:
     import torch
 
-    from tierserve.config import ModelConfig
-
-# Storage dtypes of the KV pools, by canonical name, and their width in bytes.
-KV_DTYPE_BYTES: dict[str, int] = {
-    "float32": 4,
-    "bfloat16": 2,
-    "float16": 2,
-    "fp8_e4m3": 1,
-    "fp8_e5m2": 1,
-}
-# Other spellings users bring from the planner, SGLang and vLLM.
-KV_DTYPE_ALIASES: dict[str, str] = {
-    "fp32": "float32",
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "half": "float16",
-    "float": "float32",
-    "fp8": "fp8_e4m3",  # vLLM's name
-}
+    from tierserve.model_config import ModelConfig
 
 
 def kv_dtype_name(name: str) -> str:
     """The canonical name of a KV dtype, or a user error listing the known ones."""
-    canonical = KV_DTYPE_ALIASES.get(name, name)
-    if canonical not in KV_DTYPE_BYTES:
-        known = ", ".join([*KV_DTYPE_BYTES, *KV_DTYPE_ALIASES])
-        raise TierserveError(f"unknown KV dtype {name!r}; known: {known}", field="kv_dtype")
-    return canonical
+    return canonical(name, field="kv_dtype", what="KV dtype")
 
 
 @dataclass(frozen=True)
@@ -62,7 +41,7 @@ class KVSpec:
     num_layers: int
     heads: int  # heads this rank stores (1 for a latent)
     dim: int  # head_dim for K/V; kv_lora_rank + qk_rope_head_dim for a latent
-    dtype: str  # canonical storage dtype (KV_DTYPE_BYTES)
+    dtype: str  # canonical storage dtype (dtypes.DTYPES)
     page_size: int
     model_heads: int = 1  # the model's KV heads (one copy), for totals and replication
     tp: int = 1
@@ -93,7 +72,7 @@ class KVSpec:
 
     @property
     def dtype_bytes(self) -> int:
-        return KV_DTYPE_BYTES[self.dtype]
+        return DTYPES[self.dtype].bytes
 
     @property
     def page_shape(self) -> tuple[int, int, int, int, int]:
@@ -139,15 +118,39 @@ class KVSpec:
         return rank // sharing, rank // sharing * sharing
 
     def torch_dtype(self) -> torch.dtype:
-        """The element type pools store. fp8 is kept as bytes and viewed (torch's CPU
-        index_copy_ has no float8 kernel)."""
-        import torch
-
-        names = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        return names.get(self.dtype, torch.uint8)
+        """The element type pools store (fp8 as bytes: dtypes.torch_dtype)."""
+        return torch_dtype(self.dtype)
 
     def float8(self) -> torch.dtype | None:
         """The float8 type whose bytes the pools hold, for fp8 KV; None otherwise."""
-        import torch
+        return float8_of(self.dtype)
 
-        return {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}.get(self.dtype)
+
+def short_kv_dtype(text: str) -> str:
+    """The planner's short name for any spelling users bring (tierserve's, SGLang's, vLLM's:
+    sizing/kv.py knows them all); "" for auto (the model's dtype)."""
+    if text.lower() == "auto":
+        return ""
+    return DTYPES[kv_dtype_name(text.lower())].short
+
+
+class KVBytes(NamedTuple):
+    total: int  # one copy of the whole model's KV for one token
+    per_rank: int  # what one rank's pool allocates for one token
+    replicated: bool  # some ranks hold identical copies of the same KV
+
+
+def kv_spec(model: ModelConfig, kv_dtype: str, tp: int = 1, page_size: int = 1) -> KVSpec:
+    return KVSpec.from_model(model, kv_dtype, page_size, tp)
+
+
+def kv_bytes(spec: KVSpec) -> KVBytes:
+    return KVBytes(spec.total_bytes_per_token, spec.bytes_per_token, spec.replicated)
+
+
+def override_per_rank(kv: KVBytes, per_rank: int) -> KVBytes:
+    """Use a measured per-rank size (e.g. from a server log) and scale the total alike."""
+    if per_rank <= 0:
+        message = f"kv bytes per token must be > 0, got {per_rank}"
+        raise TierserveError(message, field="kv_bytes_per_token")
+    return KVBytes(per_rank * kv.total // kv.per_rank, per_rank, kv.replicated)

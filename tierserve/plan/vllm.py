@@ -18,9 +18,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierserve.errors import TierserveError
-from tierserve.planner import HostRequest, Plan, PlanInputs, make_plan, short_kv_dtype
+from tierserve.plan.plan import Plan, PlanInputs, kv_dtype_flag, make_plan
+from tierserve.plan.verdict import Constraint, Verdict, judge
+from tierserve.sizing.kv import short_kv_dtype
+from tierserve.sizing.pools import HostRequest, HostSizing
 from tierserve.units import GiB
-from tierserve.verdict import Constraint
 
 VLLM_DEFAULT_UTILIZATION = 0.9
 VLLM_DEFAULT_BLOCK = 16
@@ -94,13 +96,17 @@ def parse_vllm_flags(flags: str) -> VLLMFlags:
 @dataclass(frozen=True)
 class VLLMCheck:
     flags: VLLMFlags
-    plan: Plan  # the plan under the command line's layout, utilization, dtype and block size
+    verdict: Verdict  # of the plan under the command line's layout, utilization, dtype, block
     constraints: tuple[Constraint, ...]  # the plan's, in vLLM's words and units
     lines: tuple[str, ...]
 
     @property
     def fits(self) -> bool:
-        return self.plan.fits
+        return self.verdict.fits
+
+    @property
+    def plan(self) -> Plan:
+        return self.verdict.plan
 
     def to_dict(self) -> dict[str, Any]:
         plan = self.plan
@@ -148,11 +154,12 @@ def check_vllm(flags: str, inputs: PlanInputs) -> VLLMCheck:
     the machine and anything the command line leaves out."""
     parsed = parse_vllm_flags(flags)
     plan = make_plan(_vllm_inputs(parsed, inputs))
+    verdict = judge(plan)
     layout = f"{parsed.tp} TP × {parsed.pp} PP workers"
     layout += f" × {parsed.dp} data-parallel engines" if parsed.dp > 1 else ""
     lines = [f"vLLM starts {layout}: {parsed.local_ranks} processes on this node"]
     said = []
-    for c in plan.constraints:
+    for c in verdict.constraints:
         if c.name == "context length":  # vLLM's word for it, and its reaction
             c = dataclasses.replace(
                 c,
@@ -172,4 +179,30 @@ def check_vllm(flags: str, inputs: PlanInputs) -> VLLMCheck:
         lines.append(f"{'ok' if c.holds else 'does NOT fit'}: {c.name}: {c.arithmetic}")
         if c.fix:
             lines.append(f"  instead: {c.fix}")
-    return VLLMCheck(parsed, plan, tuple(said), tuple(lines))
+    return VLLMCheck(parsed, verdict, tuple(said), tuple(lines))
+
+
+# --- the launch line -------------------------------------------------------------------------
+
+
+def vllm_flags(plan: Plan, host: HostSizing | None, frac: str) -> str:
+    inputs = plan.inputs
+    flags = f"--tensor-parallel-size {inputs.tp} --gpu-memory-utilization {frac}"
+    flags += f" --pipeline-parallel-size {inputs.pp}" if inputs.pp > 1 else ""
+    flags += f" --data-parallel-size {inputs.dp}" if inputs.dp > 1 else ""
+    flags += f" --block-size {inputs.page_size}" if inputs.page_size != 1 else ""
+    # vLLM refuses to start unless one request of max_model_len (default: the model's
+    # max_position_embeddings) fits in the pool: cap it at what the plan's pool holds.
+    block = inputs.page_size if inputs.page_size != 1 else VLLM_DEFAULT_BLOCK
+    cfg_max = inputs.model.config.max_position_embeddings
+    max_len = min(inputs.context_length or cfg_max, plan.device_tokens_per_rank // block * block)
+    if max_len < cfg_max or inputs.context_length:
+        flags += f" --max-model-len {max_len}"
+    if inputs.device_tokens_per_rank is not None:  # vLLM's --max-total-tokens, in blocks
+        flags += f" --num-gpu-blocks-override {inputs.device_tokens_per_rank // block}"
+    flags += kv_dtype_flag(plan, "fp8")
+    # vLLM's --kv-offloading-size is GiB for the whole instance, split across its workers.
+    gib = host.bytes_per_rank * inputs.tp * inputs.pp // GiB if host is not None else 0
+    if gib > 0:
+        flags += f" --kv-offloading-backend native --kv-offloading-size {gib}"
+    return flags

@@ -13,33 +13,24 @@ from dataclasses import dataclass
 
 import psutil
 
-from tierserve.cache.spec import KVSpec
-from tierserve.config import EngineArgs
+from tierserve.args import EngineArgs
 from tierserve.errors import TierserveError
-from tierserve.planner import DEFAULT_MARGIN, HostBudget, HostRequest, HostSizing, size_host_cache
-from tierserve.units import format_bytes, format_count, format_gb, parse_size
+from tierserve.sizing.kv import KVSpec
+from tierserve.sizing.pools import (
+    DEFAULT_MARGIN,
+    HostBudget,
+    HostRequest,
+    HostSizing,
+    size_host_cache,
+)
+from tierserve.sizing.pools import host_request as sizing_host_request
+from tierserve.units import format_bytes, format_count, format_gb
 
 SHARED_MEMORY_DIR = "/dev/shm"
 
 
 def host_request(args: EngineArgs) -> HostRequest:
-    if args.hicache_node_size is not None:
-        return HostRequest.per_node(_size(args.hicache_node_size, "hicache_node_size"))
-    if args.hicache_size is None:
-        return HostRequest.of_ratio(args.hicache_ratio)
-    if args.hicache_size.strip().lower() == "auto":
-        return HostRequest.auto()
-    return HostRequest.per_rank(_size(args.hicache_size, "hicache_size"))
-
-
-def _size(text: str, field: str) -> int:
-    size = parse_size(text, field)
-    if size == 0:  # SGLang reads 0 as "use the ratio"; here a size is a size
-        raise TierserveError(
-            f"{field} 0 holds nothing: give a size, 'auto', or leave it out to use --hicache-ratio",
-            field=field,
-        )
-    return size
+    return sizing_host_request(args.hicache_node_size, args.hicache_size, args.hicache_ratio)
 
 
 def size_host_tier(

@@ -14,15 +14,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tierserve.config import ModelConfig, config_int, text_config
+from tierserve.args import ModelConfig, config_int, text_config
+from tierserve.dtypes import DTYPES
 from tierserve.errors import TierserveError
 from tierserve.units import format_gb
 
+# Weight dtypes by their short names: the float ones from the one table, and packed integers.
 WEIGHT_DTYPE_BYTES: dict[str, float] = {
-    "fp32": 4.0,
-    "bf16": 2.0,
-    "fp16": 2.0,
-    "fp8": 1.0,
+    **{d.short: float(d.bytes) for d in DTYPES.values()},
     "int8": 1.0,
     "int4": 0.5,
     "fp4": 0.5,

@@ -10,15 +10,15 @@ requests wanted at once must fit on the device too.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Any
 
-from tierserve.cache.spec import KV_DTYPE_BYTES, kv_dtype_name
-from tierserve.units import format_count, format_gb
-
-if TYPE_CHECKING:
-    from tierserve.planner import Plan
+from tierserve.dtypes import DTYPES
+from tierserve.plan.plan import Plan
+from tierserve.sizing.kv import kv_dtype_name
+from tierserve.units import GB, format_count, format_gb
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,42 @@ class Constraint:
     fix: str = ""  # what to change when it does not hold (never a zero size)
     # The fix as numbers, for programs: flag name (as a field) → the value that would hold.
     suggest: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What a plan is worth: the constraints it meets or fails, and what to beware of."""
+
+    plan: Plan
+    constraints: tuple[Constraint, ...]
+    warnings: tuple[str, ...]
+
+    @property
+    def fits(self) -> bool:
+        """Every constraint holds (and there are some: an unchecked plan does not fit)."""
+        return bool(self.constraints) and all(c.holds for c in self.constraints)
+
+    @property
+    def failed(self) -> tuple[Constraint, ...]:
+        return tuple(c for c in self.constraints if not c.holds)
+
+    @property
+    def launchable(self) -> bool:
+        """A server started with the launch flags would come up (device pool and RAM hold); a
+        plan can be launchable and still not fit what was asked of it (context, concurrency)."""
+        return not any(c.name in ("device memory", "host RAM") for c in self.failed)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "fits": self.fits,
+            "constraints": [dataclasses.asdict(c) for c in self.constraints],
+            "failed": [c.name for c in self.failed],
+            "warnings": list(self.warnings),
+        }
+
+
+def judge(plan: Plan) -> Verdict:
+    return Verdict(plan, constraints(plan), plan_warnings(plan))
 
 
 def constraints(plan: Plan) -> tuple[Constraint, ...]:
@@ -179,7 +215,7 @@ def _concurrency_levers(plan: Plan) -> str:
     inputs, tokens = plan.inputs, plan.device_tokens_per_rank
     length = inputs.workload.avg_seq_len
     levers = []
-    width = KV_DTYPE_BYTES[kv_dtype_name(inputs.kv_dtype)]
+    width = DTYPES[kv_dtype_name(inputs.kv_dtype)].bytes
     if width > 1:
         more = tokens * width
         levers.append(
@@ -194,3 +230,66 @@ def _concurrency_levers(plan: Plan) -> str:
         )
     levers.append("more GPUs (--tp) or a higher --mem-fraction-static")
     return "; ".join(levers) + " (a host tier does not raise it)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Warnings
+
+
+def _per_rank_trap_warning(plan: Plan) -> list[str]:
+    if plan.local_ranks <= 1:
+        return []
+    node_gb = plan.recommended.bytes_per_node // GB
+    return [
+        f"SGLang's --hicache-size is decimal GB PER RANK and each rank checks free RAM alone: "
+        f"writing the node's total (--hicache-size {node_gb}) would ask for "
+        f"{plan.local_ranks} × {node_gb} GB = {format_gb(plan.local_ranks * node_gb * GB, 0)}"
+    ]
+
+
+def _replication_warning(plan: Plan) -> list[str]:
+    if plan.kv_copies <= 1:
+        return []
+    per_node = plan.recommended.bytes_per_node
+    distinct = per_node // plan.kv_copies
+    why = (
+        "the MLA latent is identical on every rank"
+        if plan.spec.kind == "latent"
+        else f"{plan.inputs.model.config.num_kv_heads} KV heads < tp {plan.inputs.tp}, heads are "
+        "replicated"
+    )
+    lines = [
+        f"{why}: each rank's host cache holds the same KV as {plan.kv_copies - 1} other(s), "
+        f"so {format_gb(per_node)} of host RAM hold {format_gb(distinct)} of distinct KV "
+        "(SGLang and vLLM keep one copy per rank)"
+    ]
+    shared = plan.shared
+    if shared.sharing > 1:
+        ranks, rank_gb = plan.local_ranks, format_gb(plan.recommended.bytes_per_rank)
+        lines.append(
+            f"tierserve keeps one host copy per {shared.sharing} ranks instead: {ranks} × "
+            f"{rank_gb} = {format_gb(shared.bytes_per_node)} holds "
+            f"{format_count(shared.tokens_per_rank)} tokens; per-rank copies would hold "
+            f"{format_count(plan.recommended.tokens_per_rank)}"
+        )
+    return lines
+
+
+def _ratio_warning(plan: Plan) -> list[str]:
+    host, device = plan.host.tokens_per_rank, plan.device_tokens_per_rank
+    if host == 0 or host > device:
+        return []
+    return [
+        f"host cache ({format_count(host)} tokens) is not larger than the device pool "
+        f"({format_count(device)}): it holds little that the GPU does not already; some SGLang "
+        "releases refuse to start with this (an assert), newer ones warn"
+    ]
+
+
+def plan_warnings(plan: Plan) -> tuple[str, ...]:
+    checks = (
+        _per_rank_trap_warning,
+        _replication_warning,
+        _ratio_warning,
+    )
+    return tuple(line for check in checks for line in check(plan))

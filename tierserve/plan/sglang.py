@@ -16,15 +16,12 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
+from tierserve.args import check_mem_fraction
 from tierserve.errors import TierserveError
-from tierserve.planner import (
-    HostRequest,
-    Plan,
-    PlanInputs,
-    make_plan,
-    sglang_size_gb,
-    short_kv_dtype,
-)
+from tierserve.plan.plan import Plan, PlanInputs, kv_dtype_flag, make_plan
+from tierserve.plan.verdict import judge
+from tierserve.sizing.kv import short_kv_dtype
+from tierserve.sizing.pools import HostRequest, HostSizing
 from tierserve.units import GB, GiB, format_bytes, format_count, format_gb
 
 SGLANG_HOST_RESERVE = 10 * GiB  # SGLang: each rank requires requested <= available - 10 GiB
@@ -93,9 +90,8 @@ def parse_sglang_flags(flags: str) -> SGLangFlags:
         message = "SGLang --hicache-size must be >= 0 and --hicache-ratio in [0, 1e6)"
         raise TierserveError(message, field="check_sglang")
     fraction = parsed.mem_fraction_static
-    if fraction is not None and not 0 < fraction < 1:
-        message = f"SGLang --mem-fraction-static must be in (0, 1), got {fraction}"
-        raise TierserveError(message, field="check_sglang")
+    if fraction is not None:
+        check_mem_fraction(fraction, field="check_sglang", who="SGLang --")
     return parsed
 
 
@@ -244,7 +240,7 @@ def check_sglang(flags: str, inputs: PlanInputs) -> SGLangCheck:
     parsed = parse_sglang_flags(flags)
     plan = make_plan(_sglang_inputs(parsed, inputs))
     lines = [_process_line(parsed)]
-    blocking = [c for c in plan.failed if c.name in ("device memory", "host RAM")]
+    blocking = [c for c in judge(plan).failed if c.name in ("device memory", "host RAM")]
     if blocking:  # no KV pool, or the processes alone exceed the node's RAM
         lines += [f"{c.name} does NOT fit: {c.arithmetic}; {c.fix}" for c in blocking]
         return SGLangCheck(parsed, plan, 0, 0, 0, False, blocking[0].fix, tuple(lines))
@@ -261,3 +257,34 @@ def check_sglang(flags: str, inputs: PlanInputs) -> SGLangCheck:
         lines += [_sglang_own_check_line(plan, per_rank), f"what fits: {suggestion}"]
     node = per_rank * plan.local_ranks
     return SGLangCheck(parsed, plan, tokens, per_rank, node, fits, suggestion, tuple(lines))
+
+
+# --- the launch line -------------------------------------------------------------------------
+
+
+def sglang_size_gb(max_bytes_per_rank: int, bytes_per_token: int, page_size: int = 1) -> int:
+    """Largest whole `--hicache-size` (decimal GB per rank) within `max_bytes_per_rank`, counting
+    the page SGLang adds when it rounds the pool up."""
+    return max(0, (max_bytes_per_rank - page_size * bytes_per_token) // GB)
+
+
+def _host_flags(plan: Plan, host: HostSizing) -> str:
+    """A ratio stays a ratio; any size becomes whole decimal GB per rank, as SGLang wants it."""
+    if host.mode == "ratio":
+        return f" --enable-hierarchical-cache --hicache-ratio {plan.inputs.host.ratio:g}"
+    largest = sglang_size_gb(host.max_bytes_per_rank, plan.kv.per_rank, plan.inputs.page_size)
+    size_gb = min(round(host.bytes_per_rank / GB), largest)
+    return f" --enable-hierarchical-cache --hicache-size {size_gb}" if size_gb > 0 else ""
+
+
+def sglang_flags(plan: Plan, host: HostSizing | None, frac: str) -> str:
+    inputs = plan.inputs
+    flags = f"--tp-size {inputs.tp}" + (f" --pp-size {inputs.pp}" if inputs.pp > 1 else "")
+    flags += f" --dp-size {inputs.dp}" if inputs.dp > 1 else ""
+    flags += f" --mem-fraction-static {frac}"
+    if inputs.device_tokens_per_rank is not None:
+        flags += f" --max-total-tokens {inputs.device_tokens_per_rank}"
+    if inputs.page_size != 1:  # SGLang's default page is 1 token, as the plan's
+        flags += f" --page-size {inputs.page_size}"
+    flags += kv_dtype_flag(plan, "fp8_e4m3")
+    return flags + (_host_flags(plan, host) if host is not None else "")

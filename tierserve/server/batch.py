@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from tierserve.config import EngineArgs
+from tierserve.args import EngineArgs
 from tierserve.errors import TierserveError
 
 RETRYABLE = {408, 429, 500, 502, 503, 504}
@@ -239,9 +239,9 @@ async def _run(pending: list[dict[str, Any]], out: Path, ns: argparse.Namespace)
             await runner.run(pending)
             return runner
     from tierserve.engine.engine import Engine
-    from tierserve.serve_cli import served_model_name
     from tierserve.server.api import create_app
     from tierserve.server.async_engine import AsyncEngine
+    from tierserve.server.cli import served_model_name
 
     args = EngineArgs.from_cli(ns)
     engine = AsyncEngine(Engine(args))
