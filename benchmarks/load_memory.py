@@ -23,7 +23,7 @@ from pathlib import Path
 MEASURE = """
 import json, sys, threading, time, torch
 from pathlib import Path
-from tierserve.args import ModelConfig
+from tierserve.model_config import ModelConfig
 from tierserve.models.loader import load_model, weight_files
 path, how = Path(sys.argv[1]), sys.argv[2]
 cfg = ModelConfig.from_dir(path)
@@ -123,7 +123,7 @@ def make_checkpoint(path: Path, hidden: int, layers: int, arch: str) -> None:
 
 def model_bytes(path: Path) -> int:
     """The float32 model's bytes: what the loader's parameters take."""
-    from tierserve.args import ModelConfig
+    from tierserve.model_config import ModelConfig
     from tierserve.models.loader import checkpoint_numel
 
     return 4 * checkpoint_numel(path, ModelConfig.from_dir(path).num_layers)

@@ -110,7 +110,7 @@ def main() -> None:
 
 def _per_rank_bytes(args: EngineArgs, tokens: int) -> int:
     """Bytes per rank at which per-rank copies hold `tokens` host tokens."""
-    from tierserve.args import ModelConfig
+    from tierserve.model_config import ModelConfig
     from tierserve.sizing.kv import KVSpec
 
     cfg = ModelConfig.from_dir(args.model)

@@ -24,11 +24,12 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from tierserve.args import ModelConfig, default_model
+from tierserve.args import default_model
 from tierserve.bench.client import LoadOptions, RunResult, run_load_async
 from tierserve.bench.compare import ServerProcess
 from tierserve.bench.metrics import hit_rate, summarize
 from tierserve.bench.workloads import TokenSpace, Workload, trace
+from tierserve.model_config import ModelConfig
 from tierserve.storage.mooncake import MooncakeMaster
 
 OUT = Path(__file__).parent / "results" / "shared-store-trace"

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 
 from tierserve import LLM, SamplingParams
-from tierserve.storage.backend import register
 from tierserve.storage.file import FileBackend
 from tierserve.storage.mooncake import MooncakeMaster
+from tierserve.storage.registry import register
 
 OUT = Path(__file__).parent / "results" / "storage-outage"
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

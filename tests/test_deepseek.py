@@ -141,7 +141,7 @@ def test_a_kimi_k25_style_checkpoint_serves_its_text_model(checkpoints, tmp_path
 )
 def test_a_config_the_model_cannot_run_is_refused_naming_the_field(change, field):
     from tierserve import TierserveError
-    from tierserve.args import ModelConfig
+    from tierserve.model_config import ModelConfig
     from tierserve.plan.presets import model_preset
 
     config = {**model_preset("deepseek-v3").config, **change}

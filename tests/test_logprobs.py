@@ -12,7 +12,7 @@ import transformers
 
 from tests.conftest import random_prompts
 from tierserve import LLM, SamplingParams, TierserveError
-from tierserve.layers.sampler import TokenLogprob
+from tierserve.outputs import TokenLogprob
 
 PROMPTS = random_prompts(3, [5, 60, 200], seed=41)
 

@@ -8,9 +8,9 @@ import transformers
 
 from tests.conftest import DEEPSEEK_FAMILIES, random_prompts
 from tierserve import LLM, SamplingParams
-from tierserve.args import ModelConfig
 from tierserve.cache.pool import PagedKV
 from tierserve.layers.attention import ForwardBatch, SeqSpan, TorchAttention
+from tierserve.model_config import ModelConfig
 from tierserve.models.loader import load_model
 from tierserve.sizing.kv import KVSpec
 

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from tierserve import cli
-from tierserve.args import ModelConfig
 from tierserve.errors import TierserveError
+from tierserve.model_config import ModelConfig
 from tierserve.plan import sglang as sglang_check
 from tierserve.plan.launch import LaunchFlags, launch_flags
 from tierserve.plan.plan import Machine, Plan, PlanInputs, Workload, make_plan

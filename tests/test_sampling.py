@@ -14,8 +14,9 @@ from tests.conftest import random_prompts
 from tierserve import LLM, SamplingParams
 from tierserve.engine.detokenizer import MAX_UNSETTLED, IncrementalDetokenizer
 from tierserve.engine.output import OutputBuilder
-from tierserve.engine.request import Request, StepOutput
+from tierserve.engine.request import Request
 from tierserve.layers.sampler import sample
+from tierserve.outputs import StepOutput
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,9 @@ import transformers
 from tests.conftest import make_checkpoint, random_prompts
 from tests.test_models import hf_greedy
 from tierserve import LLM, SamplingParams, TierserveError
-from tierserve.args import ModelConfig
 from tierserve.cache.pool import PagedKV
 from tierserve.layers.attention import ForwardBatch, SeqSpan, TorchAttention
+from tierserve.model_config import ModelConfig
 from tierserve.models.loader import load_model
 from tierserve.sizing.kv import KVSpec
 

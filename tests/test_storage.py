@@ -19,10 +19,10 @@ import pytest
 from tests.conftest import Server, random_prompts, serve_cmd
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.sizing.kv import KVSpec
-from tierserve.storage.backend import register
 from tierserve.storage.file import FileBackend
 from tierserve.storage.keys import Namespace
 from tierserve.storage.mooncake import MooncakeMaster
+from tierserve.storage.registry import register
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PAGE = 16
@@ -278,7 +278,7 @@ def test_keys_name_model_format_and_shard_and_are_stable_across_processes():
 
 def test_the_model_fingerprint_follows_config_headers_and_weights(checkpoints, tmp_path):
     from tests.conftest import make_checkpoint
-    from tierserve.storage.keys import model_fingerprint
+    from tierserve.models.loader import model_fingerprint
 
     fingerprints = {model_fingerprint(checkpoints[f]) for f in ("llama", "llama3", "qwen3")}
     assert len(fingerprints) == 3

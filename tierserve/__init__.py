@@ -1,14 +1,15 @@
 """tierserve: an LLM server whose radix KV cache spans device, host and storage."""
 
 from tierserve.errors import TierserveError
-from tierserve.sampling_params import SamplingParams
+from tierserve.outputs import RequestOutput
+from tierserve.sampling_params import SamplingParams, StructuredOutput
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "TierserveError"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutput", "TierserveError"]
 
 
 def __getattr__(name: str):  # keep `import tierserve` light: torch loads only when needed
-    if name in ("LLM", "RequestOutput"):
-        from tierserve.engine import llm
+    if name == "LLM":
+        from tierserve.engine.llm import LLM
 
-        return getattr(llm, name)
+        return LLM
     raise AttributeError(name)

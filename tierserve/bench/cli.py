@@ -276,7 +276,8 @@ def build_workload(ns: argparse.Namespace) -> tuple[Any, Any]:
 
 def _context_length(ns: argparse.Namespace) -> int | None:
     """The served model's context, when the bench knows the model."""
-    from tierserve.args import ModelConfig, default_model
+    from tierserve.args import default_model
+    from tierserve.model_config import ModelConfig
 
     model = getattr(ns, "model", None) or (
         default_model() if getattr(ns, "bench_command", "") == "compare" else None

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from tierserve.args import EngineArgs, ModelConfig
+from tierserve.args import EngineArgs
 from tierserve.cache.manager import KVCacheManager
 from tierserve.cache.pool import PagedKV, pages_for
 from tierserve.cache.shared_host import HostShare, open_share
@@ -23,16 +23,17 @@ from tierserve.distributed.bus import AbortRequest, AddRequest, Command, FlushCa
 from tierserve.distributed.ranks import Ranks
 from tierserve.engine.grammar import Grammars
 from tierserve.engine.kv_plan import KVPlan, startup_table
-from tierserve.engine.request import Request, StepOutput
+from tierserve.engine.request import Request
 from tierserve.engine.runner import ChunkResult, ModelRunner
 from tierserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from tierserve.engine.startup import Startup, resolve_device
 from tierserve.errors import TierserveError
 from tierserve.layers.attention import ATTENTION_BACKENDS
-from tierserve.layers.sampler import TokenLogprob
-from tierserve.models.loader import load_model
+from tierserve.model_config import ModelConfig
+from tierserve.models.loader import load_model, model_fingerprint
+from tierserve.outputs import StepOutput, TokenLogprob
 from tierserve.sampling_params import SamplingParams
-from tierserve.storage.keys import Namespace, model_fingerprint
+from tierserve.storage.keys import Namespace
 from tierserve.storage.tier import StorageTier
 
 logger = logging.getLogger("tierserve")

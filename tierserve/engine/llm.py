@@ -9,7 +9,7 @@ from typing import Any
 from tierserve.args import EngineArgs
 from tierserve.engine.engine import Engine
 from tierserve.engine.output import OutputBuilder
-from tierserve.engine.request import RequestOutput
+from tierserve.outputs import RequestOutput
 from tierserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]

@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 from tierserve.engine.detokenizer import IncrementalDetokenizer
-from tierserve.engine.request import Request, RequestOutput, StepOutput
-from tierserve.layers.sampler import TokenLogprob
+from tierserve.engine.request import Request
+from tierserve.outputs import RequestOutput, StepOutput, TokenLogprob
 
 
 class OutputBuilder:

@@ -9,7 +9,7 @@ import torch
 
 from tierserve.cache.manager import KVHandle
 from tierserve.engine.grammar import GrammarState
-from tierserve.layers.sampler import TokenLogprob
+from tierserve.outputs import TokenLogprob
 from tierserve.sampling_params import SamplingParams
 
 
@@ -70,50 +70,3 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
-
-
-@dataclass(frozen=True, slots=True)
-class StepOutput:
-    """What the engine says about a request after a step: the one token it sampled, and why it
-    finished if it did. Token ids only; text and stop strings are the front end's
-    (`engine/output.py`), so the engine's work per token stays O(1) whatever the request asks."""
-
-    request_id: str
-    token_id: int
-    finish_reason: str | None
-    prompt_tokens: int
-    cached_tokens: int
-    num_preemptions: int
-    logprob: TokenLogprob | None = None  # when the request asks for logprobs
-    # With the first token, when the request asks for prompt logprobs: prompt tokens 1.. .
-    prompt_logprobs: tuple[TokenLogprob, ...] | None = None
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestOutput:
-    """A request's result as a user sees it. Streamed outputs carry what the latest step added
-    (`new_token_ids`, `text_delta`); the final one also carries the whole output (`token_ids`,
-    `text`), which is what `LLM.generate` returns."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    num_output_tokens: int
-    finished: bool
-    finish_reason: str | None
-    prompt_tokens: int
-    cached_tokens: int
-    num_preemptions: int = 0
-    token_ids: list[int] = field(default_factory=list)  # the final output only
-    text: str = ""  # the final output only
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)  # for new_token_ids
-    logprobs: list[TokenLogprob] = field(default_factory=list)  # the final output only
-    # The first and the final output: the prompt as sent (None for token ids), its ids, and
-    # with prompt_logprobs the logprobs of its tokens after the first.
-    prompt: str | None = None
-    prompt_token_ids: list[int] = field(default_factory=list)
-    prompt_logprobs: list[TokenLogprob] | None = None

@@ -9,7 +9,8 @@ from torch import nn
 
 from tierserve.engine.scheduler import ScheduledChunk
 from tierserve.layers.attention import AttentionBackend, ForwardBatch, SeqSpan
-from tierserve.layers.sampler import TokenLogprob, sample, token_logprobs
+from tierserve.layers.sampler import sample, token_logprobs
+from tierserve.outputs import TokenLogprob
 
 # Prompt positions whose logits are materialised at once for prompt logprobs: a chunk of 8K
 # tokens over a 128K vocabulary would otherwise take 4 GB of float32 logits.

@@ -10,7 +10,7 @@ import torch
 from tierserve.errors import TierserveError
 
 if TYPE_CHECKING:
-    from tierserve.args import ModelConfig
+    from tierserve.model_config import ModelConfig
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:

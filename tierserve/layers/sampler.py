@@ -3,21 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from tierserve.outputs import TokenLogprob
 from tierserve.sampling_params import SamplingParams
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A sampled token's log-probability and the most likely tokens', from the raw logits."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[TokenLogprob]:

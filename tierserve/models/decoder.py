@@ -12,11 +12,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierserve.args import ModelConfig
 from tierserve.layers.attention import AttentionBackend
 from tierserve.layers.norm import RMSNorm
 from tierserve.layers.parallel import ParallelLMHead, VocabParallelEmbedding
 from tierserve.layers.rotary import RotaryEmbedding, rotary_for
+from tierserve.model_config import ModelConfig
 
 
 class DecoderLayer(nn.Module):

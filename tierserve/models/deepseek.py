@@ -13,12 +13,12 @@ import re
 import torch
 from torch import nn
 
-from tierserve.args import ModelConfig
 from tierserve.layers.attention import AttentionBackend
 from tierserve.layers.mla import MLA, MLAConfig, softmax_scale
 from tierserve.layers.mlp import GatedMLP
 from tierserve.layers.moe import MoE, MoEConfig
 from tierserve.layers.rotary import RotaryEmbedding
+from tierserve.model_config import ModelConfig
 from tierserve.models.decoder import CausalLM
 
 _EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")

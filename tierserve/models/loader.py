@@ -12,6 +12,7 @@ multimodal checkpoint whose config nests the text model (Kimi-K2.5: `text_config
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
@@ -25,10 +26,10 @@ from safetensors.torch import load_file
 from torch import nn
 from tqdm import tqdm
 
-from tierserve.args import ModelConfig, read_hf_config, text_config
 from tierserve.errors import TierserveError
 from tierserve.layers.parallel import shards_by_name
 from tierserve.layers.rotary import rotary_for
+from tierserve.model_config import ModelConfig, read_hf_config, text_config
 from tierserve.models.registry import model_class
 
 SCALE_SUFFIX = "_scale_inv"
@@ -204,3 +205,29 @@ def _rank_slice(tensor: torch.Tensor, shape: torch.Size, shard: tuple[int, int])
 def _keys(file: Path, layout: CheckpointLayout) -> list[str]:
     with safe_open(str(file), framework="pt") as f:
         return [k for k in f.keys() if layout.model_name(k)]  # noqa: SIM118
+
+
+# --- what names a model in a shared store ------------------------------------------------
+
+FINGERPRINT_CHARS = 32  # 128 bits of SHA-256, hex, as storage keys
+SAMPLE_BYTES = 2**20  # of each shard's start and end
+
+
+def model_fingerprint(model_dir: str | Path, salt: str = "") -> str:
+    """A hash of config.json, every tensor's name, shape and dtype, and each shard's size and
+    first and last MiB: a fine-tune saved with the same config and shapes differs in those
+    bytes (all of them would take minutes to read). `salt` separates what the user says is
+    different."""
+    path = Path(model_dir)
+    h = hashlib.sha256((path / "config.json").read_bytes() + salt.encode())
+    for file in weight_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in sorted(f.keys()):
+                tensor = f.get_slice(name)
+                h.update(f"{name}:{tensor.get_shape()}:{tensor.get_dtype()};".encode())
+        size = file.stat().st_size
+        with file.open("rb") as raw:
+            h.update(f"{size};".encode() + raw.read(SAMPLE_BYTES))
+            raw.seek(max(0, size - SAMPLE_BYTES))
+            h.update(raw.read(SAMPLE_BYTES))
+    return h.hexdigest()[:FINGERPRINT_CHARS]

@@ -11,9 +11,10 @@ import dataclasses
 import json
 from pathlib import Path
 
-from tierserve.args import EngineArgs, read_hf_config
+from tierserve.args import EngineArgs
 from tierserve.cli import JSON_SCHEMA_VERSION, emit
 from tierserve.errors import TierserveError
+from tierserve.model_config import read_hf_config
 from tierserve.plan.plan import DEFAULT_AVG_SEQ_LEN, Machine, PlanInputs, Workload, make_plan
 from tierserve.plan.presets import (
     GPU_PRESETS,
@@ -29,7 +30,7 @@ from tierserve.plan.vllm import check_vllm, parse_vllm_flags
 from tierserve.plan.weights import WEIGHT_DTYPE_BYTES, ModelSpec, model_spec
 from tierserve.sizing.kv import short_kv_dtype
 from tierserve.sizing.pools import HostRequest, host_request
-from tierserve.storage.backend import backend_class
+from tierserve.storage.registry import backend_class
 from tierserve.storage.tier import StorageConfig
 from tierserve.units import format_gb, parse_size
 

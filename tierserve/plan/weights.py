@@ -14,9 +14,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tierserve.args import ModelConfig, config_int, text_config
 from tierserve.dtypes import DTYPES
 from tierserve.errors import TierserveError
+from tierserve.model_config import ModelConfig, config_int, routes_to_experts, text_config
 from tierserve.units import format_gb
 
 # Weight dtypes by their short names: the float ones from the one table, and packed integers.
@@ -54,12 +54,9 @@ def _dense_layers(raw: Mapping[str, Any], layers: int) -> int:
     if not isinstance(only, list | tuple) or not all(isinstance(i, int) for i in only):
         message = f"model config 'mlp_only_layers' must be a list of ints, got {only!r}"
         raise TierserveError(message, "mlp_only_layers")
-    # Qwen-MoE: layer i is sparse when (i + 1) % decoder_sparse_step == 0; DeepSeek: when
-    # i % moe_layer_freq == 0 (past first_k_dense_replace).
     qwen = "decoder_sparse_step" in raw
     step = config_int(raw, "decoder_sparse_step" if qwen else "moe_layer_freq", 1) or 1
-    dense = set(range(min(first_dense, layers))) | {i for i in only if 0 <= i < layers}
-    return len(dense) + sum(1 for i in range(layers) if (i + qwen) % step and i not in dense)
+    return sum(not routes_to_experts(i, first_dense, step, only, qwen) for i in range(layers))
 
 
 def _num_experts(raw: Mapping[str, Any]) -> int:

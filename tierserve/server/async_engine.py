@@ -21,8 +21,9 @@ from typing import Any
 
 from tierserve.engine.engine import Engine
 from tierserve.engine.output import OutputBuilder
-from tierserve.engine.request import Request, RequestOutput, StepOutput
+from tierserve.engine.request import Request
 from tierserve.errors import TierserveError
+from tierserve.outputs import RequestOutput, StepOutput
 from tierserve.sampling_params import SamplingParams
 from tierserve.server.grammar_pool import DEFAULT_COMPILE_TIMEOUT_S, GrammarCompilePool
 from tierserve.server.watchdog import StepGate, StepWatchdog

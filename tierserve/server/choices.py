@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tierserve.engine.request import RequestOutput
+from tierserve.outputs import RequestOutput
 from tierserve.sampling_params import SamplingParams
 from tierserve.server.async_engine import EngineDeadError
 from tierserve.server.disconnect import unless_disconnected

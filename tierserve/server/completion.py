@@ -12,9 +12,8 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tierserve.engine.request import RequestOutput
 from tierserve.errors import TierserveError
-from tierserve.layers.sampler import TokenLogprob
+from tierserve.outputs import RequestOutput, TokenLogprob
 from tierserve.sampling_params import SamplingParams
 from tierserve.server.async_engine import AsyncEngine, EngineDeadError
 from tierserve.server.disconnect import unless_disconnected

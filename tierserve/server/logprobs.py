@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tierserve.layers.sampler import TokenLogprob
+from tierserve.outputs import TokenLogprob
 
 
 def _piece(tokenizer: Any, token_id: int) -> str:

@@ -5,7 +5,7 @@ keys are the storage tier's. A third store is one file: a subclass registered he
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from tierserve.errors import TierserveError
@@ -51,32 +51,3 @@ class StorageBackend(ABC):
         starts (Mooncake's segment and buffer; a file backend's page cache is the kernel's
         to reclaim)."""
         return 0
-
-
-BackendFactory = Callable[[Mapping[str, Any]], StorageBackend]
-STORAGE_BACKENDS: dict[str, BackendFactory] = {}
-
-
-def register(name: str) -> Callable[[type[StorageBackend]], type[StorageBackend]]:
-    def wrap(cls: type[StorageBackend]) -> type[StorageBackend]:
-        cls.name = name
-        STORAGE_BACKENDS[name] = cls  # type: ignore[assignment]
-        return cls
-
-    return wrap
-
-
-def backend_class(name: str) -> type[StorageBackend]:
-    # Importing the modules registers them; mooncake's client is imported only when started.
-    from tierserve.storage import file, mooncake  # noqa: F401
-
-    if name not in STORAGE_BACKENDS:
-        known = ", ".join(sorted(STORAGE_BACKENDS))
-        raise TierserveError(
-            f"unknown storage backend {name!r}; known: {known}", "hicache_storage_backend"
-        )
-    return STORAGE_BACKENDS[name]  # type: ignore[return-value]
-
-
-def make_backend(name: str, extra: Mapping[str, Any]) -> StorageBackend:
-    return backend_class(name)(extra)

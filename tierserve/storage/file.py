@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tierserve.storage.backend import StorageBackend, config_bytes, register
+from tierserve.storage.backend import StorageBackend, config_bytes
 
 DEFAULT_CAP = 64 * 10**9
 
@@ -31,8 +31,9 @@ def default_dir() -> Path:
     return Path(cache) / "tierserve" / "kv"
 
 
-@register("file")
 class FileBackend(StorageBackend):
+    name = "file"
+
     def __init__(self, extra: Mapping[str, Any]) -> None:
         self.root = Path(extra.get("path") or default_dir()).expanduser()
         self.root.mkdir(parents=True, exist_ok=True)

@@ -16,43 +16,15 @@ import json
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-
-from safetensors import safe_open
 
 from tierserve.sizing.kv import KVSpec
 
 KEY_CHARS = 32  # 128 bits of SHA-256, hex
 
 
-SAMPLE_BYTES = 2**20  # of each shard's start and end
-
-
-def model_fingerprint(model_dir: str | Path, salt: str = "") -> str:
-    """A hash of config.json, every tensor's name, shape and dtype, and each shard's size and
-    first and last MiB: a fine-tune saved with the same config and shapes differs in those
-    bytes (all of them would take minutes to read). `salt` separates what the user says is
-    different."""
-    from tierserve.models.loader import weight_files
-
-    path = Path(model_dir)
-    h = hashlib.sha256((path / "config.json").read_bytes() + salt.encode())
-    for file in weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for name in sorted(f.keys()):
-                tensor = f.get_slice(name)
-                h.update(f"{name}:{tensor.get_shape()}:{tensor.get_dtype()};".encode())
-        size = file.stat().st_size
-        with file.open("rb") as raw:
-            h.update(f"{size};".encode() + raw.read(SAMPLE_BYTES))
-            raw.seek(max(0, size - SAMPLE_BYTES))
-            h.update(raw.read(SAMPLE_BYTES))
-    return h.hexdigest()[:KEY_CHARS]
-
-
 @dataclass(frozen=True)
 class Namespace:
-    model: str  # model_fingerprint
+    model: str  # models/loader.py's model_fingerprint
     spec: KVSpec
     shard: str = "tp0/1"  # this rank's part of the KV: ranks holding different heads differ
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from tierserve.errors import TierserveError
 from tierserve.net import free_port
-from tierserve.storage.backend import EXTRA_FIELD, StorageBackend, config_bytes, register
+from tierserve.storage.backend import EXTRA_FIELD, StorageBackend, config_bytes
 
 DEFAULTS = {
     "master_server_address": "127.0.0.1:50051",
@@ -44,8 +44,9 @@ def segment_bytes(extra: Mapping[str, Any]) -> int:
     return sum(config_bytes(extra, k, DEFAULTS[k]) for k in keys)  # type: ignore[arg-type]
 
 
-@register("mooncake")
 class MooncakeBackend(StorageBackend):
+    name = "mooncake"
+
     def __init__(self, extra: Mapping[str, Any]) -> None:
         os.environ.setdefault("GLOG_minloglevel", "2")  # the client logs every call otherwise
         try:

@@ -31,10 +31,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierserve.errors import TierserveError
-from tierserve.storage.backend import EXTRA_FIELD, StorageBackend, make_backend
+from tierserve.storage.backend import EXTRA_FIELD, StorageBackend
 from tierserve.storage.client import GuardedStore, StorageStats, StorageUnavailable
 from tierserve.storage.keys import Namespace
 from tierserve.storage.objects import pack, unpack
+from tierserve.storage.registry import make_backend
 
 logger = logging.getLogger("tierserve")
 
