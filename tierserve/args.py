@@ -28,6 +28,14 @@ def check_mem_fraction(fraction: float, field: str = "mem_fraction_static", who:
         raise TierserveError(message, field=field)
 
 
+def ranks_per_node(ranks: int, nnodes: int, what: str) -> int:
+    """Ranks on each of `nnodes` nodes: they split evenly, in tierserve as in SGLang."""
+    if nnodes <= 0 or ranks % nnodes:
+        message = f"{what} {ranks} does not split evenly over --nnodes {nnodes}"
+        raise TierserveError(message, "nnodes")
+    return ranks // nnodes
+
+
 def default_model() -> str | None:
     """The bundled demo model, when the package ships one."""
     return str(DEMO_MODEL_DIR) if (DEMO_MODEL_DIR / "config.json").exists() else None
@@ -226,9 +234,7 @@ class EngineArgs:
         for name in ("tp_size", "nnodes"):
             if getattr(self, name) <= 0:
                 raise TierserveError(f"{name} must be > 0, got {getattr(self, name)}", name)
-        if self.tp_size % self.nnodes:
-            message = f"tp_size {self.tp_size} does not split evenly over {self.nnodes} nodes"
-            raise TierserveError(message, "nnodes")
+        ranks_per_node(self.tp_size, self.nnodes, "tp_size")
         if not 0 <= self.node_rank < self.nnodes:
             message = f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}"
             raise TierserveError(message, "node_rank")
@@ -242,7 +248,7 @@ class EngineArgs:
     @property
     def local_ranks(self) -> int:
         """Ranks on this node: they share its host RAM."""
-        return self.tp_size // self.nnodes
+        return ranks_per_node(self.tp_size, self.nnodes, "tp_size")
 
     @classmethod
     def from_kwargs(cls, model: str | None, **kwargs: Any) -> EngineArgs:

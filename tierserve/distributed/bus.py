@@ -2,58 +2,30 @@
 KV tiers make the same decisions: requests that arrived, aborts, cache flushes, and whether to
 step or stop. The engines are deterministic given these (the same requests in the same order,
 the same seeds, the same logits after the LM head's all-gather), so only inputs travel, never
-scheduling state. Messages are small typed dataclasses, broadcast over a gloo group that waits
-as long as the server idles; a rank that dies closes its sockets and the broadcast fails."""
+scheduling state. The messages are the engine's own (messages.py), msgpack-encoded and
+broadcast over a gloo group that waits as long as the server idles; a rank that dies closes its
+sockets and the broadcast fails."""
 
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from tierserve.sampling_params import SamplingParams
+from tierserve.messages import BusMessage, EngineInput, decode_bus, encode
 
 IDLE_TIMEOUT = timedelta(days=7)  # a follower waits this long for rank 0's next message
-
-
-@dataclass(frozen=True)
-class AddRequest:
-    rid: str
-    arrival: int
-    prompt_ids: list[int]
-    params: SamplingParams  # as rank 0 resolved it (max_tokens filled in)
-
-
-@dataclass(frozen=True)
-class AbortRequest:
-    rid: str
-
-
-@dataclass(frozen=True)
-class FlushCache:
-    pass
-
-
-Command = AddRequest | AbortRequest | FlushCache
-
-
-@dataclass(frozen=True)
-class Message:
-    commands: list[Command] = field(default_factory=list)
-    step: bool = False
-    stop: bool = False
 
 
 class CommandBus:
     def __init__(self, rank: int) -> None:
         self.leader = rank == 0
         self._group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-        self._pending: list[Command] = []
+        self._pending: list[EngineInput] = []
 
-    def post(self, command: Command) -> None:
+    def post(self, command: EngineInput) -> None:
         if self.leader:
             self._pending.append(command)
 
@@ -76,11 +48,11 @@ class CommandBus:
         """A name rank 0 picks for this launch (shared-memory segments are named after it)."""
         return str(self.share(uuid.uuid4().hex[:16] if self.leader else None))
 
-    def exchange(self, step: bool = False, stop: bool = False) -> Message:
+    def exchange(self, step: bool = False, stop: bool = False) -> BusMessage:
         """Rank 0 sends what happened since the last exchange; the others receive it."""
-        message = None
+        data = None
         if self.leader:
-            message, self._pending = Message(self._pending, step, stop), []
-        received = self.share(message)
-        assert isinstance(received, Message)
-        return received
+            data, self._pending = encode(BusMessage(self._pending, step, stop)), []
+        received = self.share(data)
+        assert isinstance(received, bytes)
+        return decode_bus(received)

@@ -19,7 +19,6 @@ from tierserve.cache.pool import PagedKV, pages_for
 from tierserve.cache.shared_host import HostShare, open_share
 from tierserve.cache.tiers import HostTier
 from tierserve.cache.transfer import TransferFactory, default_transfer
-from tierserve.distributed.bus import AbortRequest, AddRequest, Command, FlushCache
 from tierserve.distributed.ranks import Ranks
 from tierserve.engine.grammar import Grammars
 from tierserve.engine.kv_plan import KVPlan, startup_table
@@ -29,6 +28,7 @@ from tierserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfi
 from tierserve.engine.startup import Startup, resolve_device
 from tierserve.errors import TierserveError
 from tierserve.layers.attention import ATTENTION_BACKENDS
+from tierserve.messages import AbortRequest, AddRequest, EngineInput, FlushCache
 from tierserve.model_config import ModelConfig
 from tierserve.models.loader import load_model, model_fingerprint
 from tierserve.outputs import StepOutput, TokenLogprob
@@ -157,37 +157,54 @@ class Engine:
         keeps its place ahead of a short one that came after it."""
         return next(self._arrivals)
 
+    def prepare(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        arrival: int,
+        grammar: str | None = None,
+    ) -> AddRequest:
+        """Tokenize and validate into the message that adds a request; touches no scheduler
+        state, so another thread may call it. A structured output is compiled here unless the
+        server's compile pool already has (`grammar`)."""
+        prompt_ids = self._encode(prompt)
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=self._room_after(prompt_ids))
+        self._validate(prompt_ids, params)
+        if params.structured_output is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured_output)
+        rid = request_id or f"req-{next(self._ids)}"
+        text = prompt if isinstance(prompt, str) else None
+        return AddRequest(rid, arrival, prompt_ids, params, text, grammar)
+
     def make_request(
         self,
         prompt: str | list[int],
         params: SamplingParams,
         request_id: str | None,
         arrival: int,
-        compiled_grammar: Any = None,
     ) -> Request:
-        """Tokenize and validate; touches no scheduler state, so another thread may call it.
-        A structured output is compiled here unless the server's compile pool already has."""
-        prompt_ids = self._encode(prompt)
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=self._room_after(prompt_ids))
-        self._validate(prompt_ids, params)
+        return self._request(self.prepare(prompt, params, request_id, arrival))
+
+    def _request(self, message: AddRequest) -> Request:
+        """The scheduler's request for `message`: its stop ids, its generator, its grammar."""
+        params = message.params
         generator = self._default_generator
         if params.seed is not None:
             generator = torch.Generator().manual_seed(params.seed)
+        grammar = self.grammars.matcher(message.grammar) if message.grammar else None
         return Request(
-            rid=request_id or f"req-{next(self._ids)}",
-            arrival=arrival,
-            prompt_ids=prompt_ids,
+            rid=message.rid,
+            arrival=message.arrival,
+            prompt_ids=message.prompt_ids,
             params=params,
             stop_ids=frozenset(params.stop_token_ids)
             | (frozenset() if params.ignore_eos else frozenset(self.eos_token_ids)),
             generator=generator,
-            prompt_text=prompt if isinstance(prompt, str) else None,
-            grammar=(
-                self.grammars.start(spec, compiled_grammar)
-                if (spec := params.structured_output)
-                else None
-            ),
+            prompt_text=message.prompt_text,
+            grammar=grammar,
+            grammar_json=message.grammar,
         )
 
     def submit(self, req: Request) -> None:
@@ -195,7 +212,21 @@ class Engine:
             raise TierserveError(f"request id {req.rid!r} is already in flight", "request_id")
         self._requests[req.rid] = req
         self.scheduler.add(req)
-        self._announce(AddRequest(req.rid, req.arrival, req.prompt_ids, req.params))
+        self._announce(
+            AddRequest(
+                req.rid, req.arrival, req.prompt_ids, req.params, req.prompt_text, req.grammar_json
+            )
+        )
+
+    def handle(self, message: EngineInput) -> dict[str, int | str] | None:
+        """Apply one message (the server's inbox and the tensor-parallel bus send the same)."""
+        if isinstance(message, AddRequest):
+            self.submit(self._request(message))
+        elif isinstance(message, AbortRequest):
+            self.abort(message.rid)
+        else:
+            return self.flush_cache()
+        return None
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -359,7 +390,7 @@ class Engine:
 
     # --- tensor parallelism: ranks other than 0 -----------------------------------------------
 
-    def _announce(self, command: Command) -> None:
+    def _announce(self, command: EngineInput) -> None:
         if self.ranks is not None:
             self.ranks.bus.post(command)
 
@@ -369,19 +400,10 @@ class Engine:
         assert self.ranks is not None and not self.ranks.leader
         while True:
             message = self.ranks.bus.exchange()
-            for command in message.commands:
-                self._apply(command)
+            for command in message.inputs:
+                self.handle(command)
             if message.stop:
                 break
             if message.step:
                 self._step()
         self.close()
-
-    def _apply(self, command: Command) -> None:
-        if isinstance(command, AddRequest):
-            c = command
-            self.submit(self.make_request(c.prompt_ids, c.params, c.rid, c.arrival))
-        elif isinstance(command, AbortRequest):
-            self.abort(command.rid)
-        else:
-            self.kv.flush()

@@ -1,11 +1,12 @@
 """Structured output through xgrammar (the grammar engine SGLang and vLLM use).
 
-A request's grammar is compiled when the request is made: in a worker thread on the server,
-never on the engine thread, and cached by xgrammar per source. Each step, a constrained row's
-logits keep only the tokens its grammar allows (after penalties and biases, so the grammar has
-the last word); the sampled token then advances the row's matcher. A grammar that completes
-ends its request with "stop". xgrammar is imported on the first constrained request: a server
-that never sees one never loads it.
+A request's grammar is compiled when the request is made: on the server in the compile pool's
+processes (server/grammar_pool.py), offline in the calling thread; never on the engine thread.
+A request carries it in xgrammar's serialised form, which each rank reads back. Each step, a
+constrained row's logits keep only the tokens its grammar allows (after penalties and biases,
+so the grammar has the last word); the sampled token then advances the row's matcher. A grammar
+that completes ends its request with "stop". xgrammar is imported on the first constrained
+request: a server that never sees one never loads it.
 """
 
 from __future__ import annotations
@@ -73,16 +74,21 @@ class Grammars:
         self._info: Any = None
         self._lock = threading.Lock()
 
-    def start(self, spec: StructuredOutput, compiled: Any = None) -> GrammarState:
-        """A fresh matcher for `spec`, compiled here unless `compiled` (a CompiledGrammar from
-        the server's compile pool) is given; a grammar that does not compile is the user's
-        error."""
+    def compile(self, spec: StructuredOutput) -> str:
+        """`spec` compiled here, in xgrammar's serialised form (what requests carry); a grammar
+        past the limits or that does not compile is the user's error."""
+        check_size(spec)
+        return compile_spec(self._get_compiler(), spec).serialize_json()
+
+    def matcher(self, serialised: str) -> GrammarState:
+        """A fresh matcher for a compiled grammar (a few milliseconds to read it back)."""
         import xgrammar
 
-        if compiled is None:
-            check_size(spec)
-            compiled = compile_spec(self._get_compiler(), spec)
+        compiled = xgrammar.CompiledGrammar.deserialize_json(serialised, self.tokenizer_info())
         return GrammarState(xgrammar.GrammarMatcher(compiled), self._vocab_size)
+
+    def start(self, spec: StructuredOutput) -> GrammarState:
+        return self.matcher(self.compile(spec))
 
     def tokenizer_info(self) -> Any:
         """xgrammar's view of the tokenizer (what a compile process needs), made once."""

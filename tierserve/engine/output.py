@@ -17,13 +17,14 @@ from typing import Any
 
 from tierserve.engine.detokenizer import IncrementalDetokenizer
 from tierserve.engine.request import Request
+from tierserve.messages import AddRequest
 from tierserve.outputs import RequestOutput, StepOutput, TokenLogprob
 
 
 class OutputBuilder:
     """One request's outputs, built from the engine's StepOutputs as they arrive."""
 
-    def __init__(self, req: Request, tokenizer: Any) -> None:
+    def __init__(self, req: Request | AddRequest, tokenizer: Any) -> None:
         self.request_id = req.rid
         self.prompt, self.prompt_ids = req.prompt_text, req.prompt_ids
         self.prompt_logprobs: list[TokenLogprob] | None = None

@@ -36,6 +36,7 @@ class Request:
     num_preemptions: int = 0
     prompt_text: str | None = None  # the prompt as sent, when it was text
     grammar: GrammarState | None = None  # with params.structured_output
+    grammar_json: str | None = None  # the grammar compiled, as AddRequest carries it
     # Logprobs of prompt tokens 1.. as their positions are computed (prompt_logprobs asked).
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 

@@ -11,7 +11,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from tierserve.args import EngineArgs
+from tierserve.args import EngineArgs, ranks_per_node
 from tierserve.cli import JSON_SCHEMA_VERSION, emit
 from tierserve.errors import TierserveError
 from tierserve.model_config import read_hf_config
@@ -29,10 +29,10 @@ from tierserve.plan.verdict import judge
 from tierserve.plan.vllm import check_vllm, parse_vllm_flags
 from tierserve.plan.weights import WEIGHT_DTYPE_BYTES, ModelSpec, model_spec
 from tierserve.sizing.kv import short_kv_dtype
-from tierserve.sizing.pools import HostRequest, host_request
+from tierserve.sizing.pools import DEFAULT_MARGIN, HostRequest, host_request
 from tierserve.storage.registry import backend_class
 from tierserve.storage.tier import StorageConfig
-from tierserve.units import format_gb, parse_size
+from tierserve.units import GiB, format_gb, parse_size
 
 SIZES = "sizes: 48GB, 48GiB, 0.5TB, 300MB; a bare number is decimal GB (as SGLang's flags)"
 EPILOG = f"""{SIZES}. Exit status: 0 the plan fits, 1 it does not, 2 bad input.
@@ -40,7 +40,11 @@ Per rank = one TP process (one GPU); per node = all ranks on one machine, sharin
 
 
 # Flags `plan` shares with `serve`, from the one definition (EngineArgs), with the plan's own
-# defaults: SGLang's page size of 1, and no length or concurrency to check unless asked.
+# defaults: SGLang's page size of 1, and no length or concurrency to check unless asked. The
+# plan's --model, --tp, --nnodes, --kv-cache-dtype and host-cache flags are its own on purpose:
+# they describe any engine's deployment (a preset or a hub id, tp × pp × dp ranks, SGLang's and
+# vLLM's dtype spellings, no host cache unless asked or the largest that fits), not this
+# server's; the host flags are read by the same function as serve's (sizing.pools.host_request).
 SHARED_FLAGS = (
     "mem_fraction_static",
     "max_total_tokens",
@@ -173,9 +177,9 @@ def _add_machine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     add(
         "--margin",
-        default="10GiB",
+        default=f"{DEFAULT_MARGIN // GiB}GiB",
         metavar="SIZE",
-        help="host RAM kept free, per node (10GiB, SGLang's own reserve)",
+        help=f"host RAM kept free, per node ({DEFAULT_MARGIN // GiB}GiB)",
     )
 
 
@@ -326,11 +330,7 @@ def _gpus_per_node(ns: argparse.Namespace) -> int | None:
     """--gpus, else SGLang's --nnodes: the ranks split evenly over the nodes."""
     if ns.gpus is not None or ns.nnodes == 1:
         return ns.gpus
-    ranks = ns.tp * ns.pp * ns.dp
-    if ns.nnodes <= 0 or ranks % ns.nnodes:
-        message = f"{ranks} ranks (tp × pp × dp) do not split evenly over --nnodes {ns.nnodes}"
-        raise TierserveError(message, field="nnodes")
-    return ranks // ns.nnodes
+    return ranks_per_node(ns.tp * ns.pp * ns.dp, ns.nnodes, "tp × pp × dp =")
 
 
 def _host_available(text: str | None) -> tuple[int, str]:

@@ -16,7 +16,7 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from tierserve.args import check_mem_fraction
+from tierserve.args import check_mem_fraction, ranks_per_node
 from tierserve.errors import TierserveError
 from tierserve.plan.plan import Plan, PlanInputs, kv_dtype_flag, make_plan
 from tierserve.plan.verdict import judge
@@ -24,6 +24,8 @@ from tierserve.sizing.kv import short_kv_dtype
 from tierserve.sizing.pools import HostRequest, HostSizing
 from tierserve.units import GB, GiB, format_bytes, format_count, format_gb
 
+# SGLang rounds a host pool down to whole pages, then adds one.
+SGLANG_EXTRA_PAGES = 1
 SGLANG_HOST_RESERVE = 10 * GiB  # SGLang: each rank requires requested <= available - 10 GiB
 SGLANG_DEFAULT_RATIO = 2.0
 
@@ -51,7 +53,7 @@ class SGLangFlags:
         # Every rank is a process with its own host pool: each pipeline stage is tp more of
         # them, and DP without DP-attention adds whole TP × PP groups.
         groups = 1 if self.dp_attention else self.dp
-        return max(1, self.tp * self.pp * groups // self.nnodes)
+        return ranks_per_node(self.tp * self.pp * groups, self.nnodes, "SGLang's tp × pp × dp =")
 
 
 def _sglang_parser() -> argparse.ArgumentParser:
@@ -113,7 +115,7 @@ def sglang_host_tokens(bytes_per_token: int, device_tokens: int, flags: SGLangFl
         tokens = flags.hicache_size_gb * GB // bytes_per_token
     else:
         tokens = int(device_tokens * flags.hicache_ratio)
-    return (tokens // flags.page_size + 1) * flags.page_size
+    return (tokens // flags.page_size + SGLANG_EXTRA_PAGES) * flags.page_size
 
 
 @dataclass(frozen=True)
@@ -214,7 +216,7 @@ def _sglang_verdict_lines(plan: Plan, per_rank: int, fits: bool) -> list[str]:
 def _sglang_own_check_line(plan: Plan, per_rank: int) -> str:
     """What SGLang itself will say: each rank compares its own pool with free RAM − 10 GiB."""
     available = plan.budget.available
-    test = f"{format_gb(per_rank)} ≤ {format_gb(available)} − 10 GiB"
+    test = f"{format_gb(per_rank)} ≤ {format_gb(available)} − {SGLANG_HOST_RESERVE // GiB} GiB"
     if per_rank > available - SGLANG_HOST_RESERVE:
         return f"SGLang's own per-rank check fails ({test} is false): it refuses to start"
     return (
@@ -265,7 +267,7 @@ def check_sglang(flags: str, inputs: PlanInputs) -> SGLangCheck:
 def sglang_size_gb(max_bytes_per_rank: int, bytes_per_token: int, page_size: int = 1) -> int:
     """Largest whole `--hicache-size` (decimal GB per rank) within `max_bytes_per_rank`, counting
     the page SGLang adds when it rounds the pool up."""
-    return max(0, (max_bytes_per_rank - page_size * bytes_per_token) // GB)
+    return max(0, (max_bytes_per_rank - SGLANG_EXTRA_PAGES * page_size * bytes_per_token) // GB)
 
 
 def _host_flags(plan: Plan, host: HostSizing) -> str:

@@ -148,7 +148,7 @@ def _add_routes(
 
     @app.post("/flush_cache")
     async def flush_cache() -> dict[str, Any]:
-        tiers = await engine.call(lambda e: e.flush_cache())
+        tiers = await engine.flush_cache()
         return {"flushed_pages": tiers["device_pages"], "tiers": tiers}
 
     @app.post("/v1/completions")

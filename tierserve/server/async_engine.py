@@ -21,8 +21,8 @@ from typing import Any
 
 from tierserve.engine.engine import Engine
 from tierserve.engine.output import OutputBuilder
-from tierserve.engine.request import Request
 from tierserve.errors import TierserveError
+from tierserve.messages import AbortRequest, AddRequest, EngineInput, FlushCache
 from tierserve.outputs import RequestOutput, StepOutput
 from tierserve.sampling_params import SamplingParams
 from tierserve.server.grammar_pool import DEFAULT_COMPILE_TIMEOUT_S, GrammarCompilePool
@@ -33,6 +33,13 @@ logger = logging.getLogger("tierserve")
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class Call:
+    """A function to run on the engine thread: in-process only, beside the engine's messages."""
+
+    fn: Callable[[Engine], Any]
 
 
 class EngineHungError(EngineDeadError):
@@ -57,7 +64,9 @@ class AsyncEngine:
         self._watchdog = (
             StepWatchdog(watchdog_timeout_s, self._hung) if watchdog_timeout_s else None
         )
-        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[EngineInput | Call, Future | None]] = (
+            queue.SimpleQueue()
+        )
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._streams: dict[str, Stream] = {}
@@ -90,8 +99,8 @@ class AsyncEngine:
         grammar = None
         if params.structured_output is not None:  # in the pool's processes: a cancel ends it
             grammar = await self.grammar_pool.compile(params.structured_output)
-        make = self.engine.make_request
-        req = await asyncio.to_thread(make, prompt, params, request_id, arrival, grammar)
+        prepare = self.engine.prepare
+        req = await asyncio.to_thread(prepare, prompt, params, request_id, arrival, grammar)
         outputs: asyncio.Queue = asyncio.Queue()
         builder = OutputBuilder(req, self.engine.tokenizer)
         self._streams[req.rid] = Stream(asyncio.get_running_loop(), outputs, builder)
@@ -100,7 +109,7 @@ class AsyncEngine:
         if self.error is not None:
             self._streams.pop(req.rid, None)
             raise EngineDeadError(f"engine loop failed: {self.error}")
-        self._post("add", req)
+        self._post(req)
         finished = False
         try:
             while not finished:
@@ -116,18 +125,26 @@ class AsyncEngine:
         finally:
             self._streams.pop(req.rid, None)
             if not finished:
-                self._post("abort", req.rid)
+                self._post(AbortRequest(req.rid))
+
+    async def flush_cache(self) -> dict[str, int | str]:
+        """Pages dropped per tier, once the engine has taken the flush between steps."""
+        return await self._ask(FlushCache())
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
-        """Run `fn(engine)` on the engine thread, between steps."""
+        """Run `fn(engine)` on the engine thread, between steps (in-process tools and tests;
+        the routes send messages)."""
+        return await self._ask(Call(fn))
+
+    async def _ask(self, message: EngineInput | Call) -> Any:
         future: Future = Future()
-        self._post("call", (fn, future))
+        self._post(message, future)
         if self.error is not None:  # posted after the loop failed: nobody will run it
             self._fail_pending()
         return await asyncio.wrap_future(future)
 
-    def _post(self, kind: str, payload: Any) -> None:
-        self._inbox.put((kind, payload))
+    def _post(self, message: EngineInput | Call, reply: Future | None = None) -> None:
+        self._inbox.put((message, reply))
         self._wake.set()
 
     # --- the engine thread --------------------------------------------------------------------
@@ -178,12 +195,12 @@ class AsyncEngine:
             self.on_failure()
 
     def _fail_pending(self) -> None:
-        """Answer every call still in the inbox with the loop's failure."""
-        for kind, payload in self._taken():
-            if kind == "call":
-                payload[1].set_exception(EngineDeadError(f"engine loop failed: {self.error}"))
+        """Answer every question still in the inbox with the loop's failure."""
+        for _, reply in self._taken():
+            if reply is not None:
+                reply.set_exception(EngineDeadError(f"engine loop failed: {self.error}"))
 
-    def _taken(self) -> Iterator[tuple[str, Any]]:
+    def _taken(self) -> Iterator[tuple[EngineInput | Call, Future | None]]:
         """What the inbox holds now, taken out one by one."""
         while True:
             try:
@@ -192,28 +209,35 @@ class AsyncEngine:
                 return
 
     def _drain_inbox(self) -> None:
-        for kind, payload in self._taken():
-            if kind == "add":
-                self._add(payload)
-            elif kind == "abort":
-                self.engine.abort(payload)
-            else:
-                fn, future = payload
-                try:
-                    future.set_result(fn(self.engine))
-                except Exception as err:
-                    future.set_exception(err)
-                except BaseException as err:  # the loop dies of it: say so to the caller too
-                    future.set_exception(EngineDeadError(f"engine loop failed: {err!r}"))
+        for message, reply in self._taken():
+            if isinstance(message, AddRequest):
+                self._add(message)
+                continue
+            try:
+                result = (
+                    message.fn(self.engine)
+                    if isinstance(message, Call)
+                    else self.engine.handle(message)
+                )
+            except Exception as err:
+                if reply is None:
                     raise
+                reply.set_exception(err)
+            except BaseException as err:  # the loop dies of it: say so to the caller too
+                if reply is not None:
+                    reply.set_exception(EngineDeadError(f"engine loop failed: {err!r}"))
+                raise
+            else:
+                if reply is not None:
+                    reply.set_result(result)
 
-    def _add(self, req: Request) -> None:
-        if req.rid not in self._streams:  # the client left before the request started
+    def _add(self, message: AddRequest) -> None:
+        if message.rid not in self._streams:  # the client left before the request started
             return
         try:
-            self.engine.submit(req)
+            self.engine.handle(message)
         except Exception as err:
-            self._deliver(req.rid, err)
+            self._deliver(message.rid, err)
 
     def _hand_over(self, steps: list[StepOutput]) -> None:
         """One call per event loop per step, not one per request: a step of 64 requests wakes
@@ -238,13 +262,13 @@ class AsyncEngine:
                 out = stream.builder.add(step)
             except Exception as err:  # a detokenizer failure ends this request, not the loop
                 logger.exception("building the output of %s failed", step.request_id)
-                self._post("abort", step.request_id)
+                self._post(AbortRequest(step.request_id))
                 stream.outputs.put_nowait(err)
                 continue
             if out is None:
                 continue
             if stream.builder.stopped_here:
-                self._post("abort", step.request_id)
+                self._post(AbortRequest(step.request_id))
             stream.outputs.put_nowait(out)
 
     def _deliver(self, rid: str, item: BaseException) -> None:

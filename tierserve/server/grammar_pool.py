@@ -6,8 +6,8 @@ requests, whose tokenization shared their thread pool. Here each compile runs in
 (server/grammar_worker.py) that is killed when its client leaves, when it outlives
 `--grammar-compile-timeout` (a 400), or when the server stops; the next compile starts a fresh
 one (about two seconds: Python, torch and xgrammar). Plain requests never wait for this pool.
-Compiled grammars come back in xgrammar's serialised form and are kept, by size, for requests
-that ask for the same grammar.
+Compiled grammars come back in xgrammar's serialised form (what a request carries to the engine
+and its ranks) and are kept, by size, for requests that ask for the same grammar.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import logging
 import os
 import sys
 from collections import Counter, OrderedDict
-from typing import Any
 
 from tierserve.engine.grammar import CACHE_BYTES, Grammars, check_size
 from tierserve.errors import TierserveError
@@ -76,7 +75,8 @@ class CompileWorker:
 
 
 class GrammarCompilePool:
-    """`await compile(spec)` gives an xgrammar CompiledGrammar for one request."""
+    """`await compile(spec)` gives one request's grammar, compiled, in xgrammar's serialised
+    form (what AddRequest carries)."""
 
     def __init__(
         self,
@@ -93,10 +93,10 @@ class GrammarCompilePool:
         self._all: set[CompileWorker] = set()
         self._slots: asyncio.Semaphore | None = None
         self._info: str | None = None
-        self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
+        self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._cached_bytes = 0
 
-    async def compile(self, spec: StructuredOutput) -> Any:
+    async def compile(self, spec: StructuredOutput) -> str:
         check_size(spec)  # a 400 before any process sees it
         key = (spec.kind, spec.source)
         if key in self._cache:
@@ -110,9 +110,8 @@ class GrammarCompilePool:
             raise
         finally:
             self.in_flight -= 1
-        compiled = await asyncio.to_thread(self._deserialise, serialised)
-        self._keep(key, compiled)
-        return compiled
+        self._keep(key, serialised)
+        return serialised
 
     async def _compile_in_worker(self, spec: StructuredOutput) -> str:
         if self._slots is None:
@@ -156,20 +155,15 @@ class GrammarCompilePool:
         self._all.discard(worker)
         logger.info("ended a grammar compile (worker pid %d)", worker.proc.pid)
 
-    def _deserialise(self, serialised: str) -> Any:
-        import xgrammar
-
-        return xgrammar.CompiledGrammar.deserialize_json(serialised, self.grammars.tokenizer_info())
-
-    def _keep(self, key: tuple[str, str], compiled: Any) -> None:
-        size = compiled.memory_size_bytes
+    def _keep(self, key: tuple[str, str], serialised: str) -> None:
+        size = len(serialised)
         if size > CACHE_BYTES:
             return
-        self._cache[key] = compiled
+        self._cache[key] = serialised
         self._cached_bytes += size
         while self._cached_bytes > CACHE_BYTES:
             _, old = self._cache.popitem(last=False)
-            self._cached_bytes -= old.memory_size_bytes
+            self._cached_bytes -= len(old)
 
     @property
     def pids(self) -> list[int]:
