@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from tierserve import cli
+from tierserve.console import JSON_SCHEMA_VERSION
 from tierserve.errors import TierserveError
 from tierserve.model_config import ModelConfig
 from tierserve.plan import sglang as sglang_check
@@ -666,7 +667,7 @@ def test_hugging_face_ids_resolve_to_presets(capsys: pytest.CaptureFixture[str])
     )
     data = json.loads(out)
     assert code in (0, 1) and data["model"] == "kimi-k2"
-    assert data["schema_version"] == cli.JSON_SCHEMA_VERSION and data["kind"] == "plan"
+    assert data["schema_version"] == JSON_SCHEMA_VERSION and data["kind"] == "plan"
     assert {c["name"] for c in data["constraints"]} == {"device memory", "host RAM"}
     code, out, _ = run_plan(
         capsys, "--model", "Kimi-K2.5", "--tp", "8", "--gpu", "h200", "--host-mem", "1TB"
@@ -760,3 +761,34 @@ def test_data_parallel_replicas_are_processes_and_run_their_own_requests(
     assert two["device_concurrency"] == 2 * one["device_concurrency"]
     assert "--dp-size 2" in two["flags"]["sglang"]
     assert "--data-parallel-size 2" in two["flags"]["vllm"]
+
+
+# (total, free, weights per rank, --mem-fraction-static) of three cards, one with memory in use.
+THREE_GPUS = [
+    (80 * GB, 80 * GB, 16 * GB, 0.9),  # an empty H100 80GB
+    (40 * GB, 37 * GB, 14 * GB, 0.85),  # an A100 40GB with 3 GB taken by another process
+    (141 * GB, 140 * GB, 60 * GB, 0.93),  # an H200 with its CUDA context
+]
+
+
+@pytest.mark.parametrize(("total", "free", "weights", "fraction"), THREE_GPUS)
+def test_plan_and_serve_size_the_device_pool_with_one_function(
+    capsys: pytest.CaptureFixture[str], total: int, free: int, weights: int, fraction: float
+) -> None:
+    from tierserve.engine.startup import device_pool_tokens
+
+    expected = int(total * fraction) - (total - free) - weights
+    assert pools.device_pool_bytes(total, free, weights, fraction) == expected
+    flags = ["--model", "kimi-k2.5", "--gpu", f"{total // GB}GB", "--weights", f"{weights}B"]
+    flags += ["--mem-fraction-static", str(fraction), "--host-mem", "1TB", "--json"]
+    _, out, _ = run_plan(capsys, *flags)
+    printed = json.loads(out)
+    # plan assumes a card with nothing on it yet; serve reads what is free.
+    assert printed["device_pool_bytes_per_rank"] == pools.device_pool_bytes(
+        total, total, weights, fraction
+    )
+    spec = kv_spec(ModelConfig.from_dict(MODEL_PRESETS["kimi-k2.5"].config), "bf16")
+    served = device_pool_tokens(spec, total, free, weights, fraction)
+    assert served == expected // spec.bytes_per_token
+    if free == total:
+        assert printed["device_tokens_per_rank"] == served

@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Callable, Sequence
 
+from tierserve.console import JSON_SCHEMA_VERSION, emit
 from tierserve.errors import TierserveError
-
-JSON_SCHEMA_VERSION = 2  # of every --json output; docs/plan.md lists the keys
 
 # name -> (module path, help); each module defines add_arguments(parser) and run(ns) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
@@ -30,16 +28,6 @@ def _load(module_path: str) -> tuple[Callable[[argparse.ArgumentParser], None], 
 
     module = importlib.import_module(module_path)
     return module.add_arguments, module.run
-
-
-def emit(text: str) -> None:
-    """Print a result; a reader that closed the pipe early (`| head`) is not an error, and the
-    exit status still says what the command found."""
-    try:
-        print(text, flush=True)
-    except BrokenPipeError:
-        # Point stdout at /dev/null so the interpreter's flush at exit does not fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

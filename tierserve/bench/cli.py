@@ -5,6 +5,8 @@ server, or side by side against tierserve under named cache configurations.
     tierserve bench compare --workload multiturn --out DIR [--configs device-only,write_back,limit]
 
 Workloads are built in token space from a seed (docs/bench.md has their exact semantics).
+One thing at some length: the command line of a benchmark, whose flags mirror SGLang's
+bench_multiturn and vLLM's bench serve one for one.
 """
 
 from __future__ import annotations

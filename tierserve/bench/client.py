@@ -20,6 +20,8 @@ exponential gaps of mean 1/request_rate (Poisson arrivals; inf = no gaps); trace
 sent at their own arrival times. Multi-turn follows SGLang bench_multiturn: a ready queue (popped
 at random or FIFO) holds each client's next round, which joins the queue when the previous round
 finishes; with `round_barrier`, round r+1 of every client waits until all clients finished r.
+
+One thing at some length: one client, whose two backends share every timing rule.
 """
 
 from __future__ import annotations

@@ -6,6 +6,9 @@
 <out>/ttft_per_round.png    mean TTFT per round, one line per configuration
 <out>/throughput.png        requests/s and tokens/s per configuration
 <out>/hit_rate_by_tier.png  cache hit rate per configuration, split by tier
+
+One thing at some length: the report of one results folder, its tables and its plots drawn
+from the same summaries.
 """
 
 from __future__ import annotations

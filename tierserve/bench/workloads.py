@@ -12,6 +12,8 @@ on any machine. Prompts are lists of token ids drawn uniformly from `TokenSpace`
 The multi-turn workload is closed-loop: round r's prompt is round r−1's prompt, then the server's
 own output ids, then a new sub-question, so only its first round and its questions are fixed here;
 `Conversation.prompt` builds round r from the outputs the server returned (see client.py).
+
+One thing at some length: the workloads, each a short generator over one shared token space.
 """
 
 from __future__ import annotations

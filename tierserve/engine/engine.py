@@ -1,6 +1,8 @@
 """The engine: tokenizer, model, KV cache and scheduler behind add_request / step.
 
-One synchronous loop; the offline `LLM` and the HTTP server both drive it.
+One synchronous loop; the offline `LLM` and the HTTP server both drive it, through the typed
+messages of messages.py. One thing at some length: the engine's life (build, take messages,
+step, follow rank 0, close), each part a few short methods.
 """
 
 from __future__ import annotations

@@ -19,18 +19,13 @@ from tierserve.sizing.kv import KVSpec
 from tierserve.sizing.pools import (
     DEFAULT_MARGIN,
     HostBudget,
-    HostRequest,
     HostSizing,
+    host_request,
     size_host_cache,
 )
-from tierserve.sizing.pools import host_request as sizing_host_request
 from tierserve.units import format_bytes, format_count, format_gb
 
 SHARED_MEMORY_DIR = "/dev/shm"
-
-
-def host_request(args: EngineArgs) -> HostRequest:
-    return sizing_host_request(args.hicache_node_size, args.hicache_size, args.hicache_ratio)
 
 
 def size_host_tier(
@@ -47,7 +42,7 @@ def size_host_tier(
         margin=DEFAULT_MARGIN,
         local_ranks=args.local_ranks,
     )
-    request = host_request(args)
+    request = host_request(args.hicache_node_size, args.hicache_size, args.hicache_ratio)
     sharing = 1 if args.disable_shared_host_copy else spec.host_sharing(args.local_ranks)
     sizing = size_host_cache(
         spec.bytes_per_token, device_tokens, request, budget, spec.page_size, sharing

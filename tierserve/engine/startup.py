@@ -151,13 +151,21 @@ def _pool_tokens(args: EngineArgs, device: torch.device, spec: KVSpec, weight_by
     if device.type != "cuda":
         return CPU_DEFAULT_POOL_TOKENS
     free, total = torch.cuda.mem_get_info(device)
-    frac = args.mem_fraction_static
-    budget = device_pool_bytes(total, free, weight_bytes, frac)  # what `plan` computes too
+    return device_pool_tokens(spec, total, free, weight_bytes, args.mem_fraction_static)
+
+
+def device_pool_tokens(
+    spec: KVSpec, gpu_total: int, gpu_free: int, weight_bytes: int, fraction: float
+) -> int:
+    """Tokens of the device pool `serve` allocates on a card with this much memory: the pool
+    bytes `plan` computes too (sizing/pools.py), in whole tokens."""
+    budget = device_pool_bytes(gpu_total, gpu_free, weight_bytes, fraction)
     if budget < spec.bytes_per_page:
+        in_use = gpu_total - gpu_free
         raise TierserveError(
-            f"no room for a KV pool: {total / 1e9:.1f} GB × {frac} − "
-            f"{(total - free) / 1e9:.1f} GB in use − {weight_bytes / 1e9:.1f} GB of weights;"
+            f"no room for a KV pool: {gpu_total / 1e9:.1f} GB × {fraction} − "
+            f"{in_use / 1e9:.1f} GB in use − {weight_bytes / 1e9:.1f} GB of weights;"
             " raise --mem-fraction-static",
             field="mem_fraction_static",
         )
-    return int(budget // spec.bytes_per_token)
+    return budget // spec.bytes_per_token

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from tierserve.args import EngineArgs, ranks_per_node
-from tierserve.cli import JSON_SCHEMA_VERSION, emit
+from tierserve.console import JSON_SCHEMA_VERSION, emit
 from tierserve.errors import TierserveError
 from tierserve.model_config import read_hf_config
 from tierserve.plan.plan import DEFAULT_AVG_SEQ_LEN, Machine, PlanInputs, Workload, make_plan

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tierserve.dtypes import DTYPES
+from tierserve.dtypes import COMPUTE_DTYPES, DTYPES
 from tierserve.errors import TierserveError
 from tierserve.model_config import ModelConfig, config_int, routes_to_experts, text_config
 from tierserve.units import format_gb
@@ -96,7 +96,7 @@ def estimate_parameters(config: Mapping[str, Any]) -> int:
 
 def _base_dtype(raw: Mapping[str, Any]) -> str:
     dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
-    return {"float16": "fp16", "float32": "fp32"}.get(dtype, "bf16")
+    return DTYPES[dtype].short if dtype in COMPUTE_DTYPES else "bf16"
 
 
 def checkpoint_dtypes(config: Mapping[str, Any]) -> dict[str, str]:

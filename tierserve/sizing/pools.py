@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from tierserve.args import check_mem_fraction
 from tierserve.errors import TierserveError
 from tierserve.units import GB, GiB, format_gb, parse_size
 
@@ -53,13 +54,6 @@ def device_pool_bytes(
     check_mem_fraction(mem_fraction_static)
     in_use = gpu_total - gpu_free
     return max(0, int(gpu_total * mem_fraction_static) - in_use - rank_weights)
-
-
-def check_mem_fraction(fraction: float) -> None:
-    """--mem-fraction-static is a fraction of the card in (0, 1)."""
-    if not 0 < fraction < 1:
-        message = f"mem_fraction_static must be in (0, 1), got {fraction}"
-        raise TierserveError(message, field="mem_fraction_static")
 
 
 def tokens_in(pool_bytes: int, bytes_per_token: int, page_size: int = 1) -> int:
