@@ -19,7 +19,7 @@ ROOT = Path(tierserve.__file__).parent
 # or lower ones. distributed sits above layers because the ranks set up the parallel layers'
 # groups; models above distributed because their loader reads the rank's shard.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "units", "net", "dtypes", "console"),
+    ("errors", "units", "net", "dtypes", "console", "lazy"),
     ("args", "model_config", "sampling_params", "outputs", "messages"),
     ("sizing",),
     ("storage",),
@@ -55,10 +55,26 @@ def imported(path: Path, module: str) -> Iterator[tuple[str, int]]:
                 base = ".".join([*up, base] if base else up)
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
-                yield (sub if sub in MODULES else base), node.lineno
+                lazy = EXPORTS.get(base, {}).get(alias.name)
+                yield (sub if sub in MODULES else f"{base}.{lazy}" if lazy else base), node.lineno
 
 
 MODULES = {name for name, _ in modules()}
+
+
+def exports_of(path: Path) -> dict[str, str]:
+    """A package's EXPORTS (name -> its module), as its __init__ states them."""
+    for node in ast.parse(path.read_text()).body:
+        if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["EXPORTS"]:
+            return ast.literal_eval(node.value)
+    return {}
+
+
+EXPORTS = {
+    name.removesuffix(".__init__"): exports_of(path)
+    for name, path in modules()
+    if path.name == "__init__.py"
+}
 
 
 def unit(module: str) -> str:
@@ -108,6 +124,23 @@ def test_no_import_circle():
     assert not circles, "\n".join(circles)
 
 
+def test_outsiders_import_a_package_by_its_face():
+    """Code outside a package takes its names from the package (its __init__'s EXPORTS), not
+    from the modules inside it; each exported name is defined where EXPORTS says."""
+    reached = []
+    for module, path in modules():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and (node.module or "").count(".") == 2):
+                continue
+            target = node.module or ""
+            if target.startswith("tierserve.") and unit(target) != unit(module):
+                reached.append(f"{module}:{node.lineno} imports {target}")
+    assert not reached, "\n".join(reached)
+    for package, names in EXPORTS.items():
+        for name, home in names.items():
+            assert name in top_level_names(ROOT.joinpath(*package.split(".")[1:], f"{home}.py"))
+
+
 # --- each fact once ----------------------------------------------------------------------------
 
 # (name, the module that defines it): no other module defines that name at its top level.
@@ -151,12 +184,18 @@ def referenced(path: Path) -> set[str]:
 
 
 def imports_from(path: Path, home: str) -> set[str]:
+    """Names `path` takes from module `home`: directly, or through its package's face."""
+    package, _, leaf = home.rpartition(".")
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.ImportFrom) and node.module == home:
-            found |= {alias.name for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and f"{node.module}." in f"{home}.":
-            found |= {alias.name for alias in node.names if home.endswith(f".{alias.name}")}
+        if not isinstance(node, ast.ImportFrom):
+            continue
+        for alias in node.names:
+            if node.module == home or (
+                node.module == package
+                and (alias.name == leaf or EXPORTS.get(package, {}).get(alias.name) == leaf)
+            ):
+                found.add(alias.name)
     return found
 
 

@@ -9,7 +9,7 @@ __all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutput", "Tierse
 
 def __getattr__(name: str):  # keep `import tierserve` light: torch loads only when needed
     if name == "LLM":
-        from tierserve.engine.llm import LLM
+        from tierserve.engine import LLM
 
         return LLM
     raise AttributeError(name)

@@ -4,7 +4,7 @@ benchmarks/fp8_agreement.py)."""
 
 from __future__ import annotations
 
-from tierserve.engine.llm import LLM
+from tierserve.engine import LLM
 from tierserve.sampling_params import SamplingParams
 
 # Story openings the demo model (trained on Shakespeare) continues with conviction.

@@ -18,7 +18,7 @@ from tierserve.cache.tiers import HostTier
 from tierserve.cache.transfer import CopyOp
 
 if TYPE_CHECKING:
-    from tierserve.storage.tier import StorageTier
+    from tierserve.storage import StorageTier
 
 
 @dataclass(eq=False)

@@ -19,7 +19,7 @@ import logging
 import torch
 
 from tierserve.errors import TierserveError
-from tierserve.sizing.kv import KVSpec
+from tierserve.sizing import KVSpec
 
 logger = logging.getLogger("tierserve")
 

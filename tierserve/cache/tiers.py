@@ -23,7 +23,7 @@ from tierserve.cache.shared_host import HostShare
 from tierserve.cache.transfer import CopyOp, TransferBackend, page_runs
 
 if TYPE_CHECKING:
-    from tierserve.storage.tier import StorageTier
+    from tierserve.storage import StorageTier
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 MATCH_WORK = 20_000  # source runs × free runs beyond which pages are paired by rank

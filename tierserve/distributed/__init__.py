@@ -1,2 +1,14 @@
 """Tensor parallelism across processes: the ranks, how they start and meet, and what rank 0
 tells the others each step (docs/distributed.md)."""
+
+from tierserve.lazy import lazy_exports
+
+# What outsiders import from this package, and the module that defines each (loaded on
+# first use: tierserve/lazy.py).
+EXPORTS = {
+    "ENV_ARGS": "rank_env",
+    "Ranks": "ranks",
+    "die_with_parent": "rank_env",
+}
+__all__ = list(EXPORTS)
+__getattr__ = lazy_exports(__name__, EXPORTS)

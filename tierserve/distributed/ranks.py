@@ -35,7 +35,7 @@ from tierserve.args import EngineArgs
 from tierserve.distributed.bus import CommandBus
 from tierserve.distributed.rank_env import ENV_ADDR, ENV_ARGS, ENV_PARENT, ENV_RANK
 from tierserve.errors import TierserveError
-from tierserve.layers.parallel import TPGroup, set_tp_group
+from tierserve.layers import TPGroup, set_tp_group
 from tierserve.net import free_port
 
 logger = logging.getLogger("tierserve")

@@ -16,12 +16,17 @@ from typing import Any
 import torch
 
 from tierserve.args import EngineArgs
-from tierserve.cache.manager import KVCacheManager
-from tierserve.cache.pool import PagedKV, pages_for
-from tierserve.cache.shared_host import HostShare, open_share
-from tierserve.cache.tiers import HostTier
-from tierserve.cache.transfer import TransferFactory, default_transfer
-from tierserve.distributed.ranks import Ranks
+from tierserve.cache import (
+    HostShare,
+    HostTier,
+    KVCacheManager,
+    PagedKV,
+    TransferFactory,
+    default_transfer,
+    open_share,
+    pages_for,
+)
+from tierserve.distributed import Ranks
 from tierserve.engine.grammar import Grammars
 from tierserve.engine.kv_plan import KVPlan, startup_table
 from tierserve.engine.request import Request
@@ -29,14 +34,13 @@ from tierserve.engine.runner import ChunkResult, ModelRunner
 from tierserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from tierserve.engine.startup import Startup, resolve_device
 from tierserve.errors import TierserveError
-from tierserve.layers.attention import ATTENTION_BACKENDS
+from tierserve.layers import ATTENTION_BACKENDS
 from tierserve.messages import AbortRequest, AddRequest, EngineInput, FlushCache
 from tierserve.model_config import ModelConfig
-from tierserve.models.loader import load_model, model_fingerprint
+from tierserve.models import load_model, model_fingerprint
 from tierserve.outputs import StepOutput, TokenLogprob
 from tierserve.sampling_params import SamplingParams
-from tierserve.storage.keys import Namespace
-from tierserve.storage.tier import StorageTier
+from tierserve.storage import Namespace, StorageTier
 
 logger = logging.getLogger("tierserve")
 

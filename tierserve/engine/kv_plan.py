@@ -15,11 +15,11 @@ import psutil
 
 from tierserve.args import EngineArgs
 from tierserve.errors import TierserveError
-from tierserve.sizing.kv import KVSpec
-from tierserve.sizing.pools import (
+from tierserve.sizing import (
     DEFAULT_MARGIN,
     HostBudget,
     HostSizing,
+    KVSpec,
     host_request,
     size_host_cache,
 )

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierserve.cache.manager import KVHandle
+from tierserve.cache import KVHandle
 from tierserve.engine.grammar import GrammarState
 from tierserve.outputs import TokenLogprob
 from tierserve.sampling_params import SamplingParams

@@ -8,8 +8,7 @@ import torch
 from torch import nn
 
 from tierserve.engine.scheduler import ScheduledChunk
-from tierserve.layers.attention import AttentionBackend, ForwardBatch, SeqSpan
-from tierserve.layers.sampler import sample, token_logprobs
+from tierserve.layers import AttentionBackend, ForwardBatch, SeqSpan, sample, token_logprobs
 from tierserve.outputs import TokenLogprob
 
 # Prompt positions whose logits are materialised at once for prompt logprobs: a chunk of 8K

@@ -16,8 +16,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass
 
-from tierserve.cache.manager import KVCacheManager
-from tierserve.cache.pool import pages_for
+from tierserve.cache import KVCacheManager, pages_for
 from tierserve.engine.request import Request, Status
 
 

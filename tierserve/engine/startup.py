@@ -14,17 +14,15 @@ from pathlib import Path
 import torch
 
 from tierserve.args import EngineArgs, default_model
-from tierserve.cache.pool import check_pool_size
+from tierserve.cache import check_pool_size
 from tierserve.dtypes import COMPUTE_DTYPES, torch_dtype
 from tierserve.engine.kv_plan import KVPlan, check_cpu_ram, size_host_tier
 from tierserve.errors import TierserveError
-from tierserve.layers.attention import DecodeWorkspace
+from tierserve.layers import DecodeWorkspace
 from tierserve.model_config import ModelConfig
-from tierserve.models.loader import checkpoint_numel
-from tierserve.sizing.kv import KVSpec
-from tierserve.sizing.pools import device_pool_bytes
-from tierserve.storage.registry import backend_class
-from tierserve.storage.tier import StorageConfig
+from tierserve.models import checkpoint_numel
+from tierserve.sizing import KVSpec, device_pool_bytes
+from tierserve.storage import StorageConfig, backend_class
 
 CPU_DEFAULT_POOL_TOKENS = 32768
 

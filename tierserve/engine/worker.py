@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
-from tierserve.distributed.rank_env import ENV_ARGS, die_with_parent
+from tierserve.distributed import ENV_ARGS, die_with_parent
 
 
 def main() -> int:

@@ -1,0 +1,36 @@
+"""The model's building blocks: attention backends over the paged pool, MLA, MoE, parallel
+linears, rotary embeddings, the sampler."""
+
+from tierserve.lazy import lazy_exports
+
+# What outsiders import from this package, and the module that defines each (loaded on
+# first use: tierserve/lazy.py).
+EXPORTS = {
+    "ATTENTION_BACKENDS": "attention",
+    "AttentionBackend": "attention",
+    "ColumnParallelLinear": "parallel",
+    "DecodeWorkspace": "decode_workspace",
+    "ForwardBatch": "batch",
+    "GatedMLP": "mlp",
+    "MLA": "mla",
+    "MLAConfig": "mla",
+    "MoE": "moe",
+    "MoEConfig": "moe",
+    "ParallelLMHead": "parallel",
+    "RMSNorm": "norm",
+    "RotaryEmbedding": "rotary",
+    "RowParallelLinear": "parallel",
+    "SeqSpan": "batch",
+    "TPGroup": "parallel",
+    "VocabParallelEmbedding": "parallel",
+    "rotary_for": "rotary",
+    "sample": "sampler",
+    "set_tp_group": "parallel",
+    "shard_size": "parallel",
+    "shards_by_name": "parallel",
+    "softmax_scale": "mla",
+    "token_logprobs": "sampler",
+    "tp_group": "parallel",
+}
+__all__ = list(EXPORTS)
+__getattr__ = lazy_exports(__name__, EXPORTS)

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from tierserve.cache.pool import PagedKV
+from tierserve.cache import PagedKV
 from tierserve.layers.batch import ForwardBatch, SeqSpan, causal_mask
 from tierserve.layers.decode_workspace import DecodeWorkspace, _Group
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierserve.cache.pool import PagedKV
+from tierserve.cache import PagedKV
 from tierserve.layers.batch import SeqSpan
 
 

@@ -12,10 +12,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierserve.layers.attention import AttentionBackend
-from tierserve.layers.norm import RMSNorm
-from tierserve.layers.parallel import ParallelLMHead, VocabParallelEmbedding
-from tierserve.layers.rotary import RotaryEmbedding, rotary_for
+from tierserve.layers import (
+    AttentionBackend,
+    ParallelLMHead,
+    RMSNorm,
+    RotaryEmbedding,
+    VocabParallelEmbedding,
+    rotary_for,
+)
 from tierserve.model_config import ModelConfig
 
 

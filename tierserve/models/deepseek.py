@@ -13,11 +13,16 @@ import re
 import torch
 from torch import nn
 
-from tierserve.layers.attention import AttentionBackend
-from tierserve.layers.mla import MLA, MLAConfig, softmax_scale
-from tierserve.layers.mlp import GatedMLP
-from tierserve.layers.moe import MoE, MoEConfig
-from tierserve.layers.rotary import RotaryEmbedding
+from tierserve.layers import (
+    MLA,
+    AttentionBackend,
+    GatedMLP,
+    MLAConfig,
+    MoE,
+    MoEConfig,
+    RotaryEmbedding,
+    softmax_scale,
+)
 from tierserve.model_config import ModelConfig
 from tierserve.models.decoder import CausalLM
 

@@ -9,11 +9,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from tierserve.layers.attention import AttentionBackend
-from tierserve.layers.mlp import GatedMLP
-from tierserve.layers.norm import RMSNorm
-from tierserve.layers.parallel import ColumnParallelLinear, RowParallelLinear, shard_size, tp_group
-from tierserve.layers.rotary import RotaryEmbedding
+from tierserve.layers import (
+    AttentionBackend,
+    ColumnParallelLinear,
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    shard_size,
+    tp_group,
+)
 from tierserve.model_config import ModelConfig
 from tierserve.models.decoder import CausalLM
 

@@ -27,8 +27,7 @@ from torch import nn
 from tqdm import tqdm
 
 from tierserve.errors import TierserveError
-from tierserve.layers.parallel import shards_by_name
-from tierserve.layers.rotary import rotary_for
+from tierserve.layers import rotary_for, shards_by_name
 from tierserve.model_config import ModelConfig, read_hf_config, text_config
 from tierserve.models.registry import model_class
 

@@ -28,10 +28,8 @@ from tierserve.plan.sglang import check_sglang, parse_sglang_flags
 from tierserve.plan.verdict import judge
 from tierserve.plan.vllm import check_vllm, parse_vllm_flags
 from tierserve.plan.weights import WEIGHT_DTYPE_BYTES, ModelSpec, model_spec
-from tierserve.sizing.kv import short_kv_dtype
-from tierserve.sizing.pools import DEFAULT_MARGIN, HostRequest, host_request
-from tierserve.storage.registry import backend_class
-from tierserve.storage.tier import StorageConfig
+from tierserve.sizing import DEFAULT_MARGIN, HostRequest, host_request, short_kv_dtype
+from tierserve.storage import StorageConfig, backend_class
 from tierserve.units import GiB, format_gb, parse_size
 
 SIZES = "sizes: 48GB, 48GiB, 0.5TB, 300MB; a bare number is decimal GB (as SGLang's flags)"

@@ -10,7 +10,7 @@ from tierserve.plan.plan import Plan, kv_dtype_flag
 from tierserve.plan.sglang import sglang_flags
 from tierserve.plan.verdict import Verdict
 from tierserve.plan.vllm import vllm_flags
-from tierserve.sizing.pools import HostSizing
+from tierserve.sizing import HostSizing
 from tierserve.units import GB
 
 

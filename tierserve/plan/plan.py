@@ -28,15 +28,20 @@ from typing import Any
 from tierserve.args import check_mem_fraction
 from tierserve.errors import TierserveError
 from tierserve.plan.weights import ModelSpec
-from tierserve.sizing.kv import KVBytes, KVSpec, kv_bytes, kv_dtype_name, kv_spec, override_per_rank
-from tierserve.sizing.pools import (
+from tierserve.sizing import (
     DEFAULT_MARGIN,
     DEFAULT_OVERHEAD_PER_RANK,
     HostBudget,
     HostRequest,
     HostSizing,
+    KVBytes,
+    KVSpec,
     device_pool_bytes,
+    kv_bytes,
+    kv_dtype_name,
+    kv_spec,
     local_ranks,
+    override_per_rank,
     size_host_cache,
     tokens_in,
     weights_per_rank,

@@ -20,8 +20,7 @@ from tierserve.args import check_mem_fraction, ranks_per_node
 from tierserve.errors import TierserveError
 from tierserve.plan.plan import Plan, PlanInputs, kv_dtype_flag, make_plan
 from tierserve.plan.verdict import judge
-from tierserve.sizing.kv import short_kv_dtype
-from tierserve.sizing.pools import HostRequest, HostSizing
+from tierserve.sizing import HostRequest, HostSizing, short_kv_dtype
 from tierserve.units import GB, GiB, format_bytes, format_count, format_gb
 
 # SGLang rounds a host pool down to whole pages, then adds one.

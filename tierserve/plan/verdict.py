@@ -17,7 +17,7 @@ from typing import Any
 
 from tierserve.dtypes import DTYPES
 from tierserve.plan.plan import Plan
-from tierserve.sizing.kv import kv_dtype_name
+from tierserve.sizing import kv_dtype_name
 from tierserve.units import GB, format_count, format_gb
 
 

@@ -20,8 +20,7 @@ from typing import Any
 from tierserve.errors import TierserveError
 from tierserve.plan.plan import Plan, PlanInputs, kv_dtype_flag, make_plan
 from tierserve.plan.verdict import Constraint, Verdict, judge
-from tierserve.sizing.kv import short_kv_dtype
-from tierserve.sizing.pools import HostRequest, HostSizing
+from tierserve.sizing import HostRequest, HostSizing, short_kv_dtype
 from tierserve.units import GiB
 
 VLLM_DEFAULT_UTILIZATION = 0.9

@@ -19,8 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from tierserve.engine.engine import Engine
-from tierserve.engine.output import OutputBuilder
+from tierserve.engine import Engine, OutputBuilder
 from tierserve.errors import TierserveError
 from tierserve.messages import AbortRequest, AddRequest, EngineInput, FlushCache
 from tierserve.outputs import RequestOutput, StepOutput

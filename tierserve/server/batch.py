@@ -238,7 +238,7 @@ async def _run(pending: list[dict[str, Any]], out: Path, ns: argparse.Namespace)
             runner = BatchRunner(client, out, ns, any_model=False)
             await runner.run(pending)
             return runner
-    from tierserve.engine.engine import Engine
+    from tierserve.engine import Engine
     from tierserve.server.api import create_app
     from tierserve.server.async_engine import AsyncEngine
     from tierserve.server.cli import served_model_name

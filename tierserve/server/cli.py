@@ -83,9 +83,7 @@ def served_model_name(args: EngineArgs, override: str | None = None) -> str:
 
 
 def dry_run(args: EngineArgs) -> int:
-    from tierserve.engine.engine import load_tokenizer
-    from tierserve.engine.kv_plan import startup_table
-    from tierserve.engine.startup import Startup
+    from tierserve.engine import Startup, load_tokenizer, startup_table
 
     startup = Startup.from_args(args)
     load_tokenizer(args.tokenizer or startup.model_path)
@@ -97,7 +95,7 @@ def dry_run(args: EngineArgs) -> int:
 def run(ns: argparse.Namespace) -> int:
     import uvicorn
 
-    from tierserve.engine.engine import Engine
+    from tierserve.engine import Engine
     from tierserve.server.api import ServerLimits, create_app
     from tierserve.server.async_engine import AsyncEngine, EngineHungError
 

@@ -18,7 +18,7 @@ import os
 import sys
 from collections import Counter, OrderedDict
 
-from tierserve.engine.grammar import CACHE_BYTES, Grammars, check_size
+from tierserve.engine import CACHE_BYTES, Grammars, check_size
 from tierserve.errors import TierserveError
 from tierserve.sampling_params import StructuredOutput
 from tierserve.server.grammar_worker import READY, CompileJob, CompileResult

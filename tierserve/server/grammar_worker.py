@@ -47,7 +47,7 @@ class CompileResult:
 def serve(requests: BinaryIO, replies: BinaryIO) -> None:
     import xgrammar
 
-    from tierserve.engine.grammar import compile_spec, new_compiler
+    from tierserve.engine import compile_spec, new_compiler
     from tierserve.errors import TierserveError
     from tierserve.sampling_params import StructuredOutput
 

@@ -9,9 +9,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tierserve.engine.engine import Engine
+from tierserve.engine import Engine
 from tierserve.server.grammar_pool import GrammarCompilePool
-from tierserve.storage.tier import StorageTier
+from tierserve.storage import StorageTier
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 

@@ -1,0 +1,29 @@
+"""Sizes, computed once: KV bytes per token (kv.py) and pool sizes (pools.py), the pure
+arithmetic `tierserve plan` and `tierserve serve` both call."""
+
+from tierserve.lazy import lazy_exports
+
+# What outsiders import from this package, and the module that defines each (loaded on
+# first use: tierserve/lazy.py).
+EXPORTS = {
+    "DEFAULT_MARGIN": "pools",
+    "DEFAULT_OVERHEAD_PER_RANK": "pools",
+    "HostBudget": "pools",
+    "HostRequest": "pools",
+    "HostSizing": "pools",
+    "KVBytes": "kv",
+    "KVSpec": "kv",
+    "device_pool_bytes": "pools",
+    "host_request": "pools",
+    "kv_bytes": "kv",
+    "kv_dtype_name": "kv",
+    "kv_spec": "kv",
+    "local_ranks": "pools",
+    "override_per_rank": "kv",
+    "short_kv_dtype": "kv",
+    "size_host_cache": "pools",
+    "tokens_in": "pools",
+    "weights_per_rank": "pools",
+}
+__all__ = list(EXPORTS)
+__getattr__ = lazy_exports(__name__, EXPORTS)

@@ -17,7 +17,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tierserve.sizing.kv import KVSpec
+from tierserve.sizing import KVSpec
 
 KEY_CHARS = 32  # 128 bits of SHA-256, hex
 

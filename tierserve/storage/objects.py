@@ -14,7 +14,7 @@ import hashlib
 import json
 import struct
 
-from tierserve.sizing.kv import KVSpec
+from tierserve.sizing import KVSpec
 
 MAGIC = b"TSKV"
 VERSION = 1
