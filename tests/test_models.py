@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import transformers
@@ -62,26 +64,33 @@ def test_prefill_logits_match_transformers(checkpoints, family):
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_chunked_prefill_logits_use_the_cached_prefix(checkpoints):
-    """Second half attends to the first half read back from the pool (bottom-right mask)."""
-    path = checkpoints["llama"]
+def chunked_logits(path, prompt: list[int], bounds: tuple[int, ...]) -> list[torch.Tensor]:
+    """Each chunk's logits, prefilled `bounds` chunk by chunk over scattered pages of a fresh
+    pool: every chunk after the first attends to earlier ones read back from the pool."""
     cfg = ModelConfig.from_dir(path)
     model = load_model(path, cfg, torch.float32, torch.device("cpu"))
     pool = PagedKV(KVSpec.from_model(cfg, "float32", page_size=4), 32, torch.device("cpu"))
     attn = TorchAttention(pool, cfg.num_layers)
-    prompt = random_prompts(1, [90], seed=3)[0]
     pages = torch.randperm(32)[:23]  # scattered pages: the gather must follow the table
     slots = (pages[:, None] * 4 + torch.arange(4)).flatten()
+    out = []
     with torch.inference_mode():
-        for lo, hi in ((0, 50), (50, 90)):
+        for lo, hi in itertools.pairwise(bounds):
+            span = SeqSpan(0, 0, hi - lo, hi, pages[: -(-hi // 4)])
             batch = ForwardBatch(
-                torch.tensor(prompt[lo:hi]),
-                torch.arange(lo, hi),
-                slots[lo:hi],
-                [SeqSpan(0, 0, hi - lo, hi, pages[: -(-hi // 4)])],
+                torch.tensor(prompt[lo:hi]), torch.arange(lo, hi), slots[lo:hi], [span]
             )
             attn.prepare(batch)
-            ours = model.logits(model(batch.input_ids, batch.positions, attn))
+            out.append(model.logits(model(batch.input_ids, batch.positions, attn)))
+    return out
+
+
+def test_chunked_prefill_logits_use_the_cached_prefix(checkpoints):
+    """Second half attends to the first half read back from the pool (bottom-right mask)."""
+    path = checkpoints["llama"]
+    prompt = random_prompts(1, [90], seed=3)[0]
+    ours = chunked_logits(path, prompt, (0, 50, 90))[-1]
+    with torch.inference_mode():
         hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
         ref = hf(torch.tensor([prompt])).logits[0, 50:]
     torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)

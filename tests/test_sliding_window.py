@@ -14,13 +14,9 @@ import torch
 import transformers
 
 from tests.conftest import make_checkpoint, random_prompts
-from tests.test_models import hf_greedy
+from tests.test_models import chunked_logits, hf_greedy
 from tierserve import LLM, SamplingParams, TierserveError
-from tierserve.cache.pool import PagedKV
-from tierserve.layers.attention import ForwardBatch, SeqSpan, TorchAttention
 from tierserve.model_config import ModelConfig
-from tierserve.models.loader import load_model
-from tierserve.sizing.kv import KVSpec
 
 WINDOW = 16
 FAMILIES = ["mistral", "qwen2", "qwen3"]
@@ -169,28 +165,15 @@ def test_prefill_and_chunked_prefill_logits_match_transformers(windowed, family)
     """One prefill, then the same prompt in three chunks over scattered pages (each chunk
     after the first attends to earlier chunks read back from the pool)."""
     path = windowed[family]
-    cfg = ModelConfig.from_dir(path)
-    model = load_model(path, cfg, torch.float32, torch.device("cpu"))
     prompt = random_prompts(1, [90], seed=81)[0]
     with torch.inference_mode():
         ref = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
         ref_logits = ref(torch.tensor([prompt])).logits[0]
     for bounds in ((0, 90), (0, 37, 50, 90)):
-        pool = PagedKV(KVSpec.from_model(cfg, "float32", page_size=4), 32, torch.device("cpu"))
-        attn = TorchAttention(pool, cfg.num_layers)
-        pages = torch.randperm(32)[:23]
-        slots = (pages[:, None] * 4 + torch.arange(4)).flatten()
-        with torch.inference_mode():
-            for lo, hi in itertools.pairwise(bounds):
-                batch = ForwardBatch(
-                    torch.tensor(prompt[lo:hi]),
-                    torch.arange(lo, hi),
-                    slots[lo:hi],
-                    [SeqSpan(0, 0, hi - lo, hi, pages[: -(-hi // 4)])],
-                )
-                attn.prepare(batch)
-                ours = model.logits(model(batch.input_ids, batch.positions, attn))
-                torch.testing.assert_close(ours, ref_logits[lo:hi], atol=1e-4, rtol=1e-4)
+        for (lo, hi), ours in zip(
+            itertools.pairwise(bounds), chunked_logits(path, prompt, bounds), strict=True
+        ):
+            torch.testing.assert_close(ours, ref_logits[lo:hi], atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
