@@ -3,9 +3,9 @@
 The engine thread owns all scheduler state and speaks token ids only: after each step it hands
 the step's StepOutputs to each event loop in one call. Detokenization and stop strings run on
 the event loop (`OutputBuilder`), tokenization in a worker thread, grammar compiles in the
-compile pool's processes. Each request has its own
-queue, so a slow client never stalls the others. Why a thread and not a process:
-docs/server.md.
+compile pool's processes. What reaches the engine is its typed messages (messages.py), so the
+engine can move to a process of its own by changing only this transport. Each request has its
+own queue, so a slow client never stalls the others. Why a thread today: docs/server.md.
 """
 
 from __future__ import annotations
