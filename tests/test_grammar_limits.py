@@ -6,6 +6,7 @@ them. Ordered by the server's own counters, never by how long a compile takes he
 from __future__ import annotations
 
 import asyncio
+import signal
 from collections.abc import Iterator
 
 import httpx
@@ -118,3 +119,26 @@ def test_the_limits_reach_http_clients_as_400s(patient):
     body = {"prompt": "A", "max_tokens": 2, "response_format": rf}
     reply = httpx.post(f"{patient.url}/v1/completions", json=body, timeout=60)
     assert reply.status_code == 400 and "enum values" in reply.json()["error"]["message"]
+
+
+def test_sigterm_ends_compiles_in_flight_with_a_503_and_exits_cleanly(llama_dir):
+    """A compile holds no shutdown: SIGTERM ends it (starting or running), its client gets a
+    503 (not a 500 or a traceback), and the server exits without waiting for the compile's
+    time limit."""
+    s = Server(llama_dir, "--max-total-tokens", "2048", "--grammar-compile-timeout", "600")
+    try:
+
+        async def compile_then_term() -> int:
+            async with httpx.AsyncClient(base_url=s.url, timeout=120) as h:
+                sent = asyncio.ensure_future(h.post("/v1/completions", json=big_enum_body(7)))
+                in_flight = "tierserve_grammar_compiles_in_flight"
+                await asyncio.to_thread(s.wait_for, lambda m: m[in_flight] == 1, 120)
+                s.proc.send_signal(signal.SIGTERM)
+                return (await sent).status_code
+
+        assert asyncio.run(compile_then_term()) == 503
+        assert s.proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
+        log = s.log_tail(10**6)
+        assert "Traceback" not in log and "CancelledError" not in log
+    finally:
+        s.stop()

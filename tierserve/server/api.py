@@ -19,6 +19,7 @@ from tierserve.errors import TierserveError
 from tierserve.server import choices
 from tierserve.server.async_engine import AsyncEngine, EngineDeadError
 from tierserve.server.completion import Completion
+from tierserve.server.grammar_pool import ShuttingDown
 from tierserve.server.guards import ApiKey, BodyLimit
 from tierserve.server.metrics import ServerMetrics
 from tierserve.server.protocol import (
@@ -106,6 +107,10 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(QueueFull)
     async def queue_full(_: Request, err: QueueFull) -> JSONResponse:
+        return _error(503, str(err), "service_unavailable")
+
+    @app.exception_handler(ShuttingDown)
+    async def shutting_down(_: Request, err: ShuttingDown) -> JSONResponse:
         return _error(503, str(err), "service_unavailable")
 
     @app.exception_handler(EngineDeadError)

@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 from pathlib import Path
+from types import FrameType
 
 from tierserve.args import EngineArgs, default_model
 from tierserve.errors import TierserveError
@@ -145,7 +146,16 @@ def run(ns: argparse.Namespace) -> int:
         log_level=ns.log_level,
         timeout_graceful_shutdown=120,  # SIGTERM: finish in-flight requests, then exit
     )
-    server = uvicorn.Server(config)
+
+    class Server(uvicorn.Server):
+        """On SIGTERM or SIGINT, also end the grammar compiles in flight at once: their
+        requests get a 503 instead of holding the shutdown for a compile's time."""
+
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            super().handle_exit(sig, frame)
+            async_engine.grammar_pool.close()
+
+    server = Server(config)
     # A dead or hung engine loop cannot be revived in place: answer 503 for a moment (a
     # router's health probe sees it), then shut down and exit non-zero, so a supervisor
     # restarts the server.

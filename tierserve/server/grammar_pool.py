@@ -31,6 +31,10 @@ LINE_LIMIT = 1 << 30
 WORKER = [sys.executable, "-m", "tierserve.server.grammar_worker"]
 
 
+class ShuttingDown(Exception):
+    """The server is stopping: compiles in flight were ended (a 503, not a wait)."""
+
+
 def default_workers() -> int:
     """Half the cores, at least one: compiles must not take the engine's cores."""
     return max(1, min(4, (os.cpu_count() or 2) // 2))
@@ -43,11 +47,14 @@ class CompileWorker:
         self.proc = proc
 
     @classmethod
-    async def start(cls, tokenizer_info: str) -> CompileWorker:
+    async def start(cls, tokenizer_info: str, live: set[CompileWorker]) -> CompileWorker:
+        """A ready worker; it joins `live` as soon as it exists, so that the pool can end it
+        while it is still starting."""
         proc = await asyncio.create_subprocess_exec(
             *WORKER, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, limit=LINE_LIMIT
         )
         worker = cls(proc)
+        live.add(worker)
         try:
             await worker._send(tokenizer_info.encode() + b"\n")
             if await proc.stdout.readline() != READY:  # type: ignore[union-attr]
@@ -94,10 +101,13 @@ class GrammarCompilePool:
         self._slots: asyncio.Semaphore | None = None
         self._info: str | None = None
         self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
+        self._closed = False
         self._cached_bytes = 0
 
     async def compile(self, spec: StructuredOutput) -> str:
         check_size(spec)  # a 400 before any process sees it
+        if self._closed:
+            raise ShuttingDown("the server is shutting down: no new grammar compiles")
         key = (spec.kind, spec.source)
         if key in self._cache:
             self._cache.move_to_end(key)
@@ -117,13 +127,28 @@ class GrammarCompilePool:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.size)
         async with self._slots:
-            worker = self._free.pop() if self._free else await self._start_worker()
+            try:
+                worker = self._free.pop() if self._free else await self._start_worker()
+            except RuntimeError:  # it was ended while starting (the server stops)
+                if not self._closed:
+                    raise
+                worker = None
+            if self._closed:  # close() may have come during any await above
+                if worker is not None:
+                    self._retire(worker)
+                self.ended["shutdown"] += 1
+                raise ShuttingDown("the server is shutting down: no new grammar compiles")
             try:
                 result = await asyncio.wait_for(
                     worker.run(CompileJob(spec.kind, spec.source)), self.timeout_s
                 )
             except BaseException as err:
                 self._retire(worker)
+                if self._closed and not isinstance(err, asyncio.CancelledError):
+                    self.ended["shutdown"] += 1
+                    raise ShuttingDown(
+                        "the server is shutting down: its compile was ended"
+                    ) from None
                 if isinstance(err, (TimeoutError, asyncio.TimeoutError)):
                     self.ended["timeout"] += 1
                     message = (
@@ -145,9 +170,7 @@ class GrammarCompilePool:
         if self._info is None:
             info = await asyncio.to_thread(self.grammars.tokenizer_info)
             self._info = info.serialize_json()
-        worker = await CompileWorker.start(self._info)
-        self._all.add(worker)
-        return worker
+        return await CompileWorker.start(self._info, self._all)
 
     def _retire(self, worker: CompileWorker) -> None:
         """Kill a worker that is mid-compile; the next compile starts a fresh one."""
@@ -170,6 +193,8 @@ class GrammarCompilePool:
         return [w.proc.pid for w in self._all]
 
     def close(self) -> None:
+        """End every compile now (SIGTERM: the server must not wait for them to finish)."""
+        self._closed = True
         for worker in list(self._all):
             worker.kill()
         self._all.clear()

@@ -170,9 +170,10 @@ def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
 
 
 class GrammarCollector(Collector):
-    """The compile pool's ended compiles, by why: the client left, the time limit, a crash."""
+    """The compile pool's ended compiles, by why: the client left, the time limit, a crash, the
+    server stopping."""
 
-    REASONS = ("client_left", "timeout", "crashed")
+    REASONS = ("client_left", "timeout", "crashed", "shutdown")
 
     def __init__(self, pool: GrammarCompilePool) -> None:
         self.pool = pool
