@@ -202,10 +202,10 @@ def serve_cmd(model: Path, *flags: str) -> list[str]:
     return [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(model), *flags]
 
 
-def hold_steps(gate: Path, steps: int = 0) -> None:
-    """Let an engine under STEP_GATE_ENV = `gate` start `steps` more steps, then wait."""
+def hold_steps(gate: Path, batches: int) -> None:
+    """Let an engine under STEP_GATE_ENV = `gate` run until it has run `batches` in all."""
     part = gate.with_suffix(".part")
-    part.write_text(str(steps))
+    part.write_text(str(batches))
     part.replace(gate)  # whole, never half-written, when the engine reads it
 
 
@@ -224,7 +224,9 @@ class Server(ServerProcess):
         return parse_prometheus(httpx.get(f"{self.url}/metrics").text)
 
     def hold_steps(self, steps: int = 0) -> None:
-        hold_steps(self.gate, steps)
+        """Let the engine run `steps` more batches, then wait (call it while it is idle or
+        already held, so that the count it starts from stands still)."""
+        hold_steps(self.gate, int(self.metrics()["tierserve_engine_steps_total"]) + steps)
 
     def release_steps(self) -> None:
         self.gate.unlink(missing_ok=True)

@@ -22,9 +22,11 @@ logger = logging.getLogger("tierserve")
 # --chunked-prefill-size tokens (seconds on a CPU) or a storage read bounded by its own timeout;
 # a tensor-parallel collective gives up after two minutes (distributed/ranks.py) before this.
 DEFAULT_WATCHDOG_TIMEOUT_S = 300.0
-# Tests order the engine's steps through this file: absent, steps run freely; holding N, N more
-# steps may start (each takes one); holding 0, the loop waits before its next step, still taking
-# requests and aborts. Read only when the variable is set.
+# Tests order the engine's steps through this file: absent, steps run freely; holding T, a batch
+# may start while the engine has run fewer than T batches in all (tierserve_engine_steps_total);
+# past that the loop waits, still taking requests and aborts. Only the test writes the file (an
+# engine that counted down in it raced the test's unlink and re-created it). Read only when the
+# variable is set.
 STEP_GATE_ENV = "TIERSERVE_TEST_STEP_GATE"
 
 
@@ -69,15 +71,12 @@ class StepGate:
         path = path if path is not None else os.environ.get(STEP_GATE_ENV)
         self.path = Path(path) if path else None
 
-    def take(self) -> bool:
-        """Whether the next step may start now (taking one from the gate's count)."""
+    def allows(self, batches_run: int) -> bool:
+        """Whether the next step may start, the engine having run `batches_run` batches."""
         if self.path is None:
             return True
         try:
-            left = int(self.path.read_text().strip() or 0)
+            text = self.path.read_text().strip()
         except FileNotFoundError:
             return True
-        if left <= 0:
-            return False
-        self.path.write_text(str(left - 1))
-        return True
+        return text.isdigit() and batches_run < int(text)
