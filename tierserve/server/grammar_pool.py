@@ -127,44 +127,53 @@ class GrammarCompilePool:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.size)
         async with self._slots:
+            worker = await self._acquire()
             try:
-                worker = self._free.pop() if self._free else await self._start_worker()
-            except RuntimeError:  # it was ended while starting (the server stops)
-                if not self._closed:
-                    raise
-                worker = None
-            if self._closed:  # close() may have come during any await above
-                if worker is not None:
-                    self._retire(worker)
-                self.ended["shutdown"] += 1
-                raise ShuttingDown("the server is shutting down: no new grammar compiles")
-            try:
-                result = await asyncio.wait_for(
-                    worker.run(CompileJob(spec.kind, spec.source)), self.timeout_s
-                )
+                job = CompileJob(spec.kind, spec.source)
+                result = await asyncio.wait_for(worker.run(job), self.timeout_s)
             except BaseException as err:
                 self._retire(worker)
-                if self._closed and not isinstance(err, asyncio.CancelledError):
-                    self.ended["shutdown"] += 1
-                    raise ShuttingDown(
-                        "the server is shutting down: its compile was ended"
-                    ) from None
-                if isinstance(err, (TimeoutError, asyncio.TimeoutError)):
-                    self.ended["timeout"] += 1
-                    message = (
-                        f"{spec.kind} did not compile within {self.timeout_s:g} s "
-                        "(--grammar-compile-timeout)"
-                    )
-                    raise TierserveError(message, spec.kind) from None
-                if isinstance(err, RuntimeError):  # the compiler itself died on this grammar
-                    self.ended["crashed"] += 1
-                    raise TierserveError(f"{spec.kind} crashed the compiler", spec.kind) from None
-                raise
+                raise self._ended(err, spec.kind) from None
             self._free.append(worker)
         if result.error is not None:
             raise TierserveError(result.error, spec.kind)
         assert result.compiled is not None
         return result.compiled
+
+    async def _acquire(self) -> CompileWorker:
+        """A free worker, or a new one; none once the server stops."""
+        worker = None
+        try:
+            worker = self._free.pop() if self._free else await self._start_worker()
+        except RuntimeError:  # it was ended while starting: the server stops
+            if not self._closed:
+                raise
+        if self._closed:  # close() may have come during any await above
+            if worker is not None:
+                self._retire(worker)
+            self.ended["shutdown"] += 1
+            raise ShuttingDown("the server is shutting down: no new grammar compiles")
+        assert worker is not None
+        return worker
+
+    def _ended(self, err: BaseException, kind: str) -> BaseException:
+        """What a compile that did not finish answers: a cancel stays a cancel (the caller
+        counts it), the rest are counted by why."""
+        if isinstance(err, asyncio.CancelledError):
+            return err
+        if self._closed:
+            self.ended["shutdown"] += 1
+            return ShuttingDown("the server is shutting down: its compile was ended")
+        if isinstance(err, (TimeoutError, asyncio.TimeoutError)):
+            self.ended["timeout"] += 1
+            message = (
+                f"{kind} did not compile within {self.timeout_s:g} s (--grammar-compile-timeout)"
+            )
+            return TierserveError(message, kind)
+        if isinstance(err, RuntimeError):  # the compiler itself died on this grammar
+            self.ended["crashed"] += 1
+            return TierserveError(f"{kind} crashed the compiler", kind)
+        return err
 
     async def _start_worker(self) -> CompileWorker:
         if self._info is None:
