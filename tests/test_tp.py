@@ -10,6 +10,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -273,14 +274,31 @@ def test_a_stopped_rank_trips_the_watchdog_503_and_exit(llama_dir):
         assert httpx.get(f"{server.url}/health").status_code == 200
         (worker,) = psutil.Process(server.proc.pid).children()
         worker.send_signal(signal.SIGSTOP)
+        # /health is polled from now until the port closes, so its 503 is seen whenever the
+        # watchdog fires, not only if the test asks at the right moment.
+        health: list[int] = []
+        poller = threading.Thread(target=_poll_health, args=(server.url, health), daemon=True)
+        poller.start()
         body = {"prompt": [5] * 20, "max_tokens": 50, "ignore_eos": True}
         reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert reply.status_code == 503 and "no engine step completed" in reply.text
-        assert httpx.get(f"{server.url}/health").status_code == 503  # until it closes its port
         assert server.proc.wait(timeout=60) != 0
-        assert not psutil.pid_exists(worker.pid) or worker.status() == psutil.STATUS_ZOMBIE
+        poller.join(timeout=30)
+        assert 503 in health and health[0] == 200, health
+        assert not _still_running([worker.pid], within_s=10)
     finally:
         server.stop()
+
+
+def _poll_health(url: str, seen: list[int]) -> None:
+    """Each /health status until the server stops answering (bounded: 60 s)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            seen.append(httpx.get(f"{url}/health", timeout=5).status_code)
+        except httpx.TransportError:
+            return
+        time.sleep(0.02)
 
 
 # --- one group per process; no rank outlives a close, a failed start or its parent ----------
