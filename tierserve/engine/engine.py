@@ -210,7 +210,7 @@ class Engine:
             generator=generator,
             prompt_text=message.prompt_text,
             grammar=grammar,
-            grammar_json=message.grammar,
+            message=message,
         )
 
     def submit(self, req: Request) -> None:
@@ -218,11 +218,10 @@ class Engine:
             raise TierserveError(f"request id {req.rid!r} is already in flight", "request_id")
         self._requests[req.rid] = req
         self.scheduler.add(req)
-        self._announce(
-            AddRequest(
-                req.rid, req.arrival, req.prompt_ids, req.params, req.prompt_text, req.grammar_json
-            )
-        )
+        if req.message is not None:  # every request but a test's hand-made one
+            self._announce(req.message)
+        else:
+            assert self.ranks is None, "requests reach a tensor-parallel engine as messages"
 
     def handle(self, message: EngineInput) -> dict[str, int | str] | None:
         """Apply one message (the server's inbox and the tensor-parallel bus send the same)."""

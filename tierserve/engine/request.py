@@ -9,6 +9,7 @@ import torch
 
 from tierserve.cache import KVHandle
 from tierserve.engine.grammar import GrammarState
+from tierserve.messages import AddRequest
 from tierserve.outputs import TokenLogprob
 from tierserve.sampling_params import SamplingParams
 
@@ -36,7 +37,8 @@ class Request:
     num_preemptions: int = 0
     prompt_text: str | None = None  # the prompt as sent, when it was text
     grammar: GrammarState | None = None  # with params.structured_output
-    grammar_json: str | None = None  # the grammar compiled, as AddRequest carries it
+    # The message it was made from: rank 0 forwards it to the other ranks as it came.
+    message: AddRequest | None = None
     # Logprobs of prompt tokens 1.. as their positions are computed (prompt_logprobs asked).
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
 

@@ -107,22 +107,10 @@ def run(ns: argparse.Namespace) -> int:
             f"max_queued_requests must be >= 1, got {ns.max_queued_requests}",
             field="max_queued_requests",
         )
-    if not 0 < ns.body_timeout < 1e6:
-        raise TierserveError(
-            f"body_timeout must be in (0, 1e6) seconds, got {ns.body_timeout}",
-            field="body_timeout",
-        )
-    if not 0 < ns.watchdog_timeout < 1e6:
-        raise TierserveError(
-            f"watchdog_timeout must be in (0, 1e6) seconds, got {ns.watchdog_timeout}",
-            field="watchdog_timeout",
-        )
-    if not 0 < ns.grammar_compile_timeout < 1e6:
-        raise TierserveError(
-            f"grammar_compile_timeout must be in (0, 1e6) seconds, got "
-            f"{ns.grammar_compile_timeout}",
-            field="grammar_compile_timeout",
-        )
+    for name in ("body_timeout", "watchdog_timeout", "grammar_compile_timeout"):
+        if not 0 < getattr(ns, name) < 1e6:
+            message = f"{name} must be in (0, 1e6) seconds, got {getattr(ns, name)}"
+            raise TierserveError(message, field=name)
     if ns.dry_run:
         return dry_run(args)
     engine = Engine(args)  # raises TierserveError (exit 2) before anything listens

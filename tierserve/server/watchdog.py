@@ -38,7 +38,6 @@ class StepWatchdog:
         self._on_hang = on_hang
         self._step_started: float | None = None
         self._stop = threading.Event()
-        self.fired = False
 
     def start(self) -> None:
         threading.Thread(target=self._run, name="tierserve-watchdog", daemon=True).start()
@@ -57,7 +56,6 @@ class StepWatchdog:
         while not self._stop.wait(poll):
             started = self._step_started
             if started is not None and time.monotonic() - started > self.timeout_s:
-                self.fired = True
                 message = "no engine step completed in %g s (--watchdog-timeout)"
                 logger.error(message, self.timeout_s)
                 self._on_hang(self.timeout_s)
