@@ -233,10 +233,19 @@ class Server(ServerProcess):
 
     def wait_for(self, ready: Callable[[dict[str, float]], bool], timeout_s: float = 60) -> None:
         """Poll /metrics until `ready(metrics)` (bounded: a hang fails the test, never blocks)."""
-        deadline = time.monotonic() + timeout_s
-        while not ready(self.metrics()):
-            assert time.monotonic() < deadline, f"not reached in {timeout_s} s: {self.metrics()}"
-            time.sleep(0.02)
+        reached = eventually(lambda: ready(self.metrics()), timeout_s)
+        assert reached, f"not reached in {timeout_s} s: {self.metrics()}"
+
+
+def eventually(check: Callable[[], bool], within_s: float) -> bool:
+    """Whether `check()` holds within `within_s` seconds of polling: for what happens soon but
+    not at one instant (a kill landing, a counter moving), never for how fast work runs."""
+    deadline = time.monotonic() + within_s
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 from collections.abc import Iterator
 
 import httpx
 import psutil
 import pytest
 
-from tests.conftest import Server
+from tests.conftest import Server, eventually
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.engine.grammar import MAX_GRAMMAR_CHARS, MAX_SCHEMA_ENUM_VALUES
 from tierserve.sampling_params import StructuredOutput
@@ -32,17 +31,6 @@ def big_enum_body(seed: int, values: int = 500, chars: int = 5_000) -> dict:
         "max_tokens": 4,
         "response_format": {"type": "json_schema", "json_schema": {"name": "e", "schema": schema}},
     }
-
-
-def compile_workers_gone(server: Server, within_s: float = 10) -> bool:
-    """No compile process of `server` runs, polling up to `within_s` (a kill lands at once, but
-    not between two instructions)."""
-    deadline = time.monotonic() + within_s
-    while compile_workers(server):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def compile_workers(server: Server) -> list[psutil.Process]:
@@ -87,7 +75,9 @@ def test_compiles_whose_clients_leave_are_ended_and_plain_requests_still_run(pat
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 8
     m = patient.metrics()
     assert m[ENDED % "client_left"] == 6 and m["tierserve_grammar_compiles_in_flight"] == 0
-    assert compile_workers_gone(patient)  # the one that was compiling was killed, not left to run
+    assert eventually(
+        lambda: not compile_workers(patient), 10
+    )  # the one that was compiling was killed, not left to run
     # The pool still compiles for the next client.
     ok = {"prompt": "A", "max_tokens": 8, "response_format": {"type": "json_object"}}
     assert httpx.post(f"{patient.url}/v1/completions", json=ok, timeout=120).status_code == 200
@@ -103,7 +93,7 @@ def test_a_compile_past_its_time_limit_is_a_400_and_its_process_is_gone(llama_di
         assert error["param"] == "json_schema"
         m = s.metrics()
         assert m[ENDED % "timeout"] > 0 and m["tierserve_grammar_compile_workers"] == 0
-        assert compile_workers_gone(s)
+        assert eventually(lambda: not compile_workers(s), 10)
         assert httpx.get(f"{s.url}/health").status_code == 200
     finally:
         s.stop()
