@@ -5,7 +5,6 @@ once and imported elsewhere; a long file says why it is one thing (docs/layout.m
 from __future__ import annotations
 
 import ast
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -251,8 +250,15 @@ def test_no_fact_is_written_out_again():
 
 
 def test_the_vllm_block_and_the_sglang_page_are_named_where_used():
-    vllm = (ROOT / "plan" / "vllm.py").read_text()
-    assert not re.search(r"else 16\b|= 16\b(?!.*VLLM_DEFAULT_BLOCK)", vllm.replace("= 16\n", ""))
+    # The literal 16 stands in plan/ once: VLLM_DEFAULT_BLOCK's definition.
+    sixteens = [
+        f"{path.name}:{node.lineno}"
+        for path in (ROOT / "plan").glob("*.py")
+        if path.name != "presets.py"  # model shapes (16 heads, 16 experts) are other facts
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Constant) and node.value == 16 and type(node.value) is int
+    ]
+    assert len(sixteens) == 1 and sixteens[0].startswith("vllm.py"), sixteens
     sglang = (ROOT / "plan" / "sglang.py").read_text()
     assert "+ 1) *" not in sglang and sglang.count("SGLANG_EXTRA_PAGES") >= 3
 
