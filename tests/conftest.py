@@ -11,13 +11,14 @@ from pathlib import Path
 
 import httpx
 import openai
+import psutil
 import pytest
 import torch
 
 from tierserve import LLM
 from tierserve.bench.client import parse_prometheus
 from tierserve.bench.compare import ServerProcess
-from tierserve.server.watchdog import STEP_GATE_ENV
+from tierserve.engine import CORE_MODULE, STEP_GATE_ENV
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -214,11 +215,19 @@ class Server(ServerProcess):
     and its step gate: tests order its steps with `hold_steps` and `release_steps`, never by
     how fast the machine runs them."""
 
-    def __init__(self, model: Path, *flags: str) -> None:
+    def __init__(self, model: Path, *flags: str, env: dict[str, str] | None = None) -> None:
         root = Path(tempfile.mkdtemp())
         self.gate = root / "step-gate"
-        env = {**os.environ, STEP_GATE_ENV: str(self.gate)}
+        env = {**os.environ, STEP_GATE_ENV: str(self.gate), **(env or {})}
         super().__init__(str(model), flags, root / "server.log", startup_timeout_s=180, env=env)
+
+    @property
+    def core(self) -> psutil.Process:
+        """The engine core's process (the server's child running engine/core.py)."""
+        (core,) = [
+            p for p in psutil.Process(self.proc.pid).children() if CORE_MODULE in p.cmdline()
+        ]
+        return core
 
     def metrics(self) -> dict[str, float]:
         return parse_prometheus(httpx.get(f"{self.url}/metrics").text)

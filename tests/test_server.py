@@ -17,9 +17,9 @@ import openai
 import pytest
 
 from tests.conftest import Server, hold_steps, random_prompts
-from tierserve import LLM, SamplingParams
+from tierserve import SamplingParams
+from tierserve.engine import STEP_GATE_ENV
 from tierserve.net import free_port
-from tierserve.server.watchdog import STEP_GATE_ENV
 
 
 def test_completion_matches_offline_and_reports_usage(client, offline):
@@ -550,32 +550,6 @@ def test_api_key_and_a_bounded_waiting_queue(llama_dir):
         s.stop()
 
 
-def test_a_dead_engine_loop_fails_every_call_instead_of_hanging(llama_dir):
-    from tierserve.server.async_engine import AsyncEngine, EngineDeadError
-
-    engine = AsyncEngine(LLM(str(llama_dir), max_total_tokens=1024).engine)
-    engine.start()
-
-    class Bug(BaseException):  # escapes the loop's per-call handling, as a real bug would
-        pass
-
-    def crash(_):
-        raise Bug("boom")
-
-    async def run() -> None:
-        with pytest.raises(EngineDeadError):
-            await asyncio.wait_for(engine.call(crash), timeout=10)
-        for _ in range(2):  # later calls are answered at once, never left waiting
-            with pytest.raises(EngineDeadError):
-                await asyncio.wait_for(engine.call(lambda e: e.flush_cache()), timeout=10)
-        with pytest.raises(EngineDeadError):
-            params = SamplingParams(max_tokens=2)
-            await asyncio.wait_for(anext(engine.generate("hi", params, "r1")), timeout=10)
-
-    asyncio.run(run())
-    engine.stop()
-
-
 def test_text_no_context_could_hold_is_refused_before_tokenizing(server):
     huge = "word " * 200_000  # 1 MB: 2048 tokens of context could never hold it
     for route, body in (
@@ -629,53 +603,6 @@ def test_rejected_requests_are_not_counted_as_aborts(server):
     after = server.metrics()
     aborts = "tierserve_requests_total{status=abort}"
     assert after.get(aborts, 0) == before.get(aborts, 0)
-
-
-FAILING_ENGINE = """
-import sys
-from tierserve.engine.engine import Engine
-
-real_step = Engine.step
-
-
-def step_then_fail(self):  # the fault a test cannot cause through the API: a bug in a step
-    if self.scheduler.stats.num_steps >= 3:
-        raise RuntimeError("injected fault")
-    return real_step(self)
-
-
-Engine.step = step_then_fail
-from tierserve.cli import main
-
-sys.exit(main(sys.argv[1:]))
-"""
-
-
-def test_a_dead_engine_answers_503_and_the_server_exits_non_zero(llama_dir, tmp_path):
-    port = free_port()
-    log = (tmp_path / "server.log").open("wb")
-    cmd = [sys.executable, "-c", FAILING_ENGINE, "serve", "--model", str(llama_dir)]
-    proc = subprocess.Popen(cmd + ["--port", str(port)], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.3)
-        body = {"prompt": [5] * 8, "max_tokens": 50, "stream": True, "ignore_eos": True}
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:
-            events = [json.loads(line[6:]) for line in reply.iter_lines() if line[6:7] == "{"]
-        assert events[-1]["error"]["code"] == 503, events[-1]
-        assert proc.wait(timeout=60) == 1  # a supervisor sees a failure and restarts it
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-    assert "engine loop failed" in (tmp_path / "server.log").read_text()
 
 
 def test_batch_rerun_retries_failed_lines_and_names_a_corrupt_one(llama_dir, tmp_path):

@@ -25,6 +25,7 @@ from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.bench.client import parse_prometheus
 from tierserve.distributed import ranks as ranks_module
 from tierserve.engine import engine as engine_module
+from tierserve.engine import engine_metrics
 from tierserve.layers.parallel import TPGroup, shards_by_name, tp_group
 from tierserve.net import free_port
 from tierserve.server.metrics import ServerMetrics
@@ -113,13 +114,25 @@ def _workers_left() -> list[psutil.Process]:
     ]
 
 
+def _ranks_of(server_pid: int) -> list[psutil.Process]:
+    """The rank processes under a server (its engine core starts them)."""
+    ranks = []
+    for p in psutil.Process(server_pid).children(recursive=True):
+        try:
+            if "tierserve.engine.worker" in " ".join(p.cmdline()):
+                ranks.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return ranks
+
+
 def test_a_rank_killed_during_start_up_ends_the_others(llama_dir):
     cmd = serve_cmd(llama_dir, "--device", "cpu")
     proc = subprocess.Popen([*cmd, "--tp-size", "2"], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
     worker = None
     while worker is None and time.monotonic() < deadline:
-        children = psutil.Process(proc.pid).children()
+        children = _ranks_of(proc.pid)  # started by the server's engine core
         worker = children[0] if children else None
         time.sleep(0.05)
     assert worker is not None
@@ -161,7 +174,7 @@ def test_server_with_tp2_answers_the_openai_client_and_a_dead_rank_gives_503(lla
 
         assert "KV cache plan" in server.log_tail(10**6)  # printed when a start goes ahead
 
-        workers = psutil.Process(server.proc.pid).children()
+        workers = _ranks_of(server.proc.pid)
         assert len(workers) == 1
         workers[0].send_signal(signal.SIGKILL)
         body = {"model": llama_dir.name, "prompt": prompt, "max_tokens": 10}
@@ -219,7 +232,7 @@ def test_the_host_tier_is_one_copy_per_node(tmp_path, family, tp, groups):
             grown = rank_pss(llm) - before
             segments = shared_segment_pss(llm)
             host = llm.engine.kv_plan.host
-            metrics = parse_prometheus(ServerMetrics(llm.engine).render().decode())
+            metrics = parse_prometheus(ServerMetrics().render(engine_metrics(llm.engine)).decode())
             node = metrics["tierserve_kv_bytes{scope=node,tier=host}"]
             assert node == host.pool_bytes * (groups if shared else tp)  # each copy once
             assert metrics["tierserve_kv_bytes{scope=rank,tier=host}"] * tp == node
@@ -272,7 +285,7 @@ def test_a_stopped_rank_trips_the_watchdog_503_and_exit(llama_dir):
     )  # fmt: skip
     try:
         assert httpx.get(f"{server.url}/health").status_code == 200
-        (worker,) = psutil.Process(server.proc.pid).children()
+        (worker,) = _ranks_of(server.proc.pid)
         worker.send_signal(signal.SIGSTOP)
         # /health is polled from now until the port closes, so its 503 is seen whenever the
         # watchdog fires, not only if the test asks at the right moment.

@@ -1,10 +1,10 @@
-"""What reaches the engine: one typed message set, for the server's inbox and the
-tensor-parallel bus alike, with one compact encoding (msgpack, through msgspec).
+"""The messages between the API process, the engine core and the tensor-parallel ranks: one
+typed set, with one compact encoding (msgpack, through msgspec; nothing is pickled).
 
-The server tokenizes and validates a request (`Engine.prepare`), then sends an `AddRequest`;
-the engine builds its scheduler state from it. Rank 0 forwards the same messages to the other
-ranks, so every rank builds the same state from the same bytes. Nothing here is pickled, so the
-engine can move to a process of its own and only the transport changes.
+The API process tokenizes and validates a request (`RequestPreparer`), then sends an
+`AddRequest` to the core; the core builds its scheduler state from it and answers with one
+`StepOutputs` per step. Rank 0 (the core) forwards the engine's inputs to the other ranks, so
+every rank builds the same state from the same bytes.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from typing import Union
 
 import msgspec
 
+from tierserve.outputs import StepOutput
 from tierserve.sampling_params import SamplingParams
 
 
@@ -45,13 +46,111 @@ class BusMessage(msgspec.Struct, frozen=True):
     stop: bool = False
 
 
+# --- API process -> engine core -----------------------------------------------------------
+
+
+class GetMetrics(msgspec.Struct, frozen=True, tag=True):
+    pass
+
+
+class Ask(msgspec.Struct, frozen=True, tag=True):
+    """A question the core answers between steps, with an `Answer` of the same `ask_id`."""
+
+    ask_id: int
+    query: Union[FlushCache, GetMetrics]  # noqa: UP007
+
+
+class Shutdown(msgspec.Struct, frozen=True, tag=True):
+    """Close the engine (storage writes, the other ranks) and exit 0."""
+
+
+CoreInput = Union[AddRequest, AbortRequest, Ask, Shutdown]  # noqa: UP007
+
+
+# --- engine core -> API process -----------------------------------------------------------
+
+
+class CoreInfo(msgspec.Struct, frozen=True):
+    """What the API process needs of the engine to tokenize, validate and describe requests."""
+
+    pid: int
+    model_path: str
+    tokenizer_path: str
+    context_length: int
+    vocab_size: int
+    eos_token_ids: list[int]
+    num_pages: int  # the device pool, per rank
+    page_size: int
+
+
+class CoreReady(msgspec.Struct, frozen=True, tag=True):
+    info: CoreInfo
+
+
+class CoreRefused(msgspec.Struct, frozen=True, tag=True):
+    """The start-up was refused (a flag, a size that does not fit): the server exits 2."""
+
+    message: str
+    field: str | None = None
+
+
+class CoreFailed(msgspec.Struct, frozen=True, tag=True):
+    """The loop died of a bug: the server answers 503 and exits 1."""
+
+    message: str
+
+
+class StepOutputs(msgspec.Struct, frozen=True, tag=True):
+    """One step's tokens, and the scheduler's queue as it stands after it (admission)."""
+
+    outputs: list[StepOutput]
+    waiting: int
+    adds_taken: int  # AddRequests the core has read in all
+
+
+class RequestFailed(msgspec.Struct, frozen=True, tag=True):
+    """An AddRequest the engine refused (an id already in flight): that request's 400."""
+
+    rid: str
+    message: str
+    field: str | None = None
+
+
+class MetricFamily(msgspec.Struct, frozen=True):
+    """One Prometheus family as the engine reads it: the server renders it unchanged."""
+
+    name: str
+    kind: str  # "gauge" | "counter"
+    doc: str
+    labels: list[str] = []
+    samples: list[tuple[list[str], float]] = []  # label values, value
+
+
+class Answer(msgspec.Struct, frozen=True, tag=True):
+    ask_id: int
+    tiers: dict[str, Union[int, str]] | None = None  # noqa: UP007 (FlushCache)
+    metrics: list[MetricFamily] | None = None  # GetMetrics
+
+
+CoreOutput = Union[CoreReady, CoreRefused, CoreFailed, StepOutputs, RequestFailed, Answer]  # noqa: UP007
+
 _encoder = msgspec.msgpack.Encoder()
 _bus_decoder = msgspec.msgpack.Decoder(BusMessage)
+_input_decoder = msgspec.msgpack.Decoder(CoreInput)
+_output_decoder = msgspec.msgpack.Decoder(CoreOutput)
 
 
-def encode(message: BusMessage) -> bytes:
+def encode(message: BusMessage | CoreInput | CoreOutput) -> bytes:
     return _encoder.encode(message)
 
 
 def decode_bus(data: bytes) -> BusMessage:
     return _bus_decoder.decode(data)
+
+
+def decode_input(data: bytes) -> CoreInput:
+    return _input_decoder.decode(data)
+
+
+def decode_output(data: bytes) -> CoreOutput:
+    return _output_decoder.decode(data)

@@ -7,6 +7,7 @@ from tierserve.lazy import lazy_exports
 # first use: tierserve/lazy.py).
 EXPORTS = {
     "ENV_ARGS": "rank_env",
+    "ENV_PARENT": "rank_env",
     "Ranks": "ranks",
     "die_with_parent": "rank_env",
 }

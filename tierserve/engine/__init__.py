@@ -1,5 +1,5 @@
-"""The engine: start-up decisions, scheduler, model runner, the loop, the offline `LLM` and the
-worker rank."""
+"""The engine: start-up decisions, scheduler, model runner, the loop, the engine core process,
+the offline `LLM` and the worker rank."""
 
 from tierserve.lazy import lazy_exports
 
@@ -7,6 +7,14 @@ from tierserve.lazy import lazy_exports
 # first use: tierserve/lazy.py).
 EXPORTS = {
     "CACHE_BYTES": "grammar",
+    "CORE_MODULE": "core",
+    "ENV_CLOCK_FD": "core",
+    "ENV_CORE_FD": "core",
+    "ENV_LOG_LEVEL": "core",
+    "RequestPreparer": "prepare",
+    "STEP_GATE_ENV": "core_hooks",
+    "STEP_HOLD_ENV": "core_hooks",
+    "StepClock": "core_hooks",
     "Engine": "engine",
     "Grammars": "grammar",
     "LLM": "llm",
@@ -14,6 +22,7 @@ EXPORTS = {
     "Startup": "startup",
     "check_size": "grammar",
     "compile_spec": "grammar",
+    "engine_metrics": "metrics",
     "load_tokenizer": "engine",
     "new_compiler": "grammar",
     "startup_table": "kv_plan",

@@ -7,8 +7,6 @@ step, follow rank 0, close), each part a few short methods.
 
 from __future__ import annotations
 
-import dataclasses
-import itertools
 import logging
 import os
 from typing import Any
@@ -24,18 +22,17 @@ from tierserve.cache import (
     TransferFactory,
     default_transfer,
     open_share,
-    pages_for,
 )
 from tierserve.distributed import Ranks
-from tierserve.engine.grammar import Grammars
 from tierserve.engine.kv_plan import KVPlan, startup_table
+from tierserve.engine.prepare import RequestPreparer
 from tierserve.engine.request import Request
 from tierserve.engine.runner import ChunkResult, ModelRunner
 from tierserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from tierserve.engine.startup import Startup, resolve_device
 from tierserve.errors import TierserveError
 from tierserve.layers import ATTENTION_BACKENDS
-from tierserve.messages import AbortRequest, AddRequest, EngineInput, FlushCache
+from tierserve.messages import AbortRequest, AddRequest, CoreInfo, EngineInput, FlushCache
 from tierserve.model_config import ModelConfig
 from tierserve.models import load_model, model_fingerprint
 from tierserve.outputs import StepOutput, TokenLogprob
@@ -43,8 +40,6 @@ from tierserve.sampling_params import SamplingParams
 from tierserve.storage import Namespace, StorageTier
 
 logger = logging.getLogger("tierserve")
-
-MAX_CHARS_PER_TOKEN = 32
 
 
 def load_tokenizer(path: str) -> Any:  # a transformers PreTrainedTokenizerBase
@@ -96,11 +91,20 @@ class Engine:
             self.scheduler = Scheduler(sched_cfg, self.kv)
             attn = ATTENTION_BACKENDS[args.attention_backend](pool, cfg.num_layers)
             self.runner = ModelRunner(model, attn, args.page_size, self.device)
-            self._ids = itertools.count()
-            self._arrivals = itertools.count()
             self._requests: dict[str, Request] = {}
             self._default_generator = torch.Generator().manual_seed(args.seed)
-            self.grammars = Grammars(self.tokenizer, cfg.vocab_size, self.eos_token_ids)
+            self.info = CoreInfo(
+                pid=os.getpid(),
+                model_path=startup.model_path,
+                tokenizer_path=args.tokenizer or startup.model_path,
+                context_length=self.context_length,
+                vocab_size=cfg.vocab_size,
+                eos_token_ids=sorted(self.eos_token_ids),
+                num_pages=self.kv.num_pages,
+                page_size=self.kv.page_size,
+            )
+            self.preparer = RequestPreparer(self.info, self.tokenizer)
+            self.grammars = self.preparer.grammars
             if self.ranks is not None:  # ready when every rank is: rank 0 serves only then
                 self.ranks.bus.barrier()
         except BaseException:
@@ -154,35 +158,12 @@ class Engine:
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
     ) -> str:
-        req = self.make_request(prompt, params, request_id, self.next_arrival())
+        req = self.make_request(prompt, params, request_id, self.preparer.next_arrival())
         self.submit(req)
         return req.rid
 
     def next_arrival(self) -> int:
-        """A place in line, taken when a request arrives: a long prompt still being tokenized
-        keeps its place ahead of a short one that came after it."""
-        return next(self._arrivals)
-
-    def prepare(
-        self,
-        prompt: str | list[int],
-        params: SamplingParams,
-        request_id: str | None,
-        arrival: int,
-        grammar: str | None = None,
-    ) -> AddRequest:
-        """Tokenize and validate into the message that adds a request; touches no scheduler
-        state, so another thread may call it. A structured output is compiled here unless the
-        server's compile pool already has (`grammar`)."""
-        prompt_ids = self._encode(prompt)
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=self._room_after(prompt_ids))
-        self._validate(prompt_ids, params)
-        if params.structured_output is not None and grammar is None:
-            grammar = self.grammars.compile(params.structured_output)
-        rid = request_id or f"req-{next(self._ids)}"
-        text = prompt if isinstance(prompt, str) else None
-        return AddRequest(rid, arrival, prompt_ids, params, text, grammar)
+        return self.preparer.next_arrival()
 
     def make_request(
         self,
@@ -191,7 +172,7 @@ class Engine:
         request_id: str | None,
         arrival: int,
     ) -> Request:
-        return self._request(self.prepare(prompt, params, request_id, arrival))
+        return self._request(self.preparer.prepare(prompt, params, request_id, arrival))
 
     def _request(self, message: AddRequest) -> Request:
         """The scheduler's request for `message`: its stop ids, its generator, its grammar."""
@@ -232,61 +213,6 @@ class Engine:
         else:
             return self.flush_cache()
         return None
-
-    def _encode(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise TierserveError("prompt is empty", field="prompt")
-            self.check_text_length(len(prompt), "prompt")
-            return self.tokenizer(prompt).input_ids
-        ids = list(prompt)
-        vocab = self.model_config.vocab_size
-        if not ids:
-            raise TierserveError("prompt is empty", field="prompt")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
-            raise TierserveError(f"prompt token ids must be ints in [0, {vocab})", field="prompt")
-        return ids
-
-    def check_text_length(self, chars: int, field: str) -> None:
-        """Refuse text no context could hold before tokenizing it (a 10 MB prompt took ~10 s
-        and gigabytes to learn that). A token is rarely longer than MAX_CHARS_PER_TOKEN."""
-        limit = self.context_length * MAX_CHARS_PER_TOKEN
-        if chars > limit:
-            raise TierserveError(
-                f"{field} of {chars:,} characters cannot fit in the context of "
-                f"{self.context_length:,} tokens (at most {limit:,} characters are read)",
-                field=field,
-            )
-
-    def _room_after(self, prompt_ids: list[int]) -> int:
-        """Tokens a request may generate when it does not say: up to the context or pool end."""
-        pool_tokens = self.kv.num_pages * self.kv.page_size
-        room = min(self.context_length, pool_tokens) - len(prompt_ids)
-        if room <= 0:
-            raise TierserveError(
-                f"prompt ({len(prompt_ids)} tokens) leaves no room to generate within the context"
-                f" length {self.context_length} (KV pool {pool_tokens} tokens)",
-                field="prompt",
-            )
-        return room
-
-    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        if any(t >= vocab for t, _ in params.logit_bias):
-            raise TierserveError(f"logit_bias token ids must be < {vocab}", "logit_bias")
-        total = len(prompt_ids) + params.max_tokens
-        if total > self.context_length:
-            raise TierserveError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total}"
-                f" exceeds the context length {self.context_length}",
-                field="max_tokens",
-            )
-        if pages_for(total, self.kv.page_size) > self.kv.num_pages:
-            raise TierserveError(
-                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total}"
-                f" exceeds the KV pool of {self.kv.num_pages * self.kv.page_size} tokens",
-                field="max_tokens",
-            )
 
     def abort(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)

@@ -55,7 +55,7 @@ class QueueFull(Exception):
 def create_app(
     engine: AsyncEngine, model_name: str, limits: ServerLimits = ServerLimits()
 ) -> FastAPI:
-    metrics = ServerMetrics(engine.engine, engine.grammar_pool)
+    metrics = ServerMetrics(engine.grammar_pool)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -132,7 +132,7 @@ def _add_routes(
         """Room in the waiting queue, when it is bounded (the key is checked before the body
         is read, by the middleware)."""
         limit = limits.max_queued_requests
-        if limit is not None and len(engine.engine.scheduler.waiting) >= limit:
+        if limit is not None and engine.waiting() >= limit:
             raise QueueFull(f"{limit} requests are already waiting (--max-queued-requests)")
 
     @app.get("/health")
@@ -144,12 +144,13 @@ def _add_routes(
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         card = {"id": model, "object": "model", "created": now(), "owned_by": "tierserve"}
-        card["max_model_len"] = engine.engine.context_length
+        card["max_model_len"] = engine.info.context_length
         return {"object": "list", "data": [card]}
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(metrics.render(), media_type="text/plain; version=0.0.4")
+        body = metrics.render(await engine.metrics())
+        return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.post("/flush_cache")
     async def flush_cache() -> dict[str, Any]:
@@ -188,11 +189,11 @@ def _add_routes(
 
 
 def _apply_chat_template(engine: AsyncEngine, body: ChatCompletionRequest) -> list[int]:
-    tok = engine.engine.tokenizer
+    tok = engine.tokenizer
     if not getattr(tok, "chat_template", None):
         raise TierserveError("this model has no chat template; use /v1/completions", "messages")
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    engine.engine.check_text_length(sum(len(m["content"]) for m in messages), "messages")
+    engine.preparer.check_text_length(sum(len(m["content"]) for m in messages), "messages")
     try:
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     except TemplateError as err:  # e.g. a template that requires alternating roles

@@ -1,31 +1,45 @@
-"""Runs the synchronous engine loop in its own thread and streams outputs to asyncio tasks.
+"""The API process's view of the engine: requests in, streams of outputs out, over the engine
+core's messages (engine/core.py runs the engine in a process of its own).
 
-The engine thread owns all scheduler state and speaks token ids only: after each step it hands
-the step's StepOutputs to each event loop in one call. Detokenization and stop strings run on
-the event loop (`OutputBuilder`), tokenization in a worker thread, grammar compiles in the
-compile pool's processes. What reaches the engine is its typed messages (messages.py), so the
-engine can move to a process of its own by changing only this transport. Each request has its
-own queue, so a slow client never stalls the others. Why a thread today: docs/server.md.
+Here, in the API process: tokenization and validation (`RequestPreparer`, in worker threads),
+grammar compiles (the compile pool's processes), detokenization and stop strings
+(`OutputBuilder`, on the event loop). The core speaks token ids only; a reader thread takes each
+step's outputs off its socket and hands them to each event loop in one call. Each request has
+its own queue, so a slow client never stalls the others. Why a process: docs/server.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+import time
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from tierserve.engine import Engine, OutputBuilder
+from tierserve.args import EngineArgs
+from tierserve.engine import OutputBuilder, RequestPreparer, load_tokenizer
 from tierserve.errors import TierserveError
-from tierserve.messages import AbortRequest, AddRequest, EngineInput, FlushCache
+from tierserve.messages import (
+    AbortRequest,
+    Answer,
+    Ask,
+    CoreFailed,
+    CoreInput,
+    FlushCache,
+    GetMetrics,
+    MetricFamily,
+    RequestFailed,
+    StepOutputs,
+)
 from tierserve.outputs import RequestOutput, StepOutput
 from tierserve.sampling_params import SamplingParams
+from tierserve.server.core_client import CoreClient
 from tierserve.server.grammar_pool import DEFAULT_COMPILE_TIMEOUT_S, GrammarCompilePool
-from tierserve.server.watchdog import StepGate, StepWatchdog
+from tierserve.server.watchdog import StepWatchdog
 
 logger = logging.getLogger("tierserve")
 
@@ -34,81 +48,112 @@ class EngineDeadError(RuntimeError):
     pass
 
 
-@dataclass(frozen=True)
-class Call:
-    """A function to run on the engine thread: in-process only, beside the engine's messages."""
-
-    fn: Callable[[Engine], Any]
-
-
 class EngineHungError(EngineDeadError):
-    """A step outlived --watchdog-timeout: the engine thread is stuck inside it."""
+    """A step outlived --watchdog-timeout: the core was stuck inside it, and is killed."""
 
 
 class AsyncEngine:
     def __init__(
         self,
-        engine: Engine,
+        core: CoreClient,
+        tokenizer: Any,
         on_failure: Callable[[], None] | None = None,
         watchdog_timeout_s: float | None = None,
         grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
     ) -> None:
-        """`on_failure` runs once the loop has died (on the engine thread) or hung (on the
+        """`on_failure` runs once the core has died (on the reader thread) or hung (on the
         watchdog's) and every waiting call has its 503: the server uses it to shut down and
         exit non-zero."""
-        self.engine = engine
+        self.core = core
+        self.info = core.info
+        self.tokenizer = tokenizer
+        self.preparer = RequestPreparer(core.info, tokenizer)
         self.on_failure = on_failure
-        self._gate = StepGate()
-        self.grammar_pool = GrammarCompilePool(engine.grammars, grammar_compile_timeout_s)
+        self.grammar_pool = GrammarCompilePool(self.preparer.grammars, grammar_compile_timeout_s)
         self._watchdog = (
-            StepWatchdog(watchdog_timeout_s, self._hung) if watchdog_timeout_s else None
+            StepWatchdog(watchdog_timeout_s, self._stalled_for, self._hung)
+            if watchdog_timeout_s
+            else None
         )
-        self._inbox: queue.SimpleQueue[tuple[EngineInput | Call, Future | None]] = (
-            queue.SimpleQueue()
-        )
-        self._wake = threading.Event()
-        self._stop = threading.Event()
+        # Since when a message has waited for the core to say anything (None: nothing waits).
+        self._waiting_since: float | None = None
         self._streams: dict[str, Stream] = {}
-        self._thread = threading.Thread(target=self._run, name="tierserve-engine", daemon=True)
+        self._asks: dict[int, Future] = {}
+        self._ask_ids = itertools.count()
+        self._lock = threading.Lock()  # the asks and the failure, between the loop and reader
+        # Admission: the queue as the core last saw it, plus adds it has not read yet.
+        self._adds_sent = 0
+        self._seen = StepOutputs([], 0, 0)
+        self._reader = threading.Thread(target=self._read, name="tierserve-core-io", daemon=True)
+        self._stopping = False
         self.error: BaseException | None = None
 
+    @classmethod
+    def launch(cls, args: EngineArgs, log_level: str = "info", **kwargs: Any) -> AsyncEngine:
+        """Start the engine core for `args` and load the tokenizer it names; raises
+        TierserveError (exit 2) before anything listens if the start-up is refused."""
+        core = CoreClient.start(args, log_level)
+        try:
+            tokenizer = load_tokenizer(core.info.tokenizer_path)
+        except BaseException:
+            core.kill()
+            raise
+        return cls(core, tokenizer, **kwargs)
+
+    @property
+    def pid(self) -> int:
+        """The engine core's process."""
+        return self.core.pid
+
     def start(self) -> None:
-        self._thread.start()
+        self._reader.start()
         if self._watchdog is not None:
             self._watchdog.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._wake.set()
+        """Stop the core (it closes the engine first) and the compile pool; idempotent."""
+        if self._stopping:
+            return
+        self._stopping = True
         self.grammar_pool.close()
         if self._watchdog is not None:
             self._watchdog.stop()
-        if isinstance(self.error, EngineHungError):
-            return  # the engine thread is stuck in a step: nothing can close it in order
-        self._thread.join(timeout=30)
-        self.engine.close()
+        if self.error is None:
+            code = self.core.stop()
+            if code != 0:
+                logger.error("the engine core exited with status %s while stopping", code)
+        else:
+            self.core.kill()
+
+    def waiting(self) -> int:
+        """Requests waiting for admission: the core's queue after its last report, and those
+        sent since that it has not read."""
+        seen = self._seen
+        return seen.waiting + self._adds_sent - seen.adds_taken
 
     async def generate(
         self, prompt: str | list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as it advances; aborts it if the consumer goes away."""
-        if self.error is not None:
-            raise EngineDeadError(f"engine loop failed: {self.error}")
-        arrival = self.engine.next_arrival()  # before tokenizing: its place is when it came
+        self._check_alive()
+        arrival = self.preparer.next_arrival()  # before tokenizing: its place is when it came
         grammar = None
         if params.structured_output is not None:  # in the pool's processes: a cancel ends it
             grammar = await self.grammar_pool.compile(params.structured_output)
-        prepare = self.engine.prepare
+        prepare = self.preparer.prepare
         req = await asyncio.to_thread(prepare, prompt, params, request_id, arrival, grammar)
+        if req.rid in self._streams:
+            raise TierserveError(f"request id {req.rid!r} is already in flight", "request_id")
         outputs: asyncio.Queue = asyncio.Queue()
-        builder = OutputBuilder(req, self.engine.tokenizer)
+        builder = OutputBuilder(req, self.tokenizer)
         self._streams[req.rid] = Stream(asyncio.get_running_loop(), outputs, builder)
-        # The loop sets `error` before it fails every registered stream: checked after
-        # registering, a request either is failed by the loop or sees the error here.
+        # The reader sets `error` before it fails every registered stream: checked after
+        # registering, a request either is failed by the reader or sees the error here.
         if self.error is not None:
             self._streams.pop(req.rid, None)
-            raise EngineDeadError(f"engine loop failed: {self.error}")
-        self._post(req)
+            self._check_alive()
+        self._adds_sent += 1
+        self._send(req)
         finished = False
         try:
             while not finished:
@@ -124,119 +169,87 @@ class AsyncEngine:
         finally:
             self._streams.pop(req.rid, None)
             if not finished:
-                self._post(AbortRequest(req.rid))
+                self._send(AbortRequest(req.rid))
 
     async def flush_cache(self) -> dict[str, int | str]:
-        """Pages dropped per tier, once the engine has taken the flush between steps."""
-        return await self._ask(FlushCache())
+        """Pages dropped per tier, once the core has taken the flush between steps."""
+        answer = await self._ask(FlushCache())
+        assert answer.tiers is not None
+        return answer.tiers
 
-    async def call(self, fn: Callable[[Engine], Any]) -> Any:
-        """Run `fn(engine)` on the engine thread, between steps (in-process tools and tests;
-        the routes send messages)."""
-        return await self._ask(Call(fn))
+    async def metrics(self) -> list[MetricFamily]:
+        """The engine's Prometheus families, read by the core between steps."""
+        answer = await self._ask(GetMetrics())
+        assert answer.metrics is not None
+        return answer.metrics
 
-    async def _ask(self, message: EngineInput | Call) -> Any:
+    async def _ask(self, query: FlushCache | GetMetrics) -> Answer:
         future: Future = Future()
-        self._post(message, future)
-        if self.error is not None:  # posted after the loop failed: nobody will run it
-            self._fail_pending()
+        with self._lock:
+            self._check_alive()
+            ask_id = next(self._ask_ids)
+            self._asks[ask_id] = future
+        self._send(Ask(ask_id, query))
         return await asyncio.wrap_future(future)
 
-    def _post(self, message: EngineInput | Call, reply: Future | None = None) -> None:
-        self._inbox.put((message, reply))
-        self._wake.set()
+    def _send(self, message: CoreInput) -> None:
+        if self._waiting_since is None:
+            self._waiting_since = time.monotonic()
+        self.core.send(message)
 
-    # --- the engine thread --------------------------------------------------------------------
+    def _stalled_for(self) -> float:
+        """How long the core has kept the server waiting: in its current step, or (a core that
+        is stopped or stuck outside a step) since a message went unanswered. The core answers
+        every message it takes with a report soon after."""
+        since = self._waiting_since
+        waited = time.monotonic() - since if since is not None else 0.0
+        return max(self.core.clock.running_for(), waited)
 
-    def _run(self) -> None:
-        try:
-            while not self._stop.is_set() and self.error is None:
-                self._drain_inbox()
-                if not self.engine.has_unfinished():
-                    self._wake.wait(timeout=0.1)
-                    self._wake.clear()
-                    continue
-                if not self._gate.allows(self.engine.scheduler.stats.num_steps):  # a test holds it
-                    self._wake.wait(timeout=0.01)
-                    self._wake.clear()
-                    continue
-                self._hand_over(self._timed_step())
-        except BaseException as err:  # a bug, not bad input: say so everywhere, then stop
-            logger.exception("engine loop failed; the server now answers 503")
-            self._fail(err)
+    def _check_alive(self) -> None:
+        if self.error is not None:
+            raise EngineDeadError(f"engine loop failed: {self.error}")
 
-    def _timed_step(self) -> list[StepOutput]:
-        if self._watchdog is None:
-            return self.engine.step()
-        self._watchdog.step_started()
-        try:
-            return self.engine.step()
-        finally:
-            self._watchdog.step_ended()
+    # --- the reader thread ----------------------------------------------------------------
+
+    def _read(self) -> None:
+        for message in self.core.messages():
+            self._waiting_since = None
+            if isinstance(message, StepOutputs):
+                self._seen = message
+                self._hand_over(message.outputs)
+            elif isinstance(message, Answer):
+                with self._lock:
+                    future = self._asks.pop(message.ask_id, None)
+                if future is not None:
+                    future.set_result(message)
+            elif isinstance(message, RequestFailed):
+                self._deliver(message.rid, TierserveError(message.message, message.field))
+            elif isinstance(message, CoreFailed):
+                self._fail(RuntimeError(message.message))
+        if not self._stopping:
+            code = self.core.proc.wait()
+            self._fail(RuntimeError(f"the engine core (pid {self.pid}) exited with status {code}"))
 
     def _hung(self, timeout_s: float) -> None:
-        """On the watchdog's thread: the engine thread is stuck in a step. Tensor-parallel
-        ranks are ended, so the server goes the way a dead rank takes it."""
+        """On the watchdog's thread: the core is stuck in a step. It is killed (its ranks die
+        with it), so the server goes the way a dead core takes it."""
         self._fail(EngineHungError(f"no engine step completed in {timeout_s:g} s"))
-        ranks = self.engine.ranks
-        for worker in ranks.workers if ranks is not None else ():
-            worker.kill()
+        self.core.kill()
 
     def _fail(self, err: BaseException) -> None:
         """Say so everywhere, once: every stream and waiting call gets its 503."""
-        if self.error is not None:
-            return
-        self.error = err
+        with self._lock:
+            if self.error is not None:
+                return
+            self.error = err
+            asks, self._asks = self._asks, {}
+        logger.error("the engine failed; the server now answers 503: %s", err)
         for rid in list(self._streams):
             self._deliver(rid, err)
-        self._fail_pending()
+        for future in asks.values():
+            future.set_exception(EngineDeadError(f"engine loop failed: {err}"))
         if self.on_failure is not None:
             self.on_failure()
-
-    def _fail_pending(self) -> None:
-        """Answer every question still in the inbox with the loop's failure."""
-        for _, reply in self._taken():
-            if reply is not None:
-                reply.set_exception(EngineDeadError(f"engine loop failed: {self.error}"))
-
-    def _taken(self) -> Iterator[tuple[EngineInput | Call, Future | None]]:
-        """What the inbox holds now, taken out one by one."""
-        while True:
-            try:
-                yield self._inbox.get_nowait()
-            except queue.Empty:
-                return
-
-    def _drain_inbox(self) -> None:
-        for message, reply in self._taken():
-            if isinstance(message, AddRequest):
-                self._add(message)
-                continue
-            try:
-                result = (
-                    message.fn(self.engine)
-                    if isinstance(message, Call)
-                    else self.engine.handle(message)
-                )
-            except Exception as err:
-                if reply is None:
-                    raise
-                reply.set_exception(err)
-            except BaseException as err:  # the loop dies of it: say so to the caller too
-                if reply is not None:
-                    reply.set_exception(EngineDeadError(f"engine loop failed: {err!r}"))
-                raise
-            else:
-                if reply is not None:
-                    reply.set_result(result)
-
-    def _add(self, message: AddRequest) -> None:
-        if message.rid not in self._streams:  # the client left before the request started
-            return
-        try:
-            self.engine.handle(message)
-        except Exception as err:
-            self._deliver(message.rid, err)
 
     def _hand_over(self, steps: list[StepOutput]) -> None:
         """One call per event loop per step, not one per request: a step of 64 requests wakes
@@ -251,8 +264,7 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(self._build_outputs, items)
             except RuntimeError:  # that event loop is closed: nobody reads these any more
                 for stream, _ in items:
-                    self._streams.pop(stream.builder.request_id, None)
-                    self.engine.abort(stream.builder.request_id)
+                    self._forget(stream.builder.request_id)
 
     def _build_outputs(self, items: list[tuple[Stream, StepOutput]]) -> None:
         """On the event loop: token ids to text, stop strings, and the abort they cause."""
@@ -261,13 +273,13 @@ class AsyncEngine:
                 out = stream.builder.add(step)
             except Exception as err:  # a detokenizer failure ends this request, not the loop
                 logger.exception("building the output of %s failed", step.request_id)
-                self._post(AbortRequest(step.request_id))
+                self._send(AbortRequest(step.request_id))
                 stream.outputs.put_nowait(err)
                 continue
             if out is None:
                 continue
             if stream.builder.stopped_here:
-                self._post(AbortRequest(step.request_id))
+                self._send(AbortRequest(step.request_id))
             stream.outputs.put_nowait(out)
 
     def _deliver(self, rid: str, item: BaseException) -> None:
@@ -277,8 +289,11 @@ class AsyncEngine:
         try:
             stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
         except RuntimeError:  # that event loop is closed
-            self._streams.pop(rid, None)
-            self.engine.abort(rid)
+            self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        self._streams.pop(rid, None)
+        self._send(AbortRequest(rid))
 
 
 @dataclass(frozen=True)

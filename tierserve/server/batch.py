@@ -238,13 +238,12 @@ async def _run(pending: list[dict[str, Any]], out: Path, ns: argparse.Namespace)
             runner = BatchRunner(client, out, ns, any_model=False)
             await runner.run(pending)
             return runner
-    from tierserve.engine import Engine
     from tierserve.server.api import create_app
     from tierserve.server.async_engine import AsyncEngine
     from tierserve.server.cli import served_model_name
 
     args = EngineArgs.from_cli(ns)
-    engine = AsyncEngine(Engine(args))
+    engine = AsyncEngine.launch(args, log_level="warning")
     app = create_app(engine, served_model_name(args))
     engine.start()  # ASGITransport runs no lifespan: start and stop the engine here
     try:

@@ -96,9 +96,8 @@ def dry_run(args: EngineArgs) -> int:
 def run(ns: argparse.Namespace) -> int:
     import uvicorn
 
-    from tierserve.engine import Engine
     from tierserve.server.api import ServerLimits, create_app
-    from tierserve.server.async_engine import AsyncEngine, EngineHungError
+    from tierserve.server.async_engine import AsyncEngine
 
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     args = EngineArgs.from_cli(ns)
@@ -113,20 +112,24 @@ def run(ns: argparse.Namespace) -> int:
             raise TierserveError(message, field=name)
     if ns.dry_run:
         return dry_run(args)
-    engine = Engine(args)  # raises TierserveError (exit 2) before anything listens
-    if engine.ranks is not None and not engine.ranks.leader:
-        engine.follow()  # another node's first rank: rank 0 serves HTTP
-        return 0
-    name = served_model_name(args, ns.served_model_name)
-    limits = ServerLimits(ns.api_key or None, ns.max_queued_requests, ns.body_timeout)
-    async_engine = AsyncEngine(
-        engine,
+    if args.tp_size > 1 and args.node_rank > 0:
+        return follow(args)
+    # The engine core starts, and every flag is checked, before anything listens: a refusal
+    # raises TierserveError (exit 2) here.
+    async_engine = AsyncEngine.launch(
+        args,
+        ns.log_level,
         watchdog_timeout_s=ns.watchdog_timeout,
         grammar_compile_timeout_s=ns.grammar_compile_timeout,
     )
+    name = served_model_name(args, ns.served_model_name)
+    limits = ServerLimits(ns.api_key or None, ns.max_queued_requests, ns.body_timeout)
     app = create_app(async_engine, name, limits)
     logger = logging.getLogger("tierserve")
-    logger.info("serving %s on http://%s:%d/v1", name, ns.host, ns.port)
+    logger.info(
+        "serving %s on http://%s:%d/v1 (engine core: pid %d)",
+        name, ns.host, ns.port, async_engine.pid,
+    )  # fmt: skip
     config = uvicorn.Config(
         app,
         host=ns.host,
@@ -144,16 +147,24 @@ def run(ns: argparse.Namespace) -> int:
             async_engine.grammar_pool.close()
 
     server = Server(config)
-    # A dead or hung engine loop cannot be revived in place: answer 503 for a moment (a
+    # A dead or hung engine core cannot be revived in place: answer 503 for a moment (a
     # router's health probe sees it), then shut down and exit non-zero, so a supervisor
     # restarts the server.
     async_engine.on_failure = lambda: _later(FAILURE_GRACE_S, server)
-    server.run()
-    if isinstance(async_engine.error, EngineHungError):
-        logger.error("exiting with status 1: %s", async_engine.error)
-        logging.shutdown()
-        os._exit(1)  # the engine thread is stuck in a step: no orderly teardown can finish
+    try:
+        server.run()
+    finally:
+        async_engine.stop()  # done by the lifespan, unless uvicorn failed to start (a port in use)
     if async_engine.error is not None:
-        logger.error("exiting with status 1: the engine loop failed: %r", async_engine.error)
+        logger.error("exiting with status 1: %s", async_engine.error)
         return 1
+    return 0
+
+
+def follow(args: EngineArgs) -> int:
+    """Another node's first rank: its engine follows global rank 0, which serves HTTP."""
+    from tierserve.engine import Engine
+
+    engine = Engine(args)
+    engine.follow()
     return 0

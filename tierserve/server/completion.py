@@ -120,7 +120,7 @@ class Completion:
         first token's None."""
         if not self.echo:
             return "", None
-        tokenizer = self.engine.engine.tokenizer
+        tokenizer = self.engine.tokenizer
         ids = out.prompt_token_ids
         text = out.prompt if out.prompt is not None else tokenizer.decode(ids)
         if not self.logprobs:
@@ -132,7 +132,7 @@ class Completion:
     def _logprobs(self, lps: list[TokenLogprob], index: int) -> dict[str, Any] | None:
         if not self.logprobs:
             return None
-        tokenizer = self.engine.engine.tokenizer
+        tokenizer = self.engine.tokenizer
         if self.kind == "chat.completion":
             return chat_logprobs(tokenizer, lps)
         body = completion_logprobs(tokenizer, lps, self._offsets.get(index, 0))

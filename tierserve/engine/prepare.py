@@ -1,0 +1,114 @@
+"""From a prompt as a user sends it to the message that adds it to the engine: tokenize,
+fill in max_tokens, validate against the context and the KV pool, compile a grammar.
+
+It touches no scheduler state: the server runs it in the API process (its threads), the
+offline `LLM` in the caller's, and both reach the engine with the same `AddRequest`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Any
+
+from tierserve.cache import pages_for
+from tierserve.engine.grammar import Grammars
+from tierserve.errors import TierserveError
+from tierserve.messages import AddRequest, CoreInfo
+from tierserve.sampling_params import SamplingParams
+
+# A token is rarely longer than this many characters: text longer than the context times this
+# is refused before it is tokenized (a 10 MB prompt took ~10 s and gigabytes to learn that).
+MAX_CHARS_PER_TOKEN = 32
+
+
+class RequestPreparer:
+    def __init__(self, info: CoreInfo, tokenizer: Any) -> None:
+        self.info = info
+        self.tokenizer = tokenizer
+        self.context_length = info.context_length
+        self.grammars = Grammars(tokenizer, info.vocab_size, set(info.eos_token_ids))
+        self._ids = itertools.count()
+        self._arrivals = itertools.count()
+
+    def next_arrival(self) -> int:
+        """A place in line, taken when a request arrives: a long prompt still being tokenized
+        keeps its place ahead of a short one that came after it."""
+        return next(self._arrivals)
+
+    def prepare(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None,
+        arrival: int,
+        grammar: str | None = None,
+    ) -> AddRequest:
+        """Tokenize and validate into the message that adds a request. A structured output is
+        compiled here unless the server's compile pool already has (`grammar`)."""
+        prompt_ids = self._encode(prompt)
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=self._room_after(prompt_ids))
+        self._validate(prompt_ids, params)
+        if params.structured_output is not None and grammar is None:
+            grammar = self.grammars.compile(params.structured_output)
+        rid = request_id or f"req-{next(self._ids)}"
+        text = prompt if isinstance(prompt, str) else None
+        return AddRequest(rid, arrival, prompt_ids, params, text, grammar)
+
+    def check_text_length(self, chars: int, field: str) -> None:
+        """Refuse text no context could hold before tokenizing it."""
+        limit = self.context_length * MAX_CHARS_PER_TOKEN
+        if chars > limit:
+            raise TierserveError(
+                f"{field} of {chars:,} characters cannot fit in the context of "
+                f"{self.context_length:,} tokens (at most {limit:,} characters are read)",
+                field=field,
+            )
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise TierserveError("prompt is empty", field="prompt")
+            self.check_text_length(len(prompt), "prompt")
+            return self.tokenizer(prompt).input_ids
+        ids = list(prompt)
+        vocab = self.info.vocab_size
+        if not ids:
+            raise TierserveError("prompt is empty", field="prompt")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise TierserveError(f"prompt token ids must be ints in [0, {vocab})", field="prompt")
+        return ids
+
+    @property
+    def _pool_tokens(self) -> int:
+        return self.info.num_pages * self.info.page_size
+
+    def _room_after(self, prompt_ids: list[int]) -> int:
+        """Tokens a request may generate when it does not say: up to the context or pool end."""
+        room = min(self.context_length, self._pool_tokens) - len(prompt_ids)
+        if room <= 0:
+            raise TierserveError(
+                f"prompt ({len(prompt_ids)} tokens) leaves no room to generate within the context"
+                f" length {self.context_length} (KV pool {self._pool_tokens} tokens)",
+                field="prompt",
+            )
+        return room
+
+    def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        vocab = self.info.vocab_size
+        if any(t >= vocab for t, _ in params.logit_bias):
+            raise TierserveError(f"logit_bias token ids must be < {vocab}", "logit_bias")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.context_length:
+            raise TierserveError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total}"
+                f" exceeds the context length {self.context_length}",
+                field="max_tokens",
+            )
+        if pages_for(total, self.info.page_size) > self.info.num_pages:
+            raise TierserveError(
+                f"prompt ({len(prompt_ids)} tokens) + max_tokens ({params.max_tokens}) = {total}"
+                f" exceeds the KV pool of {self._pool_tokens} tokens",
+                field="max_tokens",
+            )
