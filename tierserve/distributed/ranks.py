@@ -1,11 +1,12 @@
 """Starting the tensor-parallel ranks and making them agree before anything is allocated.
 
-The process a user starts is its node's first rank: it starts the node's other ranks as
-`python -m tierserve.engine.worker` processes, then every rank joins one
-torch.distributed group (gloo on CPU, NCCL on CUDA) at `--dist-init-addr`. Global rank 0 keeps
-HTTP, tokenization and detokenization; it alone decides the start-up sizes (`agree`) and each
-step's inputs (`bus.py`). A rank that dies takes the others with it: the first process of a node
-watches the ranks it started, and those watch it.
+A node's first rank (the server's engine core, an offline `LLM`'s process, or `serve
+--node-rank K`) starts the node's other ranks as `python -m tierserve.engine.worker` processes,
+then every rank joins one torch.distributed group (gloo on CPU, NCCL on CUDA) at
+`--dist-init-addr`. Global rank 0 alone decides the start-up sizes (`agree`) and each step's
+inputs (`bus.py`); the server's API process above it keeps HTTP and text. A rank that dies
+takes the others with it: the first process of a node watches the ranks it started, and those
+watch it.
 
 One group per process (torch's default group): a second engine is refused until the first is
 closed, and a start that fails ends the ranks it started and leaves the group at once.

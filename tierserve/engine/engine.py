@@ -1,8 +1,9 @@
 """The engine: tokenizer, model, KV cache and scheduler behind add_request / step.
 
-One synchronous loop; the offline `LLM` and the HTTP server both drive it, through the typed
-messages of messages.py. One thing at some length: the engine's life (build, take messages,
-step, follow rank 0, close), each part a few short methods.
+One synchronous loop, driven through the typed messages of messages.py: by the offline `LLM` in
+its caller's process, and by the engine core process (core.py) for the server. One thing at
+some length: the engine's life (build, take messages, step, follow rank 0, close), each part a
+few short methods.
 """
 
 from __future__ import annotations
@@ -205,7 +206,7 @@ class Engine:
             assert self.ranks is None, "requests reach a tensor-parallel engine as messages"
 
     def handle(self, message: EngineInput) -> dict[str, int | str] | None:
-        """Apply one message (the server's inbox and the tensor-parallel bus send the same)."""
+        """Apply one message (the core's inbox and the tensor-parallel bus carry the same)."""
         if isinstance(message, AddRequest):
             self.submit(self._request(message))
         elif isinstance(message, AbortRequest):

@@ -98,6 +98,7 @@ def run(ns: argparse.Namespace) -> int:
 
     from tierserve.server.api import ServerLimits, create_app
     from tierserve.server.async_engine import AsyncEngine
+    from tierserve.server.core_client import CoreStartError
 
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     args = EngineArgs.from_cli(ns)
@@ -115,13 +116,17 @@ def run(ns: argparse.Namespace) -> int:
     if args.tp_size > 1 and args.node_rank > 0:
         return follow(args)
     # The engine core starts, and every flag is checked, before anything listens: a refusal
-    # raises TierserveError (exit 2) here.
-    async_engine = AsyncEngine.launch(
-        args,
-        ns.log_level,
-        watchdog_timeout_s=ns.watchdog_timeout,
-        grammar_compile_timeout_s=ns.grammar_compile_timeout,
-    )
+    # raises TierserveError (exit 2) here, a core that dies on the way exits 1.
+    try:
+        async_engine = AsyncEngine.launch(
+            args,
+            ns.log_level,
+            watchdog_timeout_s=ns.watchdog_timeout,
+            grammar_compile_timeout_s=ns.grammar_compile_timeout,
+        )
+    except CoreStartError as err:
+        logging.getLogger("tierserve").error("tierserve serve: %s", err)
+        return 1
     name = served_model_name(args, ns.served_model_name)
     limits = ServerLimits(ns.api_key or None, ns.max_queued_requests, ns.body_timeout)
     app = create_app(async_engine, name, limits)
