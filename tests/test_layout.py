@@ -160,6 +160,12 @@ FACTS = [
     ("model_fingerprint", "tierserve.models.loader"),
     ("STORAGE_BACKENDS", "tierserve.storage.registry"),
     ("AddRequest", "tierserve.messages"),  # what reaches the engine
+    ("CoreInput", "tierserve.messages"),  # API process -> engine core
+    ("CoreOutput", "tierserve.messages"),  # engine core -> API process
+    ("ENV_PARENT", "tierserve.distributed.rank_env"),  # whom a child process dies with
+    ("MAX_CHARS_PER_TOKEN", "tierserve.engine.prepare"),  # text refused before tokenizing
+    ("STEP_GATE_ENV", "tierserve.engine.core_hooks"),  # the test-only step hooks
+    ("STEP_HOLD_ENV", "tierserve.engine.core_hooks"),
 ]
 
 
