@@ -31,13 +31,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
+from collections.abc import Sequence
 from pathlib import Path
 
-import httpx
-
 from tierserve.args import default_model
-from tierserve.net import free_port
+from tierserve.bench.compare import ServerProcess
 
 OUT = Path(__file__).parent / "results" / "vllm-peer"
 ROOT = Path(__file__).resolve().parent.parent
@@ -149,52 +147,31 @@ def vllm_env() -> dict[str, str]:
     return {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "HF_HUB_OFFLINE": "1"}
 
 
-class Served:
-    """One server process on a free port, ready when /health answers 200."""
+class VllmServer(ServerProcess):
+    """vLLM's OpenAI server from its virtualenv, started and stopped as tierserve's is."""
 
-    def __init__(self, cmd: list[str], port: int, log: Path, env: dict[str, str]) -> None:
-        self.url = f"http://127.0.0.1:{port}"
-        self._log = log.open("wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"{cmd} exited with {self.proc.returncode}; see {log}")
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        raise SystemExit(f"{cmd} not ready in 600 s; see {log}")
+    def __init__(self, python: Path, model: str, flags: list[str], log: Path) -> None:
+        self.python = python  # before the base class asks for the command
+        super().__init__(model, flags, log, startup_timeout_s=600, env=vllm_env())
 
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-        self._log.close()
+    def command(self, model: str, flags: Sequence[str]) -> list[str]:
+        cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+        return cmd + ["--port", str(self.port), *flags]
 
 
-def tierserve_server(model: str, logs: Path) -> Served:
-    port = free_port()
-    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", model, "--port", str(port)]
-    cmd += ["--served-model-name", NAME, "--max-total-tokens", "65536", "--log-level", "warning"]
-    return Served(cmd, port, logs / "tierserve-serve.log", dict(os.environ))
+def tierserve_server(model: str, logs: Path) -> ServerProcess:
+    flags = ["--served-model-name", NAME, "--max-total-tokens", "65536"]
+    return ServerProcess(model, flags, logs / "tierserve-serve.log", startup_timeout_s=600)
 
 
-def vllm_server(python: Path, model: str, logs: Path) -> Served:
-    port = free_port()
-    cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    cmd += ["--dtype", "float32", "--port", str(port), "--served-model-name", NAME]
-    cmd += ["--enable-prompt-tokens-details", "--seed", "0"]
-    return Served(cmd, port, logs / "vllm-serve.log", vllm_env())
+def vllm_server(python: Path, model: str, logs: Path) -> ServerProcess:
+    flags = ["--dtype", "float32", "--served-model-name", NAME]
+    flags += ["--enable-prompt-tokens-details", "--seed", "0"]
+    return VllmServer(python, model, flags, logs / "vllm-serve.log")
 
 
 def served_round(
-    server: Served, model: str, runs: Path, name: str, warmup: str
+    server: ServerProcess, model: str, runs: Path, name: str, warmup: str
 ) -> dict[str, float]:
     streams = _json_of([sys.executable, "-c", STREAMS_CLIENT, server.url, warmup])
     assert streams["tokens"] == NUM_PROMPTS * OUTPUT_TOKENS, streams  # every stream ran whole

@@ -133,9 +133,7 @@ class ServerProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", model]
-        cmd += ["--port", str(self.port), "--log-level", "warning", *flags]
-        self.cmd = cmd
+        self.cmd = cmd = self.command(model, flags)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = log_path.open("wb")
         self.proc = subprocess.Popen(
@@ -146,6 +144,11 @@ class ServerProcess:
         except BaseException:
             self.stop()
             raise
+
+    def command(self, model: str, flags: Sequence[str]) -> list[str]:
+        """The server's command line on `self.port` (another server's, in a subclass)."""
+        cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", model]
+        return cmd + ["--port", str(self.port), "--log-level", "warning", *flags]
 
     def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

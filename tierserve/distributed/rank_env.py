@@ -10,10 +10,15 @@ from __future__ import annotations
 
 import ctypes
 import os
+import queue
 import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
 
 ENV_RANK = "TIERSERVE_RANK"
 ENV_ADDR = "TIERSERVE_DIST_ADDR"
@@ -47,3 +52,26 @@ def _poll_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(0.5)
     os._exit(1)
+
+
+def start_from_lasting_thread(start: Callable[[], T], outlive: Callable[[T], None], name: str) -> T:
+    """`start()`'s result, from a daemon thread that then runs `outlive(result)`: a child's
+    parent-death signal fires when the *thread* that forked it exits, so the processes `start`
+    forks must not be forked by the caller's thread (a notebook's, an executor's), and
+    `outlive` must wait at least as long as they run. What `start` raises is raised here."""
+    handed: queue.SimpleQueue[tuple[bool, object]] = queue.SimpleQueue()
+
+    def run() -> None:
+        try:
+            result = start()
+        except BaseException as err:
+            handed.put((False, err))
+            return
+        handed.put((True, result))
+        outlive(result)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    ok, got = handed.get()
+    if not ok:
+        raise got  # type: ignore[misc]
+    return got  # type: ignore[return-value]

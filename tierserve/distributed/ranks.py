@@ -19,7 +19,6 @@ import gc
 import json
 import logging
 import os
-import queue
 import subprocess
 import sys
 import threading
@@ -34,7 +33,13 @@ import torch.distributed as dist
 
 from tierserve.args import EngineArgs
 from tierserve.distributed.bus import CommandBus
-from tierserve.distributed.rank_env import ENV_ADDR, ENV_ARGS, ENV_PARENT, ENV_RANK
+from tierserve.distributed.rank_env import (
+    ENV_ADDR,
+    ENV_ARGS,
+    ENV_PARENT,
+    ENV_RANK,
+    start_from_lasting_thread,
+)
 from tierserve.errors import TierserveError
 from tierserve.layers import TPGroup, set_tp_group
 from tierserve.net import free_port
@@ -196,32 +201,27 @@ def _release(
 def _spawn_ranks(
     args: EngineArgs, rank: int, addr: str, closing: threading.Event
 ) -> list[subprocess.Popen]:
-    """Ranks rank + 1 … of this node, started from a thread that outlives them: their
-    parent-death signal (worker.py) fires when the *thread* that forked them exits, so the
-    caller's thread (a notebook's, an executor's) must not be that one."""
-    handed: queue.SimpleQueue[list[subprocess.Popen] | BaseException] = queue.SimpleQueue()
+    """Ranks rank + 1 … of this node, started from a thread that outlives them (their
+    parent-death signal is tied to the thread that forks them: rank_env.py)."""
 
-    def run() -> None:
+    def start() -> list[subprocess.Popen]:
         workers: list[subprocess.Popen] = []
         try:
             for i in range(1, args.local_ranks):
                 workers.append(_spawn(args, rank + i, addr))
-        except BaseException as err:
+        except BaseException:
             for worker in workers:
                 worker.kill()
                 worker.wait()
-            handed.put(err)
-            return
-        handed.put(workers)
+            raise
+        return workers
+
+    def outlive(workers: list[subprocess.Popen]) -> None:
         closing.wait()
         for worker in workers:  # close() reaps them too; this thread only has to outlive them
             worker.wait()
 
-    threading.Thread(target=run, name="tierserve-rank-spawner", daemon=True).start()
-    got = handed.get()
-    if isinstance(got, BaseException):
-        raise got
-    return got
+    return start_from_lasting_thread(start, outlive, "tierserve-rank-spawner")
 
 
 def _spawn(args: EngineArgs, rank: int, addr: str) -> subprocess.Popen:

@@ -12,7 +12,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import queue
 import socket
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
 from tierserve.args import EngineArgs
-from tierserve.distributed import ENV_ARGS, ENV_PARENT
+from tierserve.distributed import ENV_ARGS, ENV_PARENT, start_from_lasting_thread
 from tierserve.engine import CORE_MODULE, ENV_CLOCK_FD, ENV_CORE_FD, ENV_LOG_LEVEL, StepClock
 from tierserve.errors import TierserveError
 from tierserve.messages import (
@@ -129,19 +128,8 @@ class CoreClient:
 
 def _spawn(cmd: list[str], env: dict[str, str], fds: tuple[int, ...]) -> subprocess.Popen:
     """Popen from a thread that waits for the process (see the module's docstring)."""
-    handed: queue.SimpleQueue[subprocess.Popen | BaseException] = queue.SimpleQueue()
 
-    def run() -> None:
-        try:
-            proc = subprocess.Popen(cmd, env=env, pass_fds=fds, stdin=subprocess.DEVNULL)
-        except BaseException as err:
-            handed.put(err)
-            return
-        handed.put(proc)
-        proc.wait()
+    def start() -> subprocess.Popen:
+        return subprocess.Popen(cmd, env=env, pass_fds=fds, stdin=subprocess.DEVNULL)
 
-    threading.Thread(target=run, name="tierserve-core-spawner", daemon=True).start()
-    got = handed.get()
-    if isinstance(got, BaseException):
-        raise got
-    return got
+    return start_from_lasting_thread(start, subprocess.Popen.wait, "tierserve-core-spawner")
