@@ -123,6 +123,9 @@ class EngineCore:
                 self.inbox.put(decode_input(self.conn.recv_bytes()))
         except (EOFError, OSError):  # the API process closed its end, or is gone
             self.inbox.put(None)
+        except Exception:  # a message that does not decode is a bug: stop rather than hang
+            logger.exception("the engine core could not read a message; it stops")
+            self.inbox.put(None)
 
     def _take(self, timeout: float | None) -> bool:
         """Apply every message that has arrived, waiting up to `timeout` (None: forever) for
