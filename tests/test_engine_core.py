@@ -4,6 +4,7 @@ and how the server ends when the core dies, hangs or fails."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -15,9 +16,10 @@ import openai
 import psutil
 import pytest
 
-from tests.conftest import Server, eventually
+from tests.conftest import Server, eventually, serve_cmd
 from tierserve.distributed import ENV_PARENT
 from tierserve.engine import CORE_MODULE, STEP_HOLD_ENV
+from tierserve.net import free_port
 
 
 def _stream(url: str, body: dict, seen: list[dict]) -> None:
@@ -173,4 +175,47 @@ def _core_of(process: psutil.Process, server_pid: int) -> bool:
             server_pid
         )
     except psutil.Error:
+        return False
+
+
+def test_ctrl_c_drains_and_exits_0_leaving_no_process(llama_dir, tmp_path):
+    """A terminal's Ctrl-C is SIGINT to the whole process group: the API process, the core and
+    the ranks all get it. The core and the ranks ignore it; the server drains, stops them in
+    order and exits 0, with no traceback."""
+    port = free_port()
+    cmd = serve_cmd(llama_dir, "--port", str(port), "--tp-size", "2", "--device", "cpu")
+    log = (tmp_path / "server.log").open("w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        assert eventually(lambda: _healthy(url), within_s=180), (
+            tmp_path / "server.log"
+        ).read_text()
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 2  # the core and its rank (and any compile process)
+        body = {"prompt": [5] * 8, "max_tokens": 4}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=120) == 0
+        assert eventually(lambda: not any(_alive(p) for p in children), within_s=10)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    text = (tmp_path / "server.log").read_text()
+    assert "Traceback" not in text and "rank exited" not in text, text[-3000:]
+
+
+def _healthy(url: str) -> bool:
+    try:
+        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+    except httpx.TransportError:
+        return False
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
         return False

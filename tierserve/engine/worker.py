@@ -6,6 +6,7 @@ and runs the steps rank 0 announces until told to stop. Started by distributed/r
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from tierserve.distributed import ENV_ARGS, die_with_parent
@@ -13,6 +14,9 @@ from tierserve.distributed import ENV_ARGS, die_with_parent
 
 def main() -> int:
     die_with_parent()  # first: the parent may already be gone, or go while torch loads
+    # A terminal's Ctrl-C reaches the whole process group: rank 0 stops this rank in order
+    # once the server has drained (and it dies with rank 0 in any case).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import json
     import logging
 

@@ -158,6 +158,8 @@ def run(ns: argparse.Namespace) -> int:
     async_engine.on_failure = lambda: _later(FAILURE_GRACE_S, server)
     try:
         server.run()
+    except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has drained: a clean stop
+        pass
     finally:
         async_engine.stop()  # done by the lifespan, unless uvicorn failed to start (a port in use)
     if async_engine.error is not None:
