@@ -2,9 +2,9 @@
 same requests sent to an engine core process (the server's, engine/core.py) by a client that
 does nothing else, in alternating rounds, the prefix cache flushed before each.
 
-The 64 prompts of benchmarks/vllm_peer.py (64–512 token ids × 128 greedy tokens, EOS ignored,
-demo model). The core's client reads token ids only (no detokenization), so the difference is
-the process boundary: messages, their encoding and the socket.
+The 64 prompts of benchmarks/served_cpu_split.py (64–512 token ids × 128 greedy tokens, EOS
+ignored, demo model). The core's client reads token ids only (no detokenization), so the
+difference is the process boundary: messages, their encoding and the socket.
 
     .venv/bin/python benchmarks/offline_core.py [--rounds 3]
 
@@ -18,21 +18,14 @@ import statistics
 import time
 from pathlib import Path
 
+from served_cpu_split import PARAMS, prompts  # this folder is on the path of a script run from it
+
 from tierserve import LLM, SamplingParams
 from tierserve.args import EngineArgs, default_model
 from tierserve.messages import Ask, FlushCache, StepOutputs
 from tierserve.server.core_client import CoreClient
 
 OUT = Path(__file__).parent / "results" / "offline-core"
-PARAMS = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
-
-
-def prompts() -> list[list[int]]:
-    import torch
-
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(64, 513, (64,), generator=g).tolist()
-    return [torch.randint(3, 4000, (n,), generator=g).tolist() for n in lengths]
 
 
 def in_process(llm: LLM, batch: list[list[int]]) -> float:

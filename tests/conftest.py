@@ -246,6 +246,14 @@ class Server(ServerProcess):
         assert reached, f"not reached in {timeout_s} s: {self.metrics()}"
 
 
+def running(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie does not: nobody may reap it here)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def eventually(check: Callable[[], bool], within_s: float) -> bool:
     """Whether `check()` holds within `within_s` seconds of polling: for what happens soon but
     not at one instant (a kill landing, a counter moving), never for how fast work runs."""

@@ -16,7 +16,7 @@ import openai
 import psutil
 import pytest
 
-from tests.conftest import Server, eventually, serve_cmd
+from tests.conftest import Server, eventually, running, serve_cmd
 from tierserve.distributed import ENV_PARENT
 from tierserve.engine import CORE_MODULE, STEP_HOLD_ENV
 from tierserve.net import free_port
@@ -197,7 +197,7 @@ def test_ctrl_c_drains_and_exits_0_leaving_no_process(llama_dir, tmp_path):
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=120) == 0
-        assert eventually(lambda: not any(_alive(p) for p in children), within_s=10)
+        assert eventually(lambda: not any(running(p.pid) for p in children), within_s=10)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -211,11 +211,4 @@ def _healthy(url: str) -> bool:
     try:
         return httpx.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.TransportError:
-        return False
-
-
-def _alive(process: psutil.Process) -> bool:
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
         return False

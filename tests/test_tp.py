@@ -6,6 +6,7 @@ for all of a node's ranks once; a rank that dies takes the others with it."""
 from __future__ import annotations
 
 import gc
+import os
 import re
 import signal
 import subprocess
@@ -19,7 +20,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from tests.conftest import Server, make_checkpoint, random_prompts, serve_cmd
+from tests.conftest import Server, make_checkpoint, random_prompts, running, serve_cmd
 from tests.test_hicache import mixed_workload
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.bench.client import parse_prometheus
@@ -114,16 +115,10 @@ def _workers_left() -> list[psutil.Process]:
     ]
 
 
-def _ranks_of(server_pid: int) -> list[psutil.Process]:
-    """The rank processes under a server (its engine core starts them)."""
-    ranks = []
-    for p in psutil.Process(server_pid).children(recursive=True):
-        try:
-            if "tierserve.engine.worker" in " ".join(p.cmdline()):
-                ranks.append(p)
-        except psutil.NoSuchProcess:
-            continue
-    return ranks
+def _ranks_of(pid: int) -> list[psutil.Process]:
+    """Rank processes under `pid`, however deep (a server's engine core starts them)."""
+    ranks = {w.pid for w in _workers_left()}
+    return [p for p in psutil.Process(pid).children(recursive=True) if p.pid in ranks]
 
 
 def test_a_rank_killed_during_start_up_ends_the_others(llama_dir):
@@ -321,20 +316,13 @@ GREEDY8 = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 def _my_workers() -> list[psutil.Process]:
     """Rank processes this (test) process started and that still run."""
-    return [p for p in psutil.Process().children() if p.pid in {w.pid for w in _workers_left()}]
-
-
-def _running(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE  # nobody may reap it here
-    except psutil.NoSuchProcess:
-        return False
+    return _ranks_of(os.getpid())
 
 
 def _still_running(pids: list[int], within_s: float) -> list[int]:
     """The pids still running after up to `within_s` seconds of polling."""
     deadline = time.monotonic() + within_s
-    while (alive := [pid for pid in pids if _running(pid)]) and time.monotonic() < deadline:
+    while (alive := [pid for pid in pids if running(pid)]) and time.monotonic() < deadline:
         time.sleep(0.05)
     return alive
 
@@ -389,7 +377,7 @@ def test_a_second_tp_engine_while_one_is_open_is_refused_before_any_rank_starts(
 def test_an_llm_dropped_without_close_stops_its_ranks_and_leaves_the_group(llama_dir):
     llm = LLM(str(llama_dir), tp_size=2, **CPU)
     pids = [w.pid for w in llm.engine.ranks.workers]
-    assert pids and all(_running(pid) for pid in pids)
+    assert pids and all(running(pid) for pid in pids)
     del llm
     gc.collect()
     assert not _still_running(pids, 10)

@@ -10,6 +10,7 @@ EXPORTS = {
     "ENV_PARENT": "rank_env",
     "Ranks": "ranks",
     "die_with_parent": "rank_env",
+    "global_rank": "ranks",
     "start_from_lasting_thread": "rank_env",
 }
 __all__ = list(EXPORTS)

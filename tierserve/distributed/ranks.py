@@ -81,7 +81,7 @@ class Ranks:
         `device` is where the engine runs (NCCL on CUDA, gloo elsewhere). Anything that fails
         on the way ends the ranks started here before it is raised."""
         local = args.local_ranks
-        rank = int(os.environ.get(ENV_RANK, args.node_rank * local))
+        rank = global_rank(args)
         workers: list[subprocess.Popen] = []
         closing = threading.Event()
         threads = torch.get_num_threads()
@@ -128,6 +128,12 @@ class Ranks:
         """A start or a stop that failed: the ranks this process started are ended at once
         (they may wait in a collective that will never come), then the group is left."""
         self.close(timeout_s=0.0)
+
+
+def global_rank(args: EngineArgs) -> int:
+    """This process's rank: a worker's is in its environment, a node's first process has its
+    node's first rank (global rank 0 serves HTTP; the others follow it)."""
+    return int(os.environ.get(ENV_RANK, args.node_rank * args.local_ranks))
 
 
 def _claim_group(tp_size: int) -> None:

@@ -48,6 +48,11 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+def _dead(err: BaseException) -> EngineDeadError:
+    """What a request or a question gets once the core has failed with `err`: a 503."""
+    return EngineDeadError(f"engine loop failed: {err}")
+
+
 class EngineHungError(EngineDeadError):
     """A step outlived --watchdog-timeout: the core was stuck inside it, and is killed."""
 
@@ -163,7 +168,7 @@ class AsyncEngine:
                 if isinstance(out, TierserveError):
                     raise out
                 if isinstance(out, BaseException):
-                    raise EngineDeadError(f"engine loop failed: {out}")
+                    raise _dead(out)
                 finished = out.finished
                 yield out
         finally:
@@ -207,7 +212,7 @@ class AsyncEngine:
 
     def _check_alive(self) -> None:
         if self.error is not None:
-            raise EngineDeadError(f"engine loop failed: {self.error}")
+            raise _dead(self.error)
 
     # --- the reader thread ----------------------------------------------------------------
 
@@ -247,7 +252,7 @@ class AsyncEngine:
         for rid in list(self._streams):
             self._deliver(rid, err)
         for future in asks.values():
-            future.set_exception(EngineDeadError(f"engine loop failed: {err}"))
+            future.set_exception(_dead(err))
         if self.on_failure is not None:
             self.on_failure()
 

@@ -96,6 +96,7 @@ def dry_run(args: EngineArgs) -> int:
 def run(ns: argparse.Namespace) -> int:
     import uvicorn
 
+    from tierserve.distributed import global_rank
     from tierserve.server.api import ServerLimits, create_app
     from tierserve.server.async_engine import AsyncEngine
     from tierserve.server.core_client import CoreStartError
@@ -113,7 +114,7 @@ def run(ns: argparse.Namespace) -> int:
             raise TierserveError(message, field=name)
     if ns.dry_run:
         return dry_run(args)
-    if args.tp_size > 1 and args.node_rank > 0:
+    if args.tp_size > 1 and global_rank(args) != 0:
         return follow(args)
     # The engine core starts, and every flag is checked, before anything listens: a refusal
     # raises TierserveError (exit 2) here, a core that dies on the way exits 1.
