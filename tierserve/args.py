@@ -19,6 +19,9 @@ from tierserve.dtypes import COMPUTE_DTYPES, canonical
 from tierserve.errors import TierserveError
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
+# SGLang's --load-balance-method values that place requests on attention groups, and the
+# prefix-affinity rule sglang-router calls cache_aware (engine/dispatch.py implements them).
+LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "total_requests", "total_tokens")
 
 
 def check_mem_fraction(fraction: float, field: str = "mem_fraction_static", who: str = "") -> None:
@@ -89,7 +92,10 @@ class EngineArgs:
     )
     max_running_requests: int = field(
         default=256,
-        metadata=_flag("most requests running (decoded together) at once"),
+        metadata=_flag(
+            "most requests running (decoded together) at once; with --enable-dp-attention "
+            "for the node, each attention group taking an equal share (as SGLang)"
+        ),
     )
     chunked_prefill_size: int = field(
         default=2048,
@@ -179,6 +185,31 @@ class EngineArgs:
             "one node only)"
         ),
     )
+    enable_dp_attention: bool = field(
+        default=False,
+        metadata=_flag(
+            "data-parallel attention (as SGLang): --dp-size attention groups of "
+            "tp/dp ranks, each with its own requests, scheduler and KV pools; the MLP and MoE "
+            "layers stay tensor-parallel over all --tp-size ranks"
+        ),
+    )
+    dp_size: int = field(
+        default=1,
+        metadata=_flag(
+            "attention groups, with --enable-dp-attention (must divide --tp-size); "
+            "without it, replicas belong behind a router (docs/distributed.md)",
+            aliases=["--dp", "--data-parallel-size"],
+        ),
+    )
+    load_balance_method: str = field(
+        default="cache_aware",
+        metadata=_flag(
+            "how rank 0 places a request on an attention group: cache_aware (the group "
+            "whose cache holds its longest prefix, unless the groups are out of balance, "
+            "as sglang-router), round_robin, total_requests, total_tokens",
+            choices=list(LOAD_BALANCE_METHODS),
+        ),
+    )
 
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto":
@@ -244,6 +275,56 @@ class EngineArgs:
         if self.nnodes > 1 and self.dist_init_addr is None:
             message = "several nodes meet at --dist-init-addr HOST:PORT (node 0's address)"
             raise TierserveError(message, "dist_init_addr")
+        self._check_dp_attention()
+
+    def _check_dp_attention(self) -> None:
+        """SGLang's rules: D attention groups of tp/D ranks; --dp-size alone means replicas,
+        which tierserve runs as separate servers behind a router."""
+        if self.dp_size <= 0:
+            raise TierserveError(f"dp_size must be > 0, got {self.dp_size}", "dp_size")
+        if self.load_balance_method not in LOAD_BALANCE_METHODS:
+            other = self.load_balance_method == "follow_bootstrap_room"
+            why = " (it places prefill-decode disaggregated requests, which tierserve does not run)"
+            raise TierserveError(
+                f"load_balance_method {self.load_balance_method!r} is not one of "
+                f"{', '.join(LOAD_BALANCE_METHODS)}{why if other else ''}",
+                "load_balance_method",
+            )
+        if not self.enable_dp_attention:
+            if self.dp_size > 1:
+                raise TierserveError(
+                    f"--dp-size {self.dp_size} without --enable-dp-attention means "
+                    f"{self.dp_size} replicas of the whole model: run one tierserve server per "
+                    "replica behind sglang-router (docs/distributed.md), or add "
+                    "--enable-dp-attention for attention groups inside one server",
+                    "dp_size",
+                )
+            return
+        if self.tp_size % self.dp_size:
+            message = f"--dp-size {self.dp_size} must divide --tp-size {self.tp_size}"
+            raise TierserveError(message, "dp_size")
+        if self.dp_size == 1:
+            raise TierserveError(
+                "--enable-dp-attention needs --dp-size > 1 (the attention groups; "
+                "usually --dp-size = --tp-size)",
+                "dp_size",
+            )
+        if self.max_running_requests < self.dp_size:
+            message = (
+                f"max_running_requests {self.max_running_requests} gives each of the "
+                f"{self.dp_size} attention groups less than one request"
+            )
+            raise TierserveError(message, "max_running_requests")
+
+    @property
+    def attention_tp_size(self) -> int:
+        """Ranks that split one attention group's heads (all of them without DP attention)."""
+        return self.tp_size // self.dp_size if self.enable_dp_attention else self.tp_size
+
+    @property
+    def dp_groups(self) -> int:
+        """Attention groups: each its own scheduler, radix tree and KV pools."""
+        return self.dp_size if self.enable_dp_attention else 1
 
     @property
     def local_ranks(self) -> int:

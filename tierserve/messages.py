@@ -24,6 +24,7 @@ class AddRequest(msgspec.Struct, frozen=True, tag=True):
     params: SamplingParams  # as the server resolved it (max_tokens filled in)
     prompt_text: str | None = None  # the prompt as sent, when it was text
     grammar: str | None = None  # the compiled structured output, xgrammar's serialised form
+    dp_rank: int = 0  # DP attention: the attention group rank 0 placed it on
 
 
 class AbortRequest(msgspec.Struct, frozen=True, tag=True):
@@ -44,6 +45,19 @@ class BusMessage(msgspec.Struct, frozen=True):
     inputs: list[EngineInput] = []
     step: bool = False
     stop: bool = False
+
+
+class GroupReport(msgspec.Struct, frozen=True):
+    """What an attention group's first rank tells rank 0 after each step under data-parallel
+    attention (and after a cache flush): its tokens and its state."""
+
+    dp_rank: int
+    outputs: list[StepOutput] = []
+    scheduled: int = 0  # requests it ran in the step: 0 when it only joined the collectives
+    running: int = 0
+    waiting: int = 0
+    device_tokens_used: int = 0
+    flushed: dict[str, Union[int, str]] | None = None  # noqa: UP007 (after a FlushCache)
 
 
 # --- API process -> engine core -----------------------------------------------------------
@@ -136,12 +150,17 @@ CoreOutput = Union[CoreReady, CoreRefused, CoreFailed, StepOutputs, RequestFaile
 
 _encoder = msgspec.msgpack.Encoder()
 _bus_decoder = msgspec.msgpack.Decoder(BusMessage)
+_report_decoder = msgspec.msgpack.Decoder(GroupReport)
 _input_decoder = msgspec.msgpack.Decoder(CoreInput)
 _output_decoder = msgspec.msgpack.Decoder(CoreOutput)
 
 
-def encode(message: BusMessage | CoreInput | CoreOutput) -> bytes:
+def encode(message: BusMessage | GroupReport | CoreInput | CoreOutput) -> bytes:
     return _encoder.encode(message)
+
+
+def decode_report(data: bytes) -> GroupReport:
+    return _report_decoder.decode(data)
 
 
 def decode_bus(data: bytes) -> BusMessage:

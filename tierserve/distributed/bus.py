@@ -4,7 +4,11 @@ step or stop. The engines are deterministic given these (the same requests in th
 the same seeds, the same logits after the LM head's all-gather), so only inputs travel, never
 scheduling state. The messages are the engine's own (messages.py), msgpack-encoded and
 broadcast over a gloo group that waits as long as the server idles; a rank that dies closes its
-sockets and the broadcast fails."""
+sockets and the broadcast fails.
+
+With data-parallel attention the same holds inside each attention group: every input reaches
+every rank, a request is taken by the ranks of the group it names, and after each step the
+groups' first ranks send rank 0 what their group produced (`collect`)."""
 
 from __future__ import annotations
 
@@ -20,10 +24,20 @@ IDLE_TIMEOUT = timedelta(days=7)  # a follower waits this long for rank 0's next
 
 
 class CommandBus:
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, group_size: int) -> None:
         self.leader = rank == 0
         self._group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
         self._pending: list[EngineInput] = []
+        # The ranks of this rank's attention group (every rank without DP attention), for
+        # what they alone must agree on; made by every rank, in the same order.
+        world = dist.get_world_size()
+        self._attention = self._group
+        if group_size < world:
+            for first in range(0, world, group_size):
+                ranks = list(range(first, first + group_size))
+                made = dist.new_group(ranks, backend="gloo", timeout=IDLE_TIMEOUT)
+                if rank in ranks:
+                    self._attention = made
 
     def post(self, command: EngineInput) -> None:
         if self.leader:
@@ -32,11 +46,22 @@ class CommandBus:
     def barrier(self) -> None:
         dist.barrier(group=self._group)
 
+    def group_barrier(self) -> None:
+        """The ranks of this rank's attention group meet (every rank without DP attention)."""
+        dist.barrier(group=self._attention)
+
     def all_true(self, flags: list[bool]) -> list[bool]:
-        """Each flag ANDed over the ranks (a copy has landed everywhere)."""
+        """Each flag ANDed over the ranks of this rank's attention group (a copy has landed
+        on every rank that holds it)."""
         t = torch.tensor(flags, dtype=torch.uint8)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._group)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._attention)
         return [bool(x) for x in t.tolist()]
+
+    def collect(self, value: bytes | None) -> list[bytes | None]:
+        """Every rank's `value` on rank 0, in rank order (the others get [])."""
+        out: list | None = [None] * dist.get_world_size() if self.leader else None
+        dist.gather_object(value, out, dst=0, group=self._group)
+        return out or []
 
     def share(self, value: object) -> object:
         """Rank 0's `value` on every rank (the others pass None)."""

@@ -41,7 +41,7 @@ from tierserve.distributed.rank_env import (
     start_from_lasting_thread,
 )
 from tierserve.errors import TierserveError
-from tierserve.layers import TPGroup, set_tp_group
+from tierserve.layers import DPAttention, TPGroup, set_dp_attention, set_tp_group
 from tierserve.net import free_port
 
 logger = logging.getLogger("tierserve")
@@ -69,11 +69,17 @@ class Ranks:
     workers: list[subprocess.Popen] = field(default_factory=list)
     closing: threading.Event = field(default_factory=threading.Event)
     threads: int = 0  # torch's CPU threads before this rank took its share of the cores
+    dp: DPAttention | None = None  # data-parallel attention: this rank's group among them
     released: bool = field(default=False, init=False, repr=False)
 
     @property
     def leader(self) -> bool:
         return self.rank == 0
+
+    @property
+    def group_leader(self) -> bool:
+        """The first rank of its attention group (of the node's only group without DP)."""
+        return self.rank % (self.dp.group_size if self.dp is not None else self.world) == 0
 
     @classmethod
     def start(cls, args: EngineArgs, device: torch.device) -> Ranks:
@@ -94,12 +100,13 @@ class Ranks:
                 workers = _spawn_ranks(args, rank, addr, closing)
                 _watch(workers, closing)  # from now: a rank that dies, even before meeting, ends us
             _join(args, rank, addr, device.type == "cuda")
-            bus = CommandBus(rank)
+            dp = _attention_groups(args, rank)
+            bus = CommandBus(rank, dp.group_size if dp is not None else args.tp_size)
             session = bus.session()
         except BaseException:
             _release(workers, rank, closing, threads, wait_s=0.0)
             raise
-        return cls(rank, args.tp_size, rank % local, bus, session, workers, closing, threads)
+        return cls(rank, args.tp_size, rank % local, bus, session, workers, closing, threads, dp)
 
     def agree(self, decide: Callable[[], T]) -> T:
         """Rank 0's `decide()`, on every rank; or its refusal, raised on every rank (rank 0's
@@ -175,6 +182,20 @@ def _join(args: EngineArgs, rank: int, addr: str, cuda: bool) -> None:
     set_tp_group(TPGroup(rank, args.tp_size))
 
 
+def _attention_groups(args: EngineArgs, rank: int) -> DPAttention | None:
+    """With data-parallel attention: one process group per attention group (neighbouring
+    ranks, as SGLang lays them out), made by every rank in the same order."""
+    if not args.enable_dp_attention:
+        return None
+    size = args.attention_tp_size
+    groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(args.dp_size)]
+    mine = rank // size
+    set_tp_group(TPGroup(rank, args.tp_size), TPGroup(rank % size, size, groups[mine]))
+    dp = DPAttention(args.dp_size, mine, size)
+    set_dp_attention(dp)
+    return dp
+
+
 def _release(
     workers: list[subprocess.Popen],
     rank: int,
@@ -199,6 +220,7 @@ def _release(
             dist.destroy_process_group()
     finally:
         set_tp_group(TPGroup())  # a model built after this in the process is whole again
+        set_dp_attention(None)
         torch.set_num_threads(threads)
         with _open_lock:
             _open_tp = None

@@ -169,7 +169,7 @@ class EngineCore:
             self.clock.step_ended()
 
     def _report(self, outputs: list[StepOutput]) -> None:
-        waiting = len(self.engine.scheduler.waiting)
+        waiting = self.engine.num_waiting()
         self._send(StepOutputs(outputs, waiting, self.adds_taken))
 
     def _send(self, message: CoreOutput) -> None:

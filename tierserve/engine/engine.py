@@ -12,6 +12,7 @@ import logging
 import os
 from typing import Any
 
+import msgspec
 import torch
 
 from tierserve.args import EngineArgs
@@ -25,6 +26,7 @@ from tierserve.cache import (
     open_share,
 )
 from tierserve.distributed import Ranks
+from tierserve.engine.dispatch import Dispatcher
 from tierserve.engine.kv_plan import KVPlan, startup_table
 from tierserve.engine.prepare import RequestPreparer
 from tierserve.engine.request import Request
@@ -33,7 +35,16 @@ from tierserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfi
 from tierserve.engine.startup import Startup, resolve_device
 from tierserve.errors import TierserveError
 from tierserve.layers import ATTENTION_BACKENDS
-from tierserve.messages import AbortRequest, AddRequest, CoreInfo, EngineInput, FlushCache
+from tierserve.messages import (
+    AbortRequest,
+    AddRequest,
+    CoreInfo,
+    EngineInput,
+    FlushCache,
+    GroupReport,
+    decode_report,
+    encode,
+)
 from tierserve.model_config import ModelConfig
 from tierserve.models import load_model, model_fingerprint
 from tierserve.outputs import StepOutput, TokenLogprob
@@ -86,14 +97,26 @@ class Engine:
             pool = PagedKV(plan.spec, pages, self.device, compute_dtype=self.dtype)
             host = self._host_tier(pool, plan, transfer) if plan.host else None
             self.kv = KVCacheManager(pool, not args.disable_radix_cache, host)
-            sched_cfg = SchedulerConfig(
-                args.max_running_requests, args.chunked_prefill_size, self.context_length
-            )
+            # Under DP attention the running cap is the node's, split among the groups (SGLang).
+            running = args.max_running_requests // args.dp_groups
+            sched_cfg = SchedulerConfig(running, args.chunked_prefill_size, self.context_length)
             self.scheduler = Scheduler(sched_cfg, self.kv)
             attn = ATTENTION_BACKENDS[args.attention_backend](pool, cfg.num_layers)
             self.runner = ModelRunner(model, attn, args.page_size, self.device)
             self._requests: dict[str, Request] = {}
             self._default_generator = torch.Generator().manual_seed(args.seed)
+            # Data-parallel attention: this rank's attention group; rank 0 places requests
+            # on the groups and keeps what each group last reported.
+            dp = self.ranks.dp if self.ranks is not None else None
+            self.dp_rank = dp.group_rank if dp is not None else 0
+            self.dispatcher: Dispatcher | None = None
+            self.groups: list[GroupReport] = []
+            self.peak_running = 0  # the node's most requests running in one step
+            self._scheduled = 0  # requests the last step ran on this rank
+            if dp is not None and self.ranks is not None and self.ranks.leader:
+                self.dispatcher = Dispatcher(dp.groups, args.load_balance_method)
+                self.groups = [GroupReport(g) for g in range(dp.groups)]
+            self.idle_steps = [0] * len(self.groups)  # steps a group only joined
             self.info = CoreInfo(
                 pid=os.getpid(),
                 model_path=startup.model_path,
@@ -145,7 +168,8 @@ class Engine:
         rank, bus = self.ranks.rank, self.ranks.bus
         group, writer = plan.spec.share_group(rank, self.args.local_ranks)
         name = f"tierserve-{self.ranks.session}-{group}"
-        return open_share(name, pages * plan.spec.bytes_per_page, rank == writer, bus.barrier)
+        nbytes = pages * plan.spec.bytes_per_page
+        return open_share(name, nbytes, rank == writer, bus.group_barrier)
 
     @staticmethod
     def _storage_tier(startup: Startup) -> StorageTier:
@@ -196,8 +220,15 @@ class Engine:
         )
 
     def submit(self, req: Request) -> None:
-        if req.rid in self._requests:
+        dispatcher = self.dispatcher
+        if req.rid in self._requests or (dispatcher and dispatcher.group_of(req.rid) is not None):
             raise TierserveError(f"request id {req.rid!r} is already in flight", "request_id")
+        if dispatcher is not None and req.message is not None:
+            group = dispatcher.place(req.rid, req.prompt_ids)
+            req.message = msgspec.structs.replace(req.message, dp_rank=group)
+            if group != self.dp_rank:  # that group's ranks take it from the bus
+                self._announce(req.message)
+                return
         self._requests[req.rid] = req
         self.scheduler.add(req)
         if req.message is not None:  # every request but a test's hand-made one
@@ -208,6 +239,8 @@ class Engine:
     def handle(self, message: EngineInput) -> dict[str, int | str] | None:
         """Apply one message (the core's inbox and the tensor-parallel bus carry the same)."""
         if isinstance(message, AddRequest):
+            if self.dispatcher is None and message.dp_rank != self.dp_rank:
+                return None  # another attention group's request
             self.submit(self._request(message))
         elif isinstance(message, AbortRequest):
             self.abort(message.rid)
@@ -220,9 +253,21 @@ class Engine:
         if req is not None and not req.finished:
             self.scheduler.finish(req, "abort")
             self._announce(AbortRequest(request_id))
+        elif self.dispatcher is not None and self.dispatcher.group_of(request_id) is not None:
+            self._announce(AbortRequest(request_id))  # another group runs it
+        if self.dispatcher is not None:
+            self.dispatcher.finished(request_id)
 
     def has_unfinished(self) -> bool:
+        if self.dispatcher is not None:  # every group's requests, as rank 0 placed them
+            return self.scheduler.has_work() or any(self.dispatcher.requests)
         return self.scheduler.has_work()
+
+    def num_waiting(self) -> int:
+        """Requests queued for admission: in every attention group under DP attention."""
+        if self.dispatcher is not None:
+            return sum(g.waiting for g in self.groups)
+        return len(self.scheduler.waiting)
 
     # --- the loop --------------------------------------------------------------------------
 
@@ -231,10 +276,17 @@ class Engine:
         parallelism rank 0 first tells the other ranks what arrived since the last step."""
         if self.ranks is not None:
             self.ranks.bus.exchange(step=True)
-        return self._step()
+        outputs = self._step()
+        if self.ranks is not None and self.ranks.dp is not None:
+            outputs = self._collect(outputs, self._scheduled)
+        return outputs
 
     def _step(self) -> list[StepOutput]:
         chunks = self.scheduler.schedule()
+        self._scheduled = len(chunks)
+        self.peak_running = max(self.peak_running, len(self.scheduler.running))
+        if not chunks and self.ranks is not None and self.ranks.dp is not None:
+            self.runner.step([])  # the other groups' MLP collectives need this rank too
         if not chunks:
             if self.storage is not None and self.scheduler.waited_for_storage:
                 # Every admissible request waits for a storage prefetch: let the fetchers run
@@ -316,9 +368,56 @@ class Engine:
             ranks.close()
 
     def flush_cache(self) -> dict[str, int | str]:
-        """Pages dropped per tier (device, host) and what storage did (nothing)."""
+        """Pages dropped per tier (device, host) and what storage did (nothing); under DP
+        attention, summed over the groups, each of which has flushed when this returns."""
         self._announce(FlushCache())
-        return self.kv.flush()
+        if self.ranks is None or self.ranks.dp is None or not self.ranks.leader:
+            return self.kv.flush()
+        self.ranks.bus.exchange()
+        self._collect([], flushed=self.kv.flush())
+        return _summed([g.flushed or {} for g in self.groups])
+
+    # --- data-parallel attention: the groups report to rank 0 ---------------------------------
+
+    def _collect(
+        self,
+        outputs: list[StepOutput],
+        scheduled: int = 0,
+        flushed: dict[str, int | str] | None = None,
+    ) -> list[StepOutput]:
+        """Every group's first rank sends rank 0 its step; rank 0 returns them all, in group
+        order (others: [])."""
+        assert self.ranks is not None
+        mine = None
+        if self.ranks.group_leader:
+            free = self.kv.allocator.num_free
+            used = (self.kv.num_pages - free) * self.kv.page_size
+            sched = self.scheduler
+            report = GroupReport(
+                self.dp_rank,
+                outputs,
+                scheduled,
+                len(sched.running),
+                len(sched.waiting),
+                used,
+                flushed,
+            )
+            mine = encode(report)
+        reports = [decode_report(r) for r in self.ranks.bus.collect(mine) if r is not None]
+        if not reports:
+            return []
+        assert self.dispatcher is not None
+        self.groups = reports
+        if flushed is None:  # a step, not a flush
+            for r in reports:
+                self.idle_steps[r.dp_rank] += r.scheduled == 0
+        self.peak_running = max(self.peak_running, sum(r.running for r in reports))
+        merged = [o for r in reports for o in r.outputs]
+        for out in merged:
+            self.dispatcher.advanced(out.request_id)
+            if out.finish_reason:
+                self.dispatcher.finished(out.request_id)
+        return merged
 
     # --- tensor parallelism: ranks other than 0 -----------------------------------------------
 
@@ -332,10 +431,26 @@ class Engine:
         assert self.ranks is not None and not self.ranks.leader
         while True:
             message = self.ranks.bus.exchange()
+            flushed = None
             for command in message.inputs:
-                self.handle(command)
+                flushed = self.handle(command) or flushed
             if message.stop:
                 break
+            dp = self.ranks.dp is not None
+            if dp and flushed is not None:  # rank 0 collects the groups' flushes at once
+                self._collect([], flushed=flushed)
             if message.step:
-                self._step()
+                outputs = self._step()
+                if dp:
+                    self._collect(outputs, self._scheduled)
         self.close()
+
+
+def _summed(reports: list[dict[str, int | str]]) -> dict[str, int | str]:
+    """The groups' flush reports as one: page counts added, anything else as the first said."""
+    out: dict[str, int | str] = {}
+    for report in reports:
+        for key, value in report.items():
+            old = out.get(key)
+            out[key] = old + value if isinstance(old, int) and isinstance(value, int) else value
+    return out

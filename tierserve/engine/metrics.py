@@ -36,6 +36,11 @@ def engine_metrics(engine: Engine) -> list[MetricFamily]:
             len(sched.running),
         ),
         _gauge("tierserve_num_requests_waiting", "requests queued", len(sched.waiting)),
+        _gauge(
+            "tierserve_peak_requests_running",
+            "the most requests running at once in one step since the start, on the node",
+            engine.peak_running,
+        ),
         _counter("tierserve_prompt_tokens", "prompt tokens admitted", stats.num_prompt_tokens),
         _counter("tierserve_generation_tokens", "tokens generated", stats.num_generated_tokens),
         _counter("tierserve_engine_steps", "batches the engine ran", stats.num_steps),
@@ -50,9 +55,50 @@ def engine_metrics(engine: Engine) -> list[MetricFamily]:
     ]  # fmt: skip
     families += _tiers(engine)
     families += _memory(engine)
+    if engine.dispatcher is not None:
+        families += _groups(engine)
     if engine.storage is not None:
         families += _storage(engine.storage)
     return families
+
+
+def _groups(engine: Engine) -> list[MetricFamily]:
+    """Data-parallel attention: each attention group as it reported after the last step (the
+    families above without a dp_rank label are rank 0's group), and the node's peak."""
+    groups, dispatcher = engine.groups, engine.dispatcher
+    assert dispatcher is not None
+
+    def per_group(name: str, doc: str, values: list[int]) -> MetricFamily:
+        return _labelled(name, "gauge", doc, "dp_rank", {str(g): v for g, v in enumerate(values)})
+
+    return [
+        per_group(
+            "tierserve_dp_requests_running", "requests running in each attention group",
+            [g.running for g in groups],
+        ),
+        per_group(
+            "tierserve_dp_requests_waiting", "requests queued in each attention group",
+            [g.waiting for g in groups],
+        ),
+        per_group(
+            "tierserve_dp_device_tokens_used", "device pool tokens in use, per attention group",
+            [g.device_tokens_used for g in groups],
+        ),
+        _labelled(
+            "tierserve_dp_requests_placed", "counter", "requests rank 0 placed on each group",
+            "dp_rank", {str(g): v for g, v in enumerate(dispatcher.placed)},
+        ),
+        _labelled(
+            "tierserve_dp_idle_steps", "counter",
+            "steps a group joined with nothing to run (the others' MLP collectives need it)",
+            "dp_rank", {str(g): v for g, v in enumerate(engine.idle_steps)},
+        ),
+        _gauge("tierserve_dp_size", "attention groups (data-parallel attention)", len(groups)),
+        _gauge(
+            "tierserve_node_requests_running", "requests running in all attention groups",
+            sum(g.running for g in groups),
+        ),
+    ]  # fmt: skip
 
 
 def _memory(engine: Engine) -> list[MetricFamily]:

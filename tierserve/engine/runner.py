@@ -98,9 +98,10 @@ class ModelRunner:
             positions.extend(range(start, end))
             slots.extend(page_list[i // ps] * ps + i % ps for i in range(start, end))
         return ForwardBatch(
-            input_ids=torch.tensor(ids, device=self.device),
-            positions=torch.tensor(positions, device=self.device),
-            out_slots=torch.tensor(slots, device=self.device),
+            # int64 even when empty: an idle attention group's batch (DP attention)
+            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            out_slots=torch.tensor(slots, dtype=torch.long, device=self.device),
             spans=spans,
         )
 

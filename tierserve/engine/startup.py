@@ -65,8 +65,11 @@ class Startup:
         dtype = resolve_dtype(args.dtype, cfg, device)
         model_dtype = str(dtype).removeprefix("torch.")
         kv_dtype = model_dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-        spec = KVSpec.from_model(cfg, kv_dtype, args.page_size, tp=args.tp_size)
+        # With DP attention a rank holds KV for its attention group's share of the heads.
+        spec = KVSpec.from_model(cfg, kv_dtype, args.page_size, tp=args.attention_tp_size)
         numel = checkpoint_numel(model_path, cfg.num_layers)  # MTP layers past them skipped
+        if args.dp_groups > 1:  # each attention group holds its own copy of the attention side
+            numel += checkpoint_numel(model_path, cfg.num_layers, True) * (args.dp_groups - 1)
         weight_bytes = numel * dtype.itemsize + _fp32_extra(cfg, dtype.itemsize)
         storage = _storage_config(args)
         plan = _kv_plan(args, device, spec, weight_bytes, dtype.itemsize, storage)

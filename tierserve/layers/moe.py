@@ -130,13 +130,14 @@ class MoE(nn.Module):
         super().__init__()
         self.gate = TopKRouter(cfg)
         self.experts = Experts(cfg)
+        self.tp = tp_group()
         shared = cfg.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = GatedMLP(cfg.hidden_size, shared) if shared else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[tokens, hidden] → [tokens, hidden]."""
         weights, indices = self.gate(x)
-        out = all_reduce(self.experts(x, indices, weights))
+        out = all_reduce(self.experts(x, indices, weights), self.tp)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out

@@ -9,17 +9,23 @@
   gathered, so every rank holds the same full logits and samples the same token.
 
 Layers are built for the group that is current when the model is made (`tp_group()`; one rank
-unless `distributed/` set one up). A module with sharded parameters lists them in `tp_shards`
-(parameter name → (dim, index)): the loader narrows the full checkpoint tensor along `dim`
-(counted from the end) to slice `index` of the parameter's size, so a checkpoint loads the same
-way at any TP size (kept on the module: parameters are remade when the model leaves `meta`).
+unless `distributed/` set one up), and keep it: with data-parallel attention the attention
+layers, the embedding and the LM head are built for their attention group (`attention_group()`,
+made current by `building_attention`), the MLP and MoE layers for every rank. A module with
+sharded parameters lists them in `tp_shards` (parameter name → (dim, index)): the loader
+narrows the full checkpoint tensor along `dim` (counted from the end) to slice `index` of the
+parameter's size, so a checkpoint loads the same way at any TP size (kept on the module:
+parameters are remade when the model leaves `meta`).
 A KV head that more ranks need than the model has (tp > kv_heads) is `replicas` ranks' shared
 slice.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,18 +39,37 @@ from tierserve.errors import TierserveError
 class TPGroup:
     rank: int = 0
     size: int = 1
+    group: Any = None  # its torch.distributed ProcessGroup; None: the default (every rank)
 
 
 _current = TPGroup()
+_attention = TPGroup()
 
 
 def tp_group() -> TPGroup:
     return _current
 
 
-def set_tp_group(group: TPGroup) -> None:
+def attention_group() -> TPGroup:
+    """The ranks that split one attention group's heads: every rank, unless attention is
+    data-parallel."""
+    return _attention
+
+
+def set_tp_group(group: TPGroup, attention: TPGroup | None = None) -> None:
+    global _current, _attention
+    _current, _attention = group, attention or group
+
+
+@contextlib.contextmanager
+def building_attention() -> Iterator[None]:
+    """Layers made inside are split over the attention group."""
     global _current
-    _current = group
+    outer, _current = _current, _attention
+    try:
+        yield
+    finally:
+        _current = outer
 
 
 def shard_size(total: int, shards: int, what: str) -> int:
@@ -67,9 +92,10 @@ def shards_by_name(model: nn.Module) -> dict[str, tuple[int, int]]:
     }
 
 
-def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    if _current.size > 1:
-        dist.all_reduce(x)
+def all_reduce(x: torch.Tensor, tp: TPGroup) -> torch.Tensor:
+    # An idle attention group has no tokens on any of its ranks: nothing to sum.
+    if tp.size > 1 and x.numel():
+        dist.all_reduce(x, group=tp.group)
     return x
 
 
@@ -91,10 +117,11 @@ class RowParallelLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         tp = tp_group()
         super().__init__(shard_size(in_features, tp.size, "input features"), out_features, bias)
+        self.tp = tp
         mark_shard(self, "weight", -1, tp.rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(F.linear(x, self.weight), self.tp)
         return y + self.bias if self.bias is not None else y
 
 
@@ -102,16 +129,17 @@ class VocabParallelEmbedding(nn.Embedding):
     def __init__(self, vocab_size: int, hidden_size: int) -> None:
         tp = tp_group()
         super().__init__(shard_size(vocab_size, tp.size, "vocab_size"), hidden_size)
+        self.tp = tp
         self.start = tp.rank * self.num_embeddings
         mark_shard(self, "weight", -2, tp.rank)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if tp_group().size == 1:
+        if self.tp.size == 1:
             return super().forward(ids)
         local = ids - self.start
         outside = (local < 0) | (local >= self.num_embeddings)
         rows = F.embedding(local.masked_fill(outside, 0), self.weight)
-        return all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0))
+        return all_reduce(rows.masked_fill(outside.unsqueeze(-1), 0), self.tp)
 
 
 class ParallelLMHead(nn.Linear):
@@ -120,13 +148,13 @@ class ParallelLMHead(nn.Linear):
     def __init__(self, hidden_size: int, vocab_size: int) -> None:
         tp = tp_group()
         super().__init__(hidden_size, shard_size(vocab_size, tp.size, "vocab_size"), bias=False)
+        self.tp = tp
         mark_shard(self, "weight", -2, tp.rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = F.linear(x, self.weight)
-        size = tp_group().size
-        if size == 1:
+        if self.tp.size == 1:
             return local
-        parts = [torch.empty_like(local) for _ in range(size)]
-        dist.all_gather(parts, local.contiguous())
+        parts = [torch.empty_like(local) for _ in range(self.tp.size)]
+        dist.all_gather(parts, local.contiguous(), group=self.tp.group)
         return torch.cat(parts, dim=-1)

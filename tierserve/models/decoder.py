@@ -1,7 +1,8 @@
 """The shape every supported model shares: token embeddings, pre-norm decoder layers
 (attention, then an MLP, each added to the residual stream), a final norm and an LM head.
 
-A family is a `CausalLM` whose `layer_parts` builds one layer's attention and MLP. Module names
+A family is a `CausalLM` whose `attention_part` and `mlp_part` build one layer's attention and
+MLP (apart: with data-parallel attention they split over different groups of ranks). Module names
 are Hugging Face's (`model.layers.{i}.self_attn`, `.mlp`, `.input_layernorm`, ...), so weights
 load by name. `forward(input_ids, positions, attn)` runs a flat batch of tokens from many
 sequences; `attn` stores their KV and attends (layers/attention.py).
@@ -18,6 +19,8 @@ from tierserve.layers import (
     RMSNorm,
     RotaryEmbedding,
     VocabParallelEmbedding,
+    building_attention,
+    dp_attention,
     rotary_for,
 )
 from tierserve.model_config import ModelConfig
@@ -34,17 +37,23 @@ class DecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x), attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if len(x):  # an idle attention group (DP attention) only joins the MLP's collectives
+            x = x + self.self_attn(positions, self.input_layernorm(x), attn)
+        h = self.post_attention_layernorm(x)
+        dp = dp_attention()
+        if dp is None:
+            return x + self.mlp(h)
+        return x + dp.scatter(self.mlp(dp.gather(h)))
 
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, family: type[CausalLM]) -> None:
         super().__init__()
         self.rotary = rotary_for(cfg)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        with building_attention():  # a group's own tokens: split over its attention group
+            self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, *family.layer_parts(cfg, i, self.rotary))
+            DecoderLayer(cfg, family.attention(cfg, i, self.rotary), family.mlp(cfg, i))
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -52,6 +61,9 @@ class DecoderModel(nn.Module):
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
+        dp = dp_attention()
+        if dp is not None and dp.begin_step(len(input_ids)) == 0:
+            return self.embed_tokens.weight.new_empty(0, self.norm.weight.shape[0])
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
             x = layer(positions, x, attn)
@@ -63,15 +75,30 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg, type(self))
-        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
+        # Over the attention group, as SGLang's --enable-dp-lm-head: a group's prompt logprobs
+        # take as many LM-head calls as its chunks need, which differ between groups.
+        with building_attention():
+            self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    @classmethod
+    def attention(cls, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
+        """Layer `layer_id`'s attention, split over the attention group."""
+        with building_attention():
+            return cls.attention_part(cfg, layer_id, rotary)
+
+    @classmethod
+    def mlp(cls, cfg: ModelConfig, layer_id: int) -> nn.Module:
+        """Layer `layer_id`'s MLP or MoE, split over every rank."""
+        return cls.mlp_part(cfg, layer_id)
+
     @staticmethod
-    def layer_parts(
-        cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding
-    ) -> tuple[nn.Module, nn.Module]:
-        """Layer `layer_id`'s attention and MLP."""
+    def attention_part(cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
+        raise NotImplementedError
+
+    @staticmethod
+    def mlp_part(cfg: ModelConfig, layer_id: int) -> nn.Module:
         raise NotImplementedError
 
     def forward(

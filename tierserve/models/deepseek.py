@@ -82,12 +82,14 @@ class DeepseekForCausalLM(CausalLM):
     """DeepseekV2ForCausalLM and DeepseekV3ForCausalLM: the config tells them apart (routing)."""
 
     @staticmethod
-    def layer_parts(
-        cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding
-    ) -> tuple[nn.Module, nn.Module]:
-        moe = cfg.moe is not None and cfg.moe.is_moe_layer(layer_id)
-        mlp = MoE(moe_config(cfg)) if moe else GatedMLP(cfg.hidden_size, cfg.intermediate_size)
-        return DeepseekAttention(mla_config(cfg), layer_id, rotary), mlp
+    def attention_part(cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
+        return DeepseekAttention(mla_config(cfg), layer_id, rotary)
+
+    @staticmethod
+    def mlp_part(cfg: ModelConfig, layer_id: int) -> nn.Module:
+        if cfg.moe is not None and cfg.moe.is_moe_layer(layer_id):
+            return MoE(moe_config(cfg))
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def checkpoint_target(self, name: str) -> tuple[str, tuple[int | slice, ...]] | None:
         """Where a per-expert checkpoint tensor goes in the stacked experts: (parameter,

@@ -62,9 +62,9 @@ class LlamaAttention(nn.Module):
 
 class LlamaForCausalLM(CausalLM):
     @staticmethod
-    def layer_parts(
-        cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding
-    ) -> tuple[nn.Module, nn.Module]:
-        return LlamaAttention(cfg, layer_id, rotary), GatedMLP(
-            cfg.hidden_size, cfg.intermediate_size
-        )
+    def attention_part(cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
+        return LlamaAttention(cfg, layer_id, rotary)
+
+    @staticmethod
+    def mlp_part(cfg: ModelConfig, layer_id: int) -> nn.Module:
+        return GatedMLP(cfg.hidden_size, cfg.intermediate_size)

@@ -68,15 +68,21 @@ class CheckpointLayout:
         return name if layer is None or int(layer[1]) < self.num_layers else None
 
 
-def checkpoint_numel(path: str | Path, num_layers: int) -> int:
-    """Parameters a model of `num_layers` will hold, read from the safetensors headers without
-    loading them."""
+# What data-parallel attention keeps once per attention group: the attention layers, the
+# embedding and the LM head (the MLPs and experts are split over every rank).
+_ATTENTION_SIDE = (".self_attn.", "embed_tokens.", "lm_head.")
+
+
+def checkpoint_numel(path: str | Path, num_layers: int, attention_only: bool = False) -> int:
+    """Parameters a model of `num_layers` will hold (or, with `attention_only`, those of its
+    attention side), read from the safetensors headers without loading them."""
     total, layout = 0, CheckpointLayout.of(Path(path), num_layers)
     for file in weight_files(Path(path)):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    if layout.model_name(key):
+                    name = layout.model_name(key)
+                    if name and (not attention_only or any(p in name for p in _ATTENTION_SIDE)):
                         total += math.prod(f.get_slice(key).get_shape())
         except Exception as err:  # safetensors raises its own error type for a bad header
             raise TierserveError(f"cannot read {file}: {err}", field="model") from None

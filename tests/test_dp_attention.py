@@ -1,0 +1,203 @@
+"""Data-parallel attention on CPU over gloo, with real rank processes: greedy outputs equal one
+process for Llama (GQA) and DeepSeek-V3 (MLA + MoE) at tp 2 / dp 2 and tp 4 / dp 2 with the
+radix cache and the host tier on; at the same pool bytes per rank an MLA model runs twice the
+requests at once; the dispatcher's rules; a served DP engine answers the openai client, flushes
+every group and goes down with a rank."""
+
+from __future__ import annotations
+
+import signal
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import Server, eventually, random_prompts, running
+from tests.test_hicache import mixed_workload
+from tests.test_tp import _ranks_of
+from tierserve import LLM, SamplingParams, TierserveError
+from tierserve.args import EngineArgs
+from tierserve.bench.client import parse_prometheus
+from tierserve.engine import engine_metrics
+from tierserve.engine.dispatch import BALANCE_ABS, BLOCK, Dispatcher
+from tierserve.server.metrics import ServerMetrics
+
+HOST = dict(
+    device="cpu",
+    max_total_tokens=480,
+    chunked_prefill_size=128,
+    enable_hierarchical_cache=True,
+    hicache_ratio=8,
+)
+DP = dict(enable_dp_attention=True)
+
+
+def metrics_of(llm: LLM) -> dict[str, float]:
+    """The engine's families as /metrics renders them."""
+    return parse_prometheus(ServerMetrics().render(engine_metrics(llm.engine)).decode())
+
+
+@pytest.fixture(scope="module")
+def references(checkpoints) -> dict[str, list[list[int]]]:
+    out = {}
+    for family in ("llama", "deepseek-v3"):
+        with LLM(str(checkpoints[family]), **HOST) as llm:
+            out[family] = mixed_workload(llm)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("family", "tp", "dp"),
+    [("llama", 2, 2), ("deepseek-v3", 2, 2), ("llama", 4, 2), ("deepseek-v3", 4, 2)],
+)
+def test_greedy_outputs_equal_one_process(checkpoints, references, family, tp, dp):
+    with LLM(str(checkpoints[family]), tp_size=tp, dp_size=dp, **DP, **HOST) as llm:
+        assert mixed_workload(llm) == references[family]
+        engine = llm.engine
+        # The workload's shared prefix stays on one group, so its host tier serves it again.
+        stats = engine.kv.host.stats
+        assert stats.host_hit_tokens > 0 and stats.load_backs > 0
+        assert engine.scheduler.stats.num_cached_tokens > 0
+        metrics = metrics_of(llm)
+        placed = [metrics[f"tierserve_dp_requests_placed_total{{dp_rank={g}}}"] for g in range(dp)]
+        idle = [metrics[f"tierserve_dp_idle_steps_total{{dp_rank={g}}}"] for g in range(dp)]
+        assert all(placed) and placed[0] != placed[1]  # both groups ran, unevenly
+        assert any(idle)  # and a group joined steps with nothing of its own to run
+        # Each group's KV is split over its tp / dp ranks: its pool holds its heads only.
+        assert engine.kv_plan.spec.tp == tp // dp
+
+
+def _hold_many(llm: LLM, n: int) -> int:
+    """Submit `n` long requests, run steps until every admitted one has prefilled, then abort
+    them all; the peak running the node reached."""
+    engine = llm.engine
+    params = SamplingParams(max_tokens=250, temperature=0, ignore_eos=True)
+    rids = [engine.add_request(p, params) for p in random_prompts(n, [40], seed=3)]
+    for _ in range(6):  # prefill (3 prompts of 40 per 128-token chunk) and a few decodes
+        engine.step()
+    peak = int(metrics_of(llm)["tierserve_peak_requests_running"])
+    for rid in rids:
+        engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    return peak
+
+
+def test_dp_attention_runs_twice_the_requests_at_the_same_pool_bytes(checkpoints):
+    path = str(checkpoints["deepseek-v3"])
+    common = dict(device="cpu", max_total_tokens=320, chunked_prefill_size=512)
+    with LLM(path, tp_size=2, **common) as llm:
+        tp_bytes = llm.engine.kv_plan.device_bytes
+        tp_peak = _hold_many(llm, 24)
+    with LLM(path, tp_size=2, dp_size=2, **DP, **common) as llm:
+        assert llm.engine.kv_plan.device_bytes == tp_bytes  # the same pool on every rank
+        dp_peak = _hold_many(llm, 24)
+    assert 0 < tp_peak < 24 and dp_peak == 2 * tp_peak, (tp_peak, dp_peak)
+
+
+def test_the_node_holds_each_groups_own_tokens(checkpoints):
+    """Under plain TP both ranks hold the same latents; with DP attention each group's pool
+    holds its own requests', so the node's distinct device tokens add up over the groups."""
+    path = str(checkpoints["deepseek-v3"])
+    with LLM(path, tp_size=2, dp_size=2, **DP, device="cpu", max_total_tokens=320) as llm:
+        engine = llm.engine
+        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
+        rids = [engine.add_request(p, params) for p in random_prompts(8, [40], seed=4)]
+        for _ in range(3):
+            engine.step()
+        used = [g.device_tokens_used for g in engine.groups]
+        assert used[0] > 0 and used[1] > 0
+        assert sum(used) > engine.kv.num_pages * engine.kv.page_size  # more than one pool
+        for rid in rids:
+            engine.abort(rid)
+
+
+# --- the dispatcher -------------------------------------------------------------------------
+
+
+def test_cache_aware_sends_a_conversations_next_turn_to_its_prefix():
+    d = Dispatcher(2)
+    a, b = random_prompts(2, [64], seed=1)
+    assert d.place("a", a) == 0 and d.place("b", b) == 1  # no prefix: the smallest tree
+    d.finished("a")
+    d.finished("b")
+    assert d.place("b2", b + [5] * 20) == 1 and d.place("a2", a + [7] * 20) == 0
+
+
+def test_cache_aware_yields_to_balance_and_round_robin_ignores_prefixes():
+    d = Dispatcher(2)
+    (hot,) = random_prompts(1, [64], seed=2)
+    for i in range(BALANCE_ABS + 1):  # one hot prefix piles up on its group
+        assert d.place(f"hot-{i}", hot + [i + 2] * BLOCK) == 0
+    assert d.place("one-more", hot + [999] * BLOCK) == 1  # out of balance: the idle group
+    rr = Dispatcher(2, "round_robin")
+    assert [rr.place(f"r{i}", hot + [i + 2] * BLOCK) for i in range(4)] == [0, 1, 0, 1]
+
+
+def test_a_requests_choices_share_one_group():
+    d = Dispatcher(2, "round_robin")
+    (p,) = random_prompts(1, [40], seed=3)
+    assert {d.place(f"x-{i}", p) for i in range(4)} == {0}  # the same prompt in flight
+    for i in range(4):
+        d.finished(f"x-{i}")
+    assert d.place("y", p) == 1  # none in flight: the rule again
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        (dict(tp_size=2, dp_size=2), "behind sglang-router"),
+        (dict(tp_size=4, dp_size=3, enable_dp_attention=True), "must divide --tp-size"),
+        (dict(tp_size=2, enable_dp_attention=True), "needs --dp-size > 1"),
+        (
+            dict(tp_size=2, dp_size=2, **DP, load_balance_method="follow_bootstrap_room"),
+            "prefill-decode",
+        ),
+    ],
+)
+def test_dp_flags_are_checked_with_sglangs_rules(kwargs, needle):
+    with pytest.raises(TierserveError, match=needle):
+        EngineArgs(**kwargs)
+
+
+# --- served ---------------------------------------------------------------------------------
+
+
+def test_a_dp_server_answers_flushes_every_group_and_goes_down_with_a_rank(llama_dir):
+    prompts = random_prompts(4, [30], seed=5)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with LLM(str(llama_dir), device="cpu", max_total_tokens=480) as llm:
+        want = [o.text for o in llm.generate(prompts, params)]
+    flags = ("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention", "--device", "cpu")
+    server = Server(llama_dir, *flags, "--max-total-tokens", "480")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        kw = dict(model=llama_dir.name, max_tokens=6, temperature=0)
+        kw["extra_body"] = {"ignore_eos": True}
+        texts = [client.completions.create(prompt=p, **kw).choices[0].text for p in prompts]
+        assert texts == want
+        many = client.completions.create(prompt=prompts[0], n=3, seed=1, **{**kw, "temperature": 1})
+        assert [c.index for c in many.choices] == [0, 1, 2]
+        metrics = server.metrics()
+        assert metrics["tierserve_dp_size"] == 2
+        placed = [metrics[f"tierserve_dp_requests_placed_total{{dp_rank={g}}}"] for g in (0, 1)]
+        assert all(placed) and sum(placed) == len(prompts) + 3
+        assert metrics["tierserve_dp_device_tokens_used{dp_rank=1}"] > 0  # the radix cache
+        flushed = httpx.post(f"{server.url}/flush_cache", timeout=60).json()
+        assert flushed["flushed_pages"] > 0
+        metrics = server.metrics()
+        assert [metrics[f"tierserve_dp_device_tokens_used{{dp_rank={g}}}"] for g in (0, 1)] == [
+            0,
+            0,
+        ]  # every group flushed
+
+        core = server.core
+        (rank1,) = _ranks_of(server.proc.pid)
+        rank1.send_signal(signal.SIGKILL)
+        body = {"model": llama_dir.name, "prompt": prompts[0], "max_tokens": 10}
+        status = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code
+        assert status == 503
+        assert server.proc.wait(timeout=30) != 0  # it exits for its supervisor, never hangs
+        assert eventually(lambda: not running(core.pid), 10)  # no process left behind
+    finally:
+        server.stop()
