@@ -105,7 +105,7 @@ def test_the_node_holds_each_groups_own_tokens(checkpoints):
         rids = [engine.add_request(p, params) for p in random_prompts(8, [40], seed=4)]
         for _ in range(3):
             engine.step()
-        used = [g.device_tokens_used for g in engine.groups]
+        used = [g.device_tokens_used for g in engine.groups.reports]
         assert used[0] > 0 and used[1] > 0
         assert sum(used) > engine.kv.num_pages * engine.kv.page_size  # more than one pool
         for rid in rids:

@@ -26,7 +26,7 @@ from tierserve.cache import (
     open_share,
 )
 from tierserve.distributed import Ranks
-from tierserve.engine.dispatch import Dispatcher
+from tierserve.engine.dp_groups import AttentionGroups
 from tierserve.engine.kv_plan import KVPlan, startup_table
 from tierserve.engine.prepare import RequestPreparer
 from tierserve.engine.request import Request
@@ -109,14 +109,11 @@ class Engine:
             # on the groups and keeps what each group last reported.
             dp = self.ranks.dp if self.ranks is not None else None
             self.dp_rank = dp.group_rank if dp is not None else 0
-            self.dispatcher: Dispatcher | None = None
-            self.groups: list[GroupReport] = []
+            self.groups: AttentionGroups | None = None
+            if dp is not None and self.ranks is not None and self.ranks.leader:
+                self.groups = AttentionGroups(dp.groups, args.load_balance_method)
             self.peak_running = 0  # the node's most requests running in one step
             self._scheduled = 0  # requests the last step ran on this rank
-            if dp is not None and self.ranks is not None and self.ranks.leader:
-                self.dispatcher = Dispatcher(dp.groups, args.load_balance_method)
-                self.groups = [GroupReport(g) for g in range(dp.groups)]
-            self.idle_steps = [0] * len(self.groups)  # steps a group only joined
             self.info = CoreInfo(
                 pid=os.getpid(),
                 model_path=startup.model_path,
@@ -220,7 +217,7 @@ class Engine:
         )
 
     def submit(self, req: Request) -> None:
-        dispatcher = self.dispatcher
+        dispatcher = self.groups.dispatcher if self.groups is not None else None
         if req.rid in self._requests or (dispatcher and dispatcher.group_of(req.rid) is not None):
             raise TierserveError(f"request id {req.rid!r} is already in flight", "request_id")
         if dispatcher is not None and req.message is not None:
@@ -239,7 +236,7 @@ class Engine:
     def handle(self, message: EngineInput) -> dict[str, int | str] | None:
         """Apply one message (the core's inbox and the tensor-parallel bus carry the same)."""
         if isinstance(message, AddRequest):
-            if self.dispatcher is None and message.dp_rank != self.dp_rank:
+            if self.groups is None and message.dp_rank != self.dp_rank:
                 return None  # another attention group's request
             self.submit(self._request(message))
         elif isinstance(message, AbortRequest):
@@ -253,20 +250,20 @@ class Engine:
         if req is not None and not req.finished:
             self.scheduler.finish(req, "abort")
             self._announce(AbortRequest(request_id))
-        elif self.dispatcher is not None and self.dispatcher.group_of(request_id) is not None:
+        elif self.groups is not None and self.groups.dispatcher.group_of(request_id) is not None:
             self._announce(AbortRequest(request_id))  # another group runs it
-        if self.dispatcher is not None:
-            self.dispatcher.finished(request_id)
+        if self.groups is not None:
+            self.groups.dispatcher.finished(request_id)
 
     def has_unfinished(self) -> bool:
-        if self.dispatcher is not None:  # every group's requests, as rank 0 placed them
-            return self.scheduler.has_work() or any(self.dispatcher.requests)
+        if self.groups is not None:  # every group's requests, as rank 0 placed them
+            return self.scheduler.has_work() or self.groups.busy()
         return self.scheduler.has_work()
 
     def num_waiting(self) -> int:
         """Requests queued for admission: in every attention group under DP attention."""
-        if self.dispatcher is not None:
-            return sum(g.waiting for g in self.groups)
+        if self.groups is not None:
+            return self.groups.waiting
         return len(self.scheduler.waiting)
 
     # --- the loop --------------------------------------------------------------------------
@@ -375,7 +372,8 @@ class Engine:
             return self.kv.flush()
         self.ranks.bus.exchange()
         self._collect([], flushed=self.kv.flush())
-        return _summed([g.flushed or {} for g in self.groups])
+        assert self.groups is not None
+        return self.groups.flushed()
 
     # --- data-parallel attention: the groups report to rank 0 ---------------------------------
 
@@ -404,20 +402,11 @@ class Engine:
             )
             mine = encode(report)
         reports = [decode_report(r) for r in self.ranks.bus.collect(mine) if r is not None]
-        if not reports:
+        if self.groups is None:
             return []
-        assert self.dispatcher is not None
-        self.groups = reports
-        if flushed is None:  # a step, not a flush
-            for r in reports:
-                self.idle_steps[r.dp_rank] += r.scheduled == 0
-        self.peak_running = max(self.peak_running, sum(r.running for r in reports))
-        merged = [o for r in reports for o in r.outputs]
-        for out in merged:
-            self.dispatcher.advanced(out.request_id)
-            if out.finish_reason:
-                self.dispatcher.finished(out.request_id)
-        return merged
+        outputs = self.groups.take(reports, step=flushed is None)
+        self.peak_running = max(self.peak_running, self.groups.running)
+        return outputs
 
     # --- tensor parallelism: ranks other than 0 -----------------------------------------------
 
@@ -444,13 +433,3 @@ class Engine:
                 if dp:
                     self._collect(outputs, self._scheduled)
         self.close()
-
-
-def _summed(reports: list[dict[str, int | str]]) -> dict[str, int | str]:
-    """The groups' flush reports as one: page counts added, anything else as the first said."""
-    out: dict[str, int | str] = {}
-    for report in reports:
-        for key, value in report.items():
-            old = out.get(key)
-            out[key] = old + value if isinstance(old, int) and isinstance(value, int) else value
-    return out

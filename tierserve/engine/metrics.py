@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from tierserve.messages import MetricFamily
 
 if TYPE_CHECKING:
+    from tierserve.engine.dp_groups import AttentionGroups
     from tierserve.engine.engine import Engine
     from tierserve.storage import StorageTier
 
@@ -55,18 +56,17 @@ def engine_metrics(engine: Engine) -> list[MetricFamily]:
     ]  # fmt: skip
     families += _tiers(engine)
     families += _memory(engine)
-    if engine.dispatcher is not None:
-        families += _groups(engine)
+    if engine.groups is not None:
+        families += _groups(engine.groups)
     if engine.storage is not None:
         families += _storage(engine.storage)
     return families
 
 
-def _groups(engine: Engine) -> list[MetricFamily]:
+def _groups(groups: AttentionGroups) -> list[MetricFamily]:
     """Data-parallel attention: each attention group as it reported after the last step (the
     families above without a dp_rank label are rank 0's group), and the node's peak."""
-    groups, dispatcher = engine.groups, engine.dispatcher
-    assert dispatcher is not None
+    reports = groups.reports
 
     def per_group(name: str, doc: str, values: list[int]) -> MetricFamily:
         return _labelled(name, "gauge", doc, "dp_rank", {str(g): v for g, v in enumerate(values)})
@@ -74,29 +74,29 @@ def _groups(engine: Engine) -> list[MetricFamily]:
     return [
         per_group(
             "tierserve_dp_requests_running", "requests running in each attention group",
-            [g.running for g in groups],
+            [g.running for g in reports],
         ),
         per_group(
             "tierserve_dp_requests_waiting", "requests queued in each attention group",
-            [g.waiting for g in groups],
+            [g.waiting for g in reports],
         ),
         per_group(
             "tierserve_dp_device_tokens_used", "device pool tokens in use, per attention group",
-            [g.device_tokens_used for g in groups],
+            [g.device_tokens_used for g in reports],
         ),
         _labelled(
             "tierserve_dp_requests_placed", "counter", "requests rank 0 placed on each group",
-            "dp_rank", {str(g): v for g, v in enumerate(dispatcher.placed)},
+            "dp_rank", {str(g): v for g, v in enumerate(groups.dispatcher.placed)},
         ),
         _labelled(
             "tierserve_dp_idle_steps", "counter",
             "steps a group joined with nothing to run (the others' MLP collectives need it)",
-            "dp_rank", {str(g): v for g, v in enumerate(engine.idle_steps)},
+            "dp_rank", {str(g): v for g, v in enumerate(groups.idle_steps)},
         ),
-        _gauge("tierserve_dp_size", "attention groups (data-parallel attention)", len(groups)),
+        _gauge("tierserve_dp_size", "attention groups (data-parallel attention)", len(reports)),
         _gauge(
             "tierserve_node_requests_running", "requests running in all attention groups",
-            sum(g.running for g in groups),
+            groups.running,
         ),
     ]  # fmt: skip
 
