@@ -7,6 +7,7 @@ every group and goes down with a rank."""
 from __future__ import annotations
 
 import signal
+import threading
 
 import httpx
 import openai
@@ -67,49 +68,92 @@ def test_greedy_outputs_equal_one_process(checkpoints, references, family, tp, d
         assert engine.kv_plan.spec.tp == tp // dp
 
 
-def _hold_many(llm: LLM, n: int) -> int:
-    """Submit `n` long requests, run steps until every admitted one has prefilled, then abort
-    them all; the peak running the node reached."""
-    engine = llm.engine
-    params = SamplingParams(max_tokens=250, temperature=0, ignore_eos=True)
-    rids = [engine.add_request(p, params) for p in random_prompts(n, [40], seed=3)]
-    for _ in range(6):  # prefill (3 prompts of 40 per 128-token chunk) and a few decodes
-        engine.step()
-    peak = int(metrics_of(llm)["tierserve_peak_requests_running"])
-    for rid in rids:
-        engine.abort(rid)
-    while engine.has_unfinished():
-        engine.step()
-    return peak
+def _held_running(model, n: int, *flags: str) -> tuple[int, int]:
+    """Serve `model`, send `n` long streams while no step may run, then let three steps run:
+    the peak of requests running at once (/metrics) and the node's distinct device tokens then
+    in use. The streams are closed (aborted) afterwards."""
+    with Server(model, "--device", "cpu", "--max-total-tokens", "320", *flags) as server:
+        server.hold_steps(0)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+        done = threading.Event()
+
+        def stream(prompt: list[int]) -> None:
+            chunks = client.completions.create(
+                model=model.name, prompt=prompt, max_tokens=250, temperature=0, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            with chunks:
+                for _ in chunks:
+                    if done.is_set():
+                        return  # closing the stream aborts the request
+
+        threads = [threading.Thread(target=stream, args=(p,)) for p in random_prompts(n, [40])]
+        for t in threads:
+            t.start()
+        server.wait_for(lambda m: _arrived(m) == n)  # every one queued, none run yet
+        server.hold_steps(3)
+        server.wait_for(lambda m: m["tierserve_engine_steps_total"] == 3)
+        metrics = server.metrics()
+        done.set()
+        server.release_steps()
+        for t in threads:
+            t.join(timeout=60)
+        peak = int(metrics["tierserve_peak_requests_running"])
+        if "tierserve_dp_size" in metrics:
+            used = sum(v for k, v in metrics.items() if k.startswith("tierserve_dp_device_tok"))
+        else:  # every rank holds the same tokens: one rank's pool is the node's distinct KV
+            used = metrics["tierserve_kv_pages_used{tier=device}"] * 16
+        return peak, int(used)
+
+
+def _arrived(m: dict[str, float]) -> float:
+    """Requests the engine core has taken: placed on the groups, or waiting in its queue."""
+    placed = [v for k, v in m.items() if k.startswith("tierserve_dp_requests_placed_total")]
+    return sum(placed) if placed else m["tierserve_num_requests_waiting"]
 
 
 def test_dp_attention_runs_twice_the_requests_at_the_same_pool_bytes(checkpoints):
-    path = str(checkpoints["deepseek-v3"])
-    common = dict(device="cpu", max_total_tokens=320, chunked_prefill_size=512)
-    with LLM(path, tp_size=2, **common) as llm:
-        tp_bytes = llm.engine.kv_plan.device_bytes
-        tp_peak = _hold_many(llm, 24)
-    with LLM(path, tp_size=2, dp_size=2, **DP, **common) as llm:
-        assert llm.engine.kv_plan.device_bytes == tp_bytes  # the same pool on every rank
-        dp_peak = _hold_many(llm, 24)
-    assert 0 < tp_peak < 24 and dp_peak == 2 * tp_peak, (tp_peak, dp_peak)
+    """MLA at tp 2: plain TP holds the same latents on both ranks; with two attention groups
+    each rank's pool (the same bytes) holds its own group's requests."""
+    model = checkpoints["deepseek-v3"]
+    tp_peak, tp_tokens = _held_running(model, 24, "--tp-size", "2")
+    dp_flags = ("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention")
+    dp_peak, dp_tokens = _held_running(model, 24, *dp_flags)
+    assert 0 < tp_peak < 12 and dp_peak == 2 * tp_peak, (tp_peak, dp_peak)
+    assert dp_tokens == 2 * tp_tokens > 0, (tp_tokens, dp_tokens)
 
 
-def test_the_node_holds_each_groups_own_tokens(checkpoints):
-    """Under plain TP both ranks hold the same latents; with DP attention each group's pool
-    holds its own requests', so the node's distinct device tokens add up over the groups."""
-    path = str(checkpoints["deepseek-v3"])
-    with LLM(path, tp_size=2, dp_size=2, **DP, device="cpu", max_total_tokens=320) as llm:
-        engine = llm.engine
-        params = SamplingParams(max_tokens=200, temperature=0, ignore_eos=True)
-        rids = [engine.add_request(p, params) for p in random_prompts(8, [40], seed=4)]
-        for _ in range(3):
-            engine.step()
-        used = [g.device_tokens_used for g in engine.groups.reports]
-        assert used[0] > 0 and used[1] > 0
-        assert sum(used) > engine.kv.num_pages * engine.kv.page_size  # more than one pool
-        for rid in rids:
-            engine.abort(rid)
+def _multiturn_hits(model, *flags: str, clients: int = 5, rounds: int = 3) -> list[int]:
+    """Cached prompt tokens per round of a multi-turn chat through the server's /generate
+    (each turn's prompt is the conversation so far, as token ids), as the server reports them."""
+    convs = random_prompts(clients, [100], seed=7)
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    hits = []
+    with Server(model, "--device", "cpu", "--max-total-tokens", "4096", *flags) as server:
+        for r in range(rounds):
+            cached = 0
+            for i, conv in enumerate(convs):
+                body = {"input_ids": conv, "sampling_params": params}
+                out = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+                cached += out["meta_info"]["cached_tokens"]
+                question = random_prompts(1, [8], seed=100 * r + i)[0]
+                convs[i] = conv + out["output_ids"] + question
+            hits.append(cached)
+    return hits
+
+
+def test_prefix_affinity_keeps_a_conversation_on_its_group(checkpoints):
+    """Every round after the first hits at least 90% of what one group holding every
+    conversation hits; round robin (5 conversations over 2 groups) moves them and hits less."""
+    model = checkpoints["llama"]
+    one_group = _multiturn_hits(model)
+    dp = ("--tp-size", "2", "--dp-size", "2", "--enable-dp-attention")
+    affinity = _multiturn_hits(model, *dp)
+    rotating = _multiturn_hits(model, *dp, "--load-balance-method", "round_robin")
+    assert one_group[0] == affinity[0] == 0 and min(one_group[1:]) > 0
+    for r in range(1, len(one_group)):
+        assert affinity[r] >= 0.9 * one_group[r], (affinity, one_group)
+    assert sum(rotating[1:]) < sum(affinity[1:]), (rotating, affinity)
 
 
 # --- the dispatcher -------------------------------------------------------------------------
