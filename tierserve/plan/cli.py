@@ -25,6 +25,7 @@ from tierserve.plan.presets import (
 )
 from tierserve.plan.render import plan_json, render_check, render_plan
 from tierserve.plan.sglang import check_sglang, parse_sglang_flags
+from tierserve.plan.sglang_versions import NEWEST
 from tierserve.plan.verdict import judge
 from tierserve.plan.vllm import check_vllm, parse_vllm_flags
 from tierserve.plan.weights import WEIGHT_DTYPE_BYTES, ModelSpec, model_spec
@@ -81,6 +82,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FLAGS",
         help="check an SGLang command line instead, e.g. "
         '"--tp-size 8 --enable-hierarchical-cache --hicache-size 48"',
+    )
+    add(
+        "--sglang-version",
+        default=NEWEST,
+        metavar="V",
+        help=(
+            "the SGLang release --check-sglang describes (what it does with pools that do not "
+            f"fit: hang before 0.5.19, refuse since, auto-size since 0.5.21); default {NEWEST}"
+        ),
     )
     add(
         "--check-vllm",
@@ -152,7 +162,18 @@ def _add_machine_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=1,
         metavar="N",
-        help="data-parallel replicas; each is tp × pp more processes with their own pools (1)",
+        help=(
+            "data-parallel replicas, each tp × pp more processes with their own pools (1); "
+            "with --enable-dp-attention, attention groups inside the tp ranks"
+        ),
+    )
+    add(
+        "--enable-dp-attention",
+        action="store_true",
+        help=(
+            "--dp attention groups of tp/dp ranks (SGLang's flag): each holds only its own "
+            "requests' KV, so an MLA latent is no longer the same on every rank"
+        ),
     )
     add(
         "--gpu",
@@ -213,7 +234,7 @@ def run(ns: argparse.Namespace) -> int:
         raise TierserveError("give --check-sglang or --check-vllm, not both", "check_vllm")
     if ns.check_sglang is not None or ns.check_vllm is not None:
         check = (
-            check_sglang(ns.check_sglang, inputs)
+            check_sglang(ns.check_sglang, inputs, ns.sglang_version)
             if ns.check_sglang is not None
             else check_vllm(ns.check_vllm, inputs)
         )
@@ -328,7 +349,8 @@ def _gpus_per_node(ns: argparse.Namespace) -> int | None:
     """--gpus, else SGLang's --nnodes: the ranks split evenly over the nodes."""
     if ns.gpus is not None or ns.nnodes == 1:
         return ns.gpus
-    return ranks_per_node(ns.tp * ns.pp * ns.dp, ns.nnodes, "tp × pp × dp =")
+    replicas = 1 if ns.enable_dp_attention else ns.dp  # attention groups add no ranks
+    return ranks_per_node(ns.tp * ns.pp * replicas, ns.nnodes, "tp × pp × dp =")
 
 
 def _host_available(text: str | None) -> tuple[int, str]:
@@ -371,6 +393,7 @@ def build_inputs(ns: argparse.Namespace, model: ModelSpec) -> PlanInputs:
         tp=ns.tp,
         pp=ns.pp,
         dp=ns.dp,
+        dp_attention=ns.enable_dp_attention,
         kv_dtype=ns.kv_dtype,
         mem_fraction_static=ns.mem_fraction_static,
         page_size=ns.page_size,

@@ -15,6 +15,9 @@ Formulas (DESIGN.md §3):
 - MLA bytes/token = layers × (kv_lora_rank + qk_rope_head_dim) × dtype_bytes, and every rank
   holds all of it (the latent is shared by all heads, so TP cannot split it).
 - device pool per rank = GPU memory × mem_fraction_static − weights per rank.
+- data-parallel attention (dp groups of tp / dp ranks): KV per rank as at tp / dp, each group's
+  pool its own requests' tokens, so requests at once = dp × one pool's; the attention side of
+  the weights is split over a group only.
 - host cache per rank, at most = (available − overhead − margin) // local ranks.
 """
 
@@ -87,7 +90,10 @@ class PlanInputs:
     device_tokens_per_rank: int | None = None  # e.g. --max-total-tokens
     context_length: int | None = None  # the longest request that must fit, when asked
     pp: int = 1  # pipeline stages: each holds layers / pp, and is tp processes of its own
-    dp: int = 1  # data-parallel replicas: each a whole tp × pp group with its own pools
+    dp: int = 1  # data-parallel replicas (each a whole tp × pp group with its own pools), or
+    # with dp_attention attention groups inside the tp ranks (SGLang's --enable-dp-attention):
+    # each group of tp / dp ranks holds its own requests' KV; the MLP and experts span all tp.
+    dp_attention: bool = False
 
     def __post_init__(self) -> None:
         kv_dtype_name(self.kv_dtype)
@@ -110,7 +116,10 @@ class PlanInputs:
 
     def _check_layout(self) -> None:
         """What SGLang and vLLM refuse at start-up, refused here before anyone launches."""
-        cfg, tp = self.model.config, self.tp
+        if self.dp_attention and (self.dp < 2 or self.tp % self.dp):
+            message = f"DP attention needs dp > 1 dividing tp, got tp {self.tp}, dp {self.dp}"
+            raise TierserveError(message, field="dp")
+        cfg, tp = self.model.config, self.attention_tp
         if cfg.num_heads % tp:
             message = f"tp {tp} does not divide the model's {cfg.num_heads} attention heads"
             raise TierserveError(message, field="tp")
@@ -139,8 +148,20 @@ class PlanInputs:
 
     @property
     def processes(self) -> int:
-        """One per GPU: every TP rank of every pipeline stage of every data-parallel replica."""
-        return self.tp * self.pp * self.dp
+        """One per GPU: every TP rank of every pipeline stage of every data-parallel replica
+        (attention groups are made of the tp ranks, not added to them)."""
+        return self.tp * self.pp * (1 if self.dp_attention else self.dp)
+
+    @property
+    def attention_tp(self) -> int:
+        """Ranks that split one copy of the attention heads and their KV."""
+        return self.tp // self.dp if self.dp_attention else self.tp
+
+    @property
+    def dp_meaning(self) -> str:
+        if self.dp == 1:
+            return "none"
+        return "attention groups" if self.dp_attention else "replicas"
 
 
 @dataclass(frozen=True)
@@ -167,7 +188,8 @@ class Plan:
 
     @property
     def device_concurrency(self) -> int:
-        """Requests running at once: each data-parallel replica runs its own."""
+        """Requests running at once: each data-parallel replica (or attention group) runs its
+        own, from a pool that holds only its requests' KV."""
         return self.device_tokens_per_rank // self.inputs.workload.avg_seq_len * self.inputs.dp
 
     @property
@@ -197,6 +219,9 @@ def _inputs_dict(inputs: PlanInputs) -> dict[str, Any]:
         "host_request": dataclasses.asdict(inputs.host),
         "pp": inputs.pp,
         "dp": inputs.dp,
+        "dp_attention": inputs.dp_attention,
+        "dp_meaning": inputs.dp_meaning,
+        "attention_tp": inputs.attention_tp,
         "context_length": inputs.context_length,
         "avg_seq_len": inputs.workload.avg_seq_len,
         "wanted_concurrency": inputs.workload.concurrency,
@@ -256,6 +281,12 @@ def host_budget(machine: Machine, ranks: int) -> HostBudget:
 def _device_side(inputs: PlanInputs, bytes_per_token: int) -> tuple[int, int, int]:
     """(weights, KV pool bytes, KV pool tokens) of one rank; a given token count wins."""
     rank_weights = weights_per_rank(inputs.model.weight_bytes, inputs.tp * inputs.pp)
+    if inputs.dp_attention:  # the attention side split over its group only
+        attention = inputs.model.attention_bytes
+        rank_weights = weights_per_rank(
+            inputs.model.weight_bytes - attention, inputs.tp * inputs.pp
+        )
+        rank_weights += weights_per_rank(attention, inputs.attention_tp * inputs.pp)
     if inputs.device_tokens_per_rank is not None:
         tokens = inputs.device_tokens_per_rank
         return rank_weights, tokens * bytes_per_token, tokens
@@ -269,7 +300,7 @@ def make_plan(inputs: PlanInputs) -> Plan:
     # A pipeline stage holds its share of the layers, and their KV.
     cfg = inputs.model.config
     stage = dataclasses.replace(cfg, num_layers=math.ceil(cfg.num_layers / inputs.pp))
-    spec = kv_spec(stage, inputs.kv_dtype, inputs.tp, inputs.page_size)
+    spec = kv_spec(stage, inputs.kv_dtype, inputs.attention_tp, inputs.page_size)
     kv = _kv_for(inputs, spec)
     ranks = local_ranks(inputs.processes, inputs.gpus_per_node)
     rank_weights, pool, device = _device_side(inputs, kv.per_rank)

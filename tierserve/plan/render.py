@@ -27,7 +27,11 @@ def _table(sections: list[tuple[str, list[Row]]]) -> list[str]:
 
 
 def _kv_note(plan: Plan) -> str:
-    kv, tp = plan.inputs.model.config, plan.inputs.tp
+    kv, tp, dp = plan.inputs.model.config, plan.inputs.attention_tp, plan.inputs.dp
+    if plan.inputs.dp_attention:
+        held = "latents" if plan.spec.kind == "latent" else "KV"
+        group = f"{tp} rank{'s' if tp > 1 else ''}"
+        return f"each of {dp} attention groups ({group}) holds only its own requests' {held}"
     if plan.spec.kind == "latent":
         return f"MLA latent: not split, identical on all {tp} ranks" if tp > 1 else "MLA latent"
     if plan.kv.replicated:
@@ -49,12 +53,16 @@ def _device_rows(plan: Plan) -> list[Row]:
     pool_note = f"= {format_gb(static)} − {format_gb(plan.weights_bytes_per_rank)}"
     if inputs.device_tokens_per_rank is not None:
         pool_note = "--max-total-tokens given; memory formula not used"
+    weights_note = f"{inputs.model.weight_note} / {inputs.tp} ranks"
+    if inputs.dp_attention:
+        attention = format_gb(inputs.model.attention_bytes)
+        weights_note += f"; attention + embeddings ({attention}) / {inputs.attention_tp} per group"
+    running = "decoding at once"
+    if inputs.dp > 1:
+        each = plan.device_concurrency // inputs.dp
+        running += f": {inputs.dp} {inputs.dp_meaning} × {format_count(each)}"
     return [
-        (
-            "weights",
-            format_gb(plan.weights_bytes_per_rank),
-            f"{inputs.model.weight_note} / {inputs.tp} ranks",
-        ),
+        ("weights", format_gb(plan.weights_bytes_per_rank), weights_note),
         ("GPU × mem-fraction-static", format_gb(static), f"{format_gb(gpu)} × {frac:g}"),
         ("KV pool", format_gb(plan.device_pool_bytes_per_rank), pool_note),
         (
@@ -62,7 +70,7 @@ def _device_rows(plan: Plan) -> list[Row]:
             format_count(plan.device_tokens_per_rank),
             f"pool // {format_bytes(plan.kv.per_rank)}",
         ),
-        (f"requests of {length} tokens", format_count(plan.device_concurrency), "decoding at once"),
+        (f"requests of {length} tokens", format_count(plan.device_concurrency), running),
     ]
 
 
@@ -111,10 +119,15 @@ def _header(plan: Plan) -> str:
     inputs, machine = plan.inputs, plan.inputs.machine
     gpus = f"{plan.local_ranks} × {machine.gpu_name} ({format_gb(machine.gpu_memory)} each)"
     nodes = f" on {plan.nodes} nodes" if plan.nodes > 1 else ""
+    dp = ""
+    if inputs.dp_attention:
+        dp = f", DP attention {inputs.dp} (--dp as attention groups of {inputs.attention_tp})"
+    elif inputs.dp > 1:
+        dp = f", DP {inputs.dp} (--dp as replicas: add --enable-dp-attention for groups)"
     return (
         f"tierserve plan: {inputs.model.name} ({inputs.model.config.attention}), "
-        f"KV {inputs.kv_dtype}, "
-        f"TP {inputs.tp}{nodes}, {gpus}, mem-fraction-static {inputs.mem_fraction_static:g}\n"
+        f"KV {inputs.kv_dtype}, TP {inputs.tp}{dp}{nodes}, {gpus}, "
+        f"mem-fraction-static {inputs.mem_fraction_static:g}\n"
         f"host RAM: {format_gb(machine.host_available)} available ({machine.host_source})\n"
     )
 
@@ -137,11 +150,27 @@ def render_plan(verdict: Verdict) -> str:
         ("Host cache", _host_rows(plan)),
         ("Total", _total_rows(plan)),
     ]
-    lines = [_header(plan), *_table(sections), *_verdict_lines(verdict)]
+    lines = [_header(plan), *_table(sections), *_measured_note(plan), *_verdict_lines(verdict)]
     lines += ["", "Launch flags", *_flag_lines(verdict)]
     if verdict.warnings:
         lines += ["", "Warnings", *(f"  - {w}" for w in verdict.warnings)]
     return "\n".join(lines)
+
+
+def _measured_note(plan: Plan) -> list[str]:
+    """The formula's pool is an upper bound: say so, with the one measurement we have."""
+    if plan.inputs.device_tokens_per_rank is not None:
+        return []  # a measured (or chosen) pool was given
+    return [
+        "Measured pools can be smaller than this formula's: a server's pool is what its memory",
+        "profiler leaves after the weights, CUDA graphs, communication buffers and activations,",
+        "and its bytes per token can exceed the formula's. The seed's SGLang server (Kimi-K2.5,",
+        "8 × RTX PRO 6000, --mem-fraction-static 0.93) logged ~116-127K device tokens at 136,793 B",
+        "per token per GPU where this plan computes 301,840 at 70,272 B; its logs do not say what",
+        "the other bytes are. Give a server's logged figures with --kv-bytes-per-token and",
+        "--max-total-tokens to plan from them.",
+        "",
+    ]
 
 
 def _verdict_lines(verdict: Verdict) -> list[str]:

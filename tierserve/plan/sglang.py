@@ -2,9 +2,10 @@
 
 SGLang's semantics, read from its source (0.5.x): every TP rank of every pipeline stage is a
 process that allocates its own host pool; `--hicache-size` is decimal GB per rank (an int; 0
-means "use the ratio"), else host tokens = that rank's device tokens × `--hicache-ratio`; each
-rank checks its pool against free RAM − 10 GiB alone, so ranks that allocate together can
-exhaust the node while every one of them passed its check.
+means "use the ratio"), else host tokens = that rank's device tokens × `--hicache-ratio`. What
+SGLang itself then does with a node that cannot hold the pools changed between releases
+(sglang_versions.py): before v0.5.19 each rank checks alone and the node hangs; since then it
+refuses at start-up; since v0.5.21 it sizes the pools itself when no size or ratio is given.
 """
 
 from __future__ import annotations
@@ -19,14 +20,20 @@ from typing import Any
 from tierserve.args import check_mem_fraction, ranks_per_node
 from tierserve.errors import TierserveError
 from tierserve.plan.plan import Plan, PlanInputs, kv_dtype_flag, make_plan
+from tierserve.plan.sglang_versions import (
+    DEFAULT_FRACTION,
+    DEFAULT_RATIO,
+    NEWEST,
+    SGLangVersion,
+    auto_ratio,
+    own_check_line,
+)
 from tierserve.plan.verdict import judge
 from tierserve.sizing import HostRequest, HostSizing, short_kv_dtype
-from tierserve.units import GB, GiB, format_bytes, format_count, format_gb
+from tierserve.units import GB, format_bytes, format_count, format_gb
 
 # SGLang rounds a host pool down to whole pages, then adds one.
 SGLANG_EXTRA_PAGES = 1
-SGLANG_HOST_RESERVE = 10 * GiB  # SGLang: each rank requires requested <= available - 10 GiB
-SGLANG_DEFAULT_RATIO = 2.0
 
 
 @dataclass(frozen=True)
@@ -40,7 +47,8 @@ class SGLangFlags:
     dp_attention: bool = False
     hierarchical: bool = False
     hicache_size_gb: int = 0  # SGLang: int, decimal GB, per rank; 0 = use the ratio
-    hicache_ratio: float = SGLANG_DEFAULT_RATIO
+    hicache_ratio: float | None = None  # None: not given (SGLang's default ratio, 2)
+    hicache_host_memory_fraction: float | None = None  # v0.5.21+: None is SGLang's 0.8
     page_size: int = 1
     mem_fraction_static: float | None = None  # None: SGLang picks one from the GPU size
     kv_cache_dtype: str | None = None
@@ -65,7 +73,8 @@ def _sglang_parser() -> argparse.ArgumentParser:
     add("--enable-dp-attention", dest="dp_attention", action="store_true")
     add("--enable-hierarchical-cache", dest="hierarchical", action="store_true")
     add("--hicache-size", dest="hicache_size_gb", type=int, default=0)
-    add("--hicache-ratio", type=float, default=SGLANG_DEFAULT_RATIO)
+    add("--hicache-ratio", type=float, default=None)
+    add("--hicache-host-memory-fraction", type=float, default=None)
     add("--page-size", type=int, default=1)
     add("--mem-fraction-static", type=float, default=None)
     add("--kv-cache-dtype", default=None)
@@ -87,8 +96,13 @@ def parse_sglang_flags(flags: str) -> SGLangFlags:
     if min(parsed.tp, parsed.pp, parsed.dp, parsed.nnodes, parsed.page_size) <= 0:
         message = "SGLang --tp-size, --pp-size, --dp-size, --nnodes, --page-size must be > 0"
         raise TierserveError(message, field="check_sglang")
-    if parsed.hicache_size_gb < 0 or not 0 <= parsed.hicache_ratio < 1e6:
+    ratio = parsed.hicache_ratio if parsed.hicache_ratio is not None else DEFAULT_RATIO
+    if parsed.hicache_size_gb < 0 or not 0 <= ratio < 1e6:
         message = "SGLang --hicache-size must be >= 0 and --hicache-ratio in [0, 1e6)"
+        raise TierserveError(message, field="check_sglang")
+    fraction = parsed.hicache_host_memory_fraction
+    if fraction is not None and not 0 < fraction <= 1:
+        message = f"SGLang --hicache-host-memory-fraction must be in (0, 1], got {fraction}"
         raise TierserveError(message, field="check_sglang")
     fraction = parsed.mem_fraction_static
     if fraction is not None:
@@ -113,7 +127,7 @@ def sglang_host_tokens(bytes_per_token: int, device_tokens: int, flags: SGLangFl
     if flags.hicache_size_gb > 0:
         tokens = flags.hicache_size_gb * GB // bytes_per_token
     else:
-        tokens = int(device_tokens * flags.hicache_ratio)
+        tokens = int(device_tokens * _ratio(flags))
     return (tokens // flags.page_size + SGLANG_EXTRA_PAGES) * flags.page_size
 
 
@@ -127,10 +141,12 @@ class SGLangCheck:
     fits: bool
     suggestion: str  # flags that fit ("" when the command already does)
     lines: tuple[str, ...]  # the arithmetic, one step a line
+    version: SGLangVersion  # the release whose own behaviour `lines` describe
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "kind": "sglang_check",
+            "sglang_version": str(self.version),
             "sglang_flags": dataclasses.asdict(self.flags),
             "local_ranks": self.flags.local_ranks,
             "kv_bytes_per_token_per_rank": self.plan.kv.per_rank,
@@ -147,6 +163,10 @@ class SGLangCheck:
         }
 
 
+def _ratio(flags: SGLangFlags) -> float:
+    return flags.hicache_ratio if flags.hicache_ratio is not None else DEFAULT_RATIO
+
+
 def _sglang_inputs(flags: SGLangFlags, inputs: PlanInputs) -> PlanInputs:
     """The plan inputs with what the SGLang command line says instead of the plan's own flags."""
     device = inputs.device_tokens_per_rank
@@ -157,7 +177,8 @@ def _sglang_inputs(flags: SGLangFlags, inputs: PlanInputs) -> PlanInputs:
         machine=dataclasses.replace(inputs.machine, gpus_per_node=flags.local_ranks),
         tp=flags.tp,
         pp=flags.pp,
-        dp=1 if flags.dp_attention else flags.dp,  # DP attention shares the TP group's GPUs
+        dp=flags.dp,
+        dp_attention=flags.dp_attention and flags.dp > 1,  # groups made of the TP group's GPUs
         kv_dtype=sglang_kv_dtype(flags.kv_cache_dtype, inputs.kv_dtype),
         mem_fraction_static=flags.mem_fraction_static or inputs.mem_fraction_static,
         page_size=flags.page_size,
@@ -175,9 +196,10 @@ def _sglang_request_line(flags: SGLangFlags, plan: Plan, tokens: int) -> str:
             f"--hicache-size {size} = {size} × 10^9 B PER RANK: {size} × 10^9 // {bpt} per token "
             f"→ {rounded} = {per_rank} per rank"
         )
+    ratio = _ratio(flags)
     return (
-        f"--hicache-ratio {flags.hicache_ratio:g} (no --hicache-size): device pool "
-        f"{format_count(plan.device_tokens_per_rank)} tokens × {flags.hicache_ratio:g} → {rounded}"
+        f"--hicache-ratio {ratio:g} (no --hicache-size): device pool "
+        f"{format_count(plan.device_tokens_per_rank)} tokens × {ratio:g} → {rounded}"
         f" × {bpt} = {per_rank} per rank"
     )
 
@@ -212,18 +234,6 @@ def _sglang_verdict_lines(plan: Plan, per_rank: int, fits: bool) -> list[str]:
     return [*lines, f"does NOT fit: {format_gb(per_node)} > {format_gb(budget.usable)}"]
 
 
-def _sglang_own_check_line(plan: Plan, per_rank: int) -> str:
-    """What SGLang itself will say: each rank compares its own pool with free RAM − 10 GiB."""
-    available = plan.budget.available
-    test = f"{format_gb(per_rank)} ≤ {format_gb(available)} − {SGLANG_HOST_RESERVE // GiB} GiB"
-    if per_rank > available - SGLANG_HOST_RESERVE:
-        return f"SGLang's own per-rank check fails ({test} is false): it refuses to start"
-    return (
-        f"SGLang's own check passes ({test}) because each rank checks alone: ranks that "
-        "allocate together exhaust the node's RAM (the server hangs or is OOM-killed)"
-    )
-
-
 def _process_line(flags: SGLangFlags) -> str:
     layout = f"{flags.tp} TP ranks"
     if flags.pp > 1:
@@ -233,31 +243,70 @@ def _process_line(flags: SGLangFlags) -> str:
     return f"SGLang starts {layout}: {flags.local_ranks} processes on this node, each its own pools"
 
 
-def check_sglang(flags: str, inputs: PlanInputs) -> SGLangCheck:
-    """Does this SGLang command line fit the machine in `inputs`? With SGLang's semantics:
-    `--hicache-size` is decimal GB per rank, else host tokens = device tokens × `--hicache-ratio`.
-    `inputs` supplies the model, machine and anything the command line leaves out. The device
-    is checked first: without a KV pool nothing else matters, and host RAM is not the cause."""
+def check_sglang(flags: str, inputs: PlanInputs, version: str = NEWEST) -> SGLangCheck:
+    """Does this SGLang command line fit the machine in `inputs`, and what would SGLang
+    `version` itself do? With SGLang's semantics: `--hicache-size` is decimal GB per rank, else
+    host tokens = device tokens × `--hicache-ratio` (or, since v0.5.21 with neither given, the
+    ratio SGLang fits to the node). `inputs` supplies the model, machine and anything the
+    command line leaves out. The device is checked first: without a KV pool nothing else
+    matters, and host RAM is not the cause."""
+    release = SGLangVersion.parse(version)
     parsed = parse_sglang_flags(flags)
     plan = make_plan(_sglang_inputs(parsed, inputs))
-    lines = [_process_line(parsed)]
+    lines = [_process_line(parsed), _holds_line(plan)]
     blocking = [c for c in judge(plan).failed if c.name in ("device memory", "host RAM")]
     if blocking:  # no KV pool, or the processes alone exceed the node's RAM
         lines += [f"{c.name} does NOT fit: {c.arithmetic}; {c.fix}" for c in blocking]
-        return SGLangCheck(parsed, plan, 0, 0, 0, False, blocking[0].fix, tuple(lines))
+        return SGLangCheck(parsed, plan, 0, 0, 0, False, blocking[0].fix, tuple(lines), release)
     if not parsed.hierarchical:
         lines.append("--enable-hierarchical-cache is not set: no host cache, sizes are ignored")
-        return SGLangCheck(parsed, plan, 0, 0, 0, True, "", tuple(lines))
+        return SGLangCheck(parsed, plan, 0, 0, 0, True, "", tuple(lines), release)
+    if release.auto_sizes and parsed.hicache_size_gb == 0 and parsed.hicache_ratio is None:
+        parsed, line = _auto_sized(parsed, plan, release)
+        lines.append(line)
     tokens = sglang_host_tokens(plan.kv.per_rank, plan.device_tokens_per_rank, parsed)
     per_rank = tokens * plan.kv.per_rank
     fits = per_rank * plan.local_ranks <= plan.budget.usable
     lines.append(_sglang_request_line(parsed, plan, tokens))
     lines += _sglang_verdict_lines(plan, per_rank, fits)
     suggestion = "" if fits else _sglang_suggestion(plan, parsed.page_size)
+    available = plan.budget.available
+    lines.append(own_check_line(release, per_rank, available, plan.local_ranks))
     if suggestion:
-        lines += [_sglang_own_check_line(plan, per_rank), f"what fits: {suggestion}"]
+        lines.append(f"what fits: {suggestion}")
     node = per_rank * plan.local_ranks
-    return SGLangCheck(parsed, plan, tokens, per_rank, node, fits, suggestion, tuple(lines))
+    return SGLangCheck(
+        parsed, plan, tokens, per_rank, node, fits, suggestion, tuple(lines), release
+    )
+
+
+def _auto_sized(flags: SGLangFlags, plan: Plan, release: SGLangVersion) -> tuple[SGLangFlags, str]:
+    """SGLang v0.5.21+ with neither a size nor a ratio: the flags with the ratio it fits."""
+    fraction = flags.hicache_host_memory_fraction or DEFAULT_FRACTION
+    device = plan.device_tokens_per_rank * plan.kv.per_rank
+    ratio = auto_ratio(device, plan.budget.available, plan.local_ranks, fraction)
+    line = (
+        f"SGLang {release} sizes the host pools itself (no --hicache-size, no --hicache-ratio): "
+        f"--hicache-host-memory-fraction {fraction:g} of (available − 10 GiB) // "
+        f"{plan.local_ranks} ranks → ratio {ratio:.2f} (at most {DEFAULT_RATIO:g})"
+    )
+    return dataclasses.replace(flags, hicache_ratio=ratio), line
+
+
+def _holds_line(plan: Plan) -> str:
+    """What each rank holds and how many requests run at once, in this layout."""
+    inputs, length = plan.inputs, format_count(plan.inputs.workload.avg_seq_len)
+    tokens = format_count(plan.device_tokens_per_rank)
+    if inputs.dp_attention:
+        held = f"its attention group's own requests ({inputs.dp} groups of {inputs.attention_tp})"
+    elif plan.spec.kind == "latent" and inputs.tp > 1:
+        held = f"the same latents as the other {inputs.tp - 1} ranks"
+    else:
+        held = "its share of every running request's KV"
+    return (
+        f"each rank's device pool: {tokens} tokens of {held}; "
+        f"{format_count(plan.device_concurrency)} requests of {length} tokens run at once"
+    )
 
 
 # --- the launch line -------------------------------------------------------------------------

@@ -21,7 +21,7 @@ from tierserve.errors import TierserveError
 from tierserve.plan.plan import Plan, PlanInputs, kv_dtype_flag, make_plan
 from tierserve.plan.verdict import Constraint, Verdict, judge
 from tierserve.sizing import HostRequest, HostSizing, short_kv_dtype
-from tierserve.units import GiB
+from tierserve.units import GiB, format_count
 
 VLLM_DEFAULT_UTILIZATION = 0.9
 VLLM_DEFAULT_BLOCK = 16
@@ -133,12 +133,16 @@ def _vllm_inputs(flags: VLLMFlags, inputs: PlanInputs) -> PlanInputs:
     # One engine's offload buffer per data-parallel replica, all on this node.
     per_node = int(flags.kv_offloading_size * GiB) * flags.dp
     host = HostRequest.per_node(per_node) if per_node else HostRequest("off")
+    # For a MoE model vLLM's data parallelism is attention data parallelism: each engine's
+    # attention and KV are its own, the experts span all tp × dp workers.
+    groups = _dp_attention(flags, inputs)
     return dataclasses.replace(
         inputs,
         machine=dataclasses.replace(inputs.machine, gpus_per_node=flags.local_ranks),
-        tp=flags.tp,
+        tp=flags.tp * flags.dp if groups else flags.tp,
         pp=flags.pp,
         dp=flags.dp,
+        dp_attention=groups,
         kv_dtype=kv_dtype,
         mem_fraction_static=min(flags.gpu_memory_utilization, 0.999),
         page_size=flags.block_size,
@@ -146,6 +150,10 @@ def _vllm_inputs(flags: VLLMFlags, inputs: PlanInputs) -> PlanInputs:
         device_tokens_per_rank=device,
         context_length=max_len or None,
     )
+
+
+def _dp_attention(flags: VLLMFlags, inputs: PlanInputs) -> bool:
+    return flags.dp > 1 and inputs.model.config.moe is not None
 
 
 def check_vllm(flags: str, inputs: PlanInputs) -> VLLMCheck:
@@ -157,6 +165,13 @@ def check_vllm(flags: str, inputs: PlanInputs) -> VLLMCheck:
     layout = f"{parsed.tp} TP × {parsed.pp} PP workers"
     layout += f" × {parsed.dp} data-parallel engines" if parsed.dp > 1 else ""
     lines = [f"vLLM starts {layout}: {parsed.local_ranks} processes on this node"]
+    if _dp_attention(parsed, inputs):
+        lines.append(
+            f"a MoE model: each engine's attention and KV are its own requests' (DP attention), "
+            f"the experts are split over all {parsed.tp * parsed.dp} workers; "
+            f"{format_count(plan.device_concurrency)} requests of "
+            f"{format_count(inputs.workload.avg_seq_len)} tokens run at once"
+        )
     said = []
     for c in verdict.constraints:
         if c.name == "context length":  # vLLM's word for it, and its reaction

@@ -157,6 +157,9 @@ class ModelSpec:
     weight_bytes: int
     weight_note: str  # where weight_bytes came from, for the reader of the plan
     path: str = ""  # what a server's --model flag should say (HF id or local directory)
+    # Of weight_bytes: the attention layers and the embeddings, which data-parallel attention
+    # keeps once per attention group (the MLPs and experts stay split over every rank).
+    attention_bytes: int = 0
 
 
 def model_spec(
@@ -170,12 +173,15 @@ def model_spec(
     parameter groups, scaled to `num_parameters` when the published count is known, each in its
     dtype (`weight_dtype` puts every group in one)."""
     model = ModelConfig.from_dict(config)
-    if weights is not None:
-        return ModelSpec(name, model, weights, f"{format_gb(weights)} as given")
     groups = parameter_groups(config)
     total = sum(groups.values())
     scale = num_parameters / total if num_parameters else 1.0
     dtypes = dict.fromkeys(GROUPS, weight_dtype) if weight_dtype else checkpoint_dtypes(config)
     size = int(sum(groups[g] * scale * dtype_bytes(dtypes[g]) for g in GROUPS))
+    attention = model.num_layers * _attention_params(model) * dtype_bytes(dtypes["other"])
+    attention = int((attention + groups["embeddings"] * dtype_bytes(dtypes["embeddings"])) * scale)
+    if weights is not None:  # the same share of the bytes given
+        share = int(weights * attention / size) if size else 0
+        return ModelSpec(name, model, weights, f"{format_gb(weights)} as given", "", share)
     parts = [f"{groups[g] * scale / 1e9:,.1f}B {g} × {dtypes[g]}" for g in GROUPS if groups[g]]
-    return ModelSpec(name, model, size, ", ".join(parts))
+    return ModelSpec(name, model, size, ", ".join(parts), "", attention)
