@@ -147,7 +147,7 @@ FACTS = [
     ("device_pool_bytes", "tierserve.sizing.pools"),  # the device pool formula
     ("check_mem_fraction", "tierserve.args"),  # the (0, 1) rule of --mem-fraction-static
     ("DEFAULT_MARGIN", "tierserve.sizing.pools"),  # tierserve's host margin
-    ("SGLANG_HOST_RESERVE", "tierserve.plan.sglang"),  # SGLang's per-rank reserve
+    ("SGLANG_HOST_RESERVE", "tierserve.plan.sglang_versions"),  # SGLang's host reserve
     ("VLLM_DEFAULT_BLOCK", "tierserve.plan.vllm"),  # vLLM's block of 16
     ("SGLANG_EXTRA_PAGES", "tierserve.plan.sglang"),  # the page SGLang adds to a host pool
     ("DEFAULT_AVG_SEQ_LEN", "tierserve.plan.plan"),  # the 4,000-token average request
@@ -232,7 +232,7 @@ def literal_restatements() -> Iterator[str]:
                 pair = {ast.unparse(node.left), ast.unparse(node.right)}
                 if pair == {"10", "GiB"} and module not in (
                     "tierserve.sizing.pools",
-                    "tierserve.plan.sglang",
+                    "tierserve.plan.sglang_versions",
                 ):
                     yield f"{where}: 10 GiB, a margin or a reserve"
             if (

@@ -24,11 +24,18 @@ DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 LOAD_BALANCE_METHODS = ("cache_aware", "round_robin", "total_requests", "total_tokens")
 
 
-def check_mem_fraction(fraction: float, field: str = "mem_fraction_static", who: str = "") -> None:
-    """--mem-fraction-static is a fraction of the card in (0, 1), in tierserve as in SGLang."""
-    if not 0 < fraction < 1:  # NaN fails this too
-        message = f"{who}mem_fraction_static must be in (0, 1), got {fraction}"
-        raise TierserveError(message, field=field)
+def check_mem_fraction(
+    fraction: float,
+    field: str = "mem_fraction_static",
+    who: str = "",
+    name: str = "mem_fraction_static",
+    one_allowed: bool = False,
+) -> None:
+    """--mem-fraction-static is a fraction of the card in (0, 1), in tierserve as in SGLang;
+    SGLang's --hicache-host-memory-fraction may also be 1 (`one_allowed`)."""
+    if not (0 < fraction <= 1 if one_allowed else 0 < fraction < 1):  # NaN fails this too
+        interval = "(0, 1]" if one_allowed else "(0, 1)"
+        raise TierserveError(f"{who}{name} must be in {interval}, got {fraction}", field=field)
 
 
 def ranks_per_node(ranks: int, nnodes: int, what: str) -> int:

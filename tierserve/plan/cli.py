@@ -1,6 +1,7 @@
 """`tierserve plan`: KV capacity and host-cache sizing before launch, for tierserve, SGLang, vLLM.
 
 This module reads flags, files and this machine's free RAM; all arithmetic is in plan/plan.py.
+One thing at some length: the command's flags, read into one PlanInputs (or a check's).
 Exit status: 0 the plan fits, 1 it does not (the output says why and what does), 2 bad input.
 """
 

@@ -100,10 +100,10 @@ def parse_sglang_flags(flags: str) -> SGLangFlags:
     if parsed.hicache_size_gb < 0 or not 0 <= ratio < 1e6:
         message = "SGLang --hicache-size must be >= 0 and --hicache-ratio in [0, 1e6)"
         raise TierserveError(message, field="check_sglang")
-    fraction = parsed.hicache_host_memory_fraction
-    if fraction is not None and not 0 < fraction <= 1:
-        message = f"SGLang --hicache-host-memory-fraction must be in (0, 1], got {fraction}"
-        raise TierserveError(message, field="check_sglang")
+    host_fraction = parsed.hicache_host_memory_fraction
+    if host_fraction is not None:
+        name = "hicache-host-memory-fraction"
+        check_mem_fraction(host_fraction, "check_sglang", "SGLang --", name, one_allowed=True)
     fraction = parsed.mem_fraction_static
     if fraction is not None:
         check_mem_fraction(fraction, field="check_sglang", who="SGLang --")

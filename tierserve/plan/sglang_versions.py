@@ -29,7 +29,7 @@ from tierserve.units import GiB, format_gb
 NEWEST = "0.5.21"
 SPLIT_BUDGET = (0, 5, 19)  # PR #35540
 AUTO_SIZE = (0, 5, 21)  # PR #40135
-HOST_RESERVE = 10 * GiB  # SGLang's reserve, taken from available RAM before any check
+SGLANG_HOST_RESERVE = 10 * GiB  # SGLang's reserve, taken from available RAM before any check
 DEFAULT_FRACTION = 0.8  # --hicache-host-memory-fraction
 AUTO_SIZE_HEADROOM = 0.95  # the fitted pools fill at most this much of their share
 DEFAULT_RATIO = 2.0
@@ -63,7 +63,7 @@ class SGLangVersion:
 
 def rank_budget(available: int, ranks: int) -> int:
     """SGLang's own per-rank host budget since v0.5.19."""
-    return max(0, available - HOST_RESERVE) // max(1, ranks)
+    return max(0, available - SGLANG_HOST_RESERVE) // max(1, ranks)
 
 
 def auto_ratio(device_bytes: int, available: int, ranks: int, fraction: float) -> float:
@@ -76,8 +76,8 @@ def own_check_line(version: SGLangVersion, per_rank: int, available: int, ranks:
     """What SGLang `version` itself does with a host pool of `per_rank` bytes on each of
     `ranks` ranks of a node with `available` bytes free: hang, refuse, or start."""
     if not version.splits_budget:
-        test = f"{format_gb(per_rank)} ≤ {format_gb(available)} − {HOST_RESERVE // GiB} GiB"
-        if per_rank > available - HOST_RESERVE:
+        test = f"{format_gb(per_rank)} ≤ {format_gb(available)} − {SGLANG_HOST_RESERVE // GiB} GiB"
+        if per_rank > available - SGLANG_HOST_RESERVE:
             return f"SGLang {version}: its per-rank check fails ({test} is false): it refuses"
         return (
             f"SGLang {version}: its own check passes ({test}) because each rank checks alone: "
@@ -85,8 +85,9 @@ def own_check_line(version: SGLangVersion, per_rank: int, available: int, ranks:
             "OOM-killed); v0.5.19 and later refuse at start-up instead"
         )
     budget = rank_budget(available, ranks)
+    reserve = SGLANG_HOST_RESERVE // GiB
     test = (
-        f"{format_gb(per_rank)} per rank vs ({format_gb(available)} − {HOST_RESERVE // GiB} GiB)"
+        f"{format_gb(per_rank)} per rank vs ({format_gb(available)} − {reserve} GiB)"
         f" // {ranks} ranks = {format_gb(budget)}"
     )
     if per_rank > budget:
