@@ -85,7 +85,7 @@ class Engine:
             cfg, self.device, self.dtype = startup.config, startup.device, startup.dtype
             self.model_config, self.context_length = cfg, startup.context_length
             self.kv_plan = plan = startup.plan
-            logger.info("KV cache plan:\n%s", startup_table(plan))
+            logger.info("KV cache plan:\n%s", startup_table(plan, args.dp_groups))
             self.tokenizer = load_tokenizer(args.tokenizer or startup.model_path)
             self.eos_token_ids = set(cfg.eos_token_ids)
             if self.tokenizer.eos_token_id is not None:

@@ -143,7 +143,7 @@ def _sharing_rows(sizing: HostSizing) -> list[tuple[str, str]]:
     ]
 
 
-def startup_table(plan: KVPlan) -> str:
+def startup_table(plan: KVPlan, dp_groups: int = 1) -> str:
     spec = plan.spec
     rows = [
         ("KV bytes per token per rank", format_bytes(spec.bytes_per_token)),
@@ -151,6 +151,15 @@ def startup_table(plan: KVPlan) -> str:
         ("device pool tokens per rank", format_count(plan.device_tokens)),
         ("device pool bytes per rank", format_gb(plan.device_bytes, 3)),
     ]
+    if dp_groups > 1:
+        distinct = format_count(plan.device_tokens * dp_groups)
+        rows.append(
+            (
+                "attention groups (DP)",
+                f"{dp_groups}, each pool its own group's requests: {distinct} distinct device "
+                "tokens on the node",
+            )
+        )
     if plan.workspace_bytes:
         rows.append(("decode workspace, at most", format_gb(plan.workspace_bytes, 3)))
     sizing = plan.host

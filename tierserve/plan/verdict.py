@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierserve.dtypes import DTYPES
-from tierserve.plan.plan import Plan
+from tierserve.plan.plan import Plan, make_plan
 from tierserve.sizing import kv_dtype_name
 from tierserve.units import GB, format_count, format_gb
 
@@ -221,15 +221,29 @@ def _concurrency_levers(plan: Plan) -> str:
         levers.append(
             f"fp8 KV (--kv-dtype fp8): {format_count(more)} tokens, {more // length} requests"
         )
-    if plan.spec.kind == "latent" and inputs.tp > 1:
-        more = tokens * inputs.tp
-        levers.append(
-            f"SGLang's --enable-dp-attention: each of the {inputs.tp} ranks keeps only its own "
-            f"requests' latents, {inputs.tp} × {format_count(tokens)} = {format_count(more)} "
-            f"tokens, {more // length} requests"
-        )
+    if plan.spec.kind == "latent" and inputs.tp > 1 and not inputs.dp_attention:
+        levers.append(_dp_attention_lever(plan))
     levers.append("more GPUs (--tp) or a higher --mem-fraction-static")
     return "; ".join(levers) + " (a host tier does not raise it)"
+
+
+def _dp_attention_lever(plan: Plan) -> str:
+    """DP attention at dp = tp, planned: each rank keeps only its own requests' latents, but
+    also the attention weights whole, which the pool pays for."""
+    tp = plan.inputs.tp
+    groups = make_plan(dataclasses.replace(plan.inputs, dp=tp, dp_attention=True))
+    flags = f"--enable-dp-attention --dp {tp}"
+    tokens = groups.device_tokens_per_rank
+    if tokens == 0:
+        return (
+            f"not {flags}: each rank would keep the attention weights whole "
+            f"({format_gb(groups.weights_bytes_per_rank)} per rank), leaving no KV pool"
+        )
+    return (
+        f"{flags} (SGLang's DP attention): each rank keeps only its own requests' latents, "
+        f"{tp} × {format_count(tokens)} = {format_count(tokens * tp)} tokens, "
+        f"{format_count(groups.device_concurrency)} requests"
+    )
 
 
 # ---------------------------------------------------------------------------------------------

@@ -89,7 +89,7 @@ def dry_run(args: EngineArgs) -> int:
     startup = Startup.from_args(args)
     load_tokenizer(args.tokenizer or startup.model_path)
     print(f"tierserve serve --dry-run: {startup.model_path} would start", flush=True)
-    print(startup_table(startup.plan), flush=True)
+    print(startup_table(startup.plan, args.dp_groups), flush=True)
     return 0
 
 
