@@ -123,11 +123,7 @@ def write_report(rounds: int, results: dict[str, list[dict[str, float]]]) -> Non
         "",
         "| configuration | " + " | ".join(METRICS) + " |",
         "| --- |" + " ---: |" * len(METRICS),
-        *(
-            f"| {name} | {m['running at once']:.0f} | {m['output tok/s']:.1f} | "
-            f"{m['mean TTFT s']:.3f} | {m['hit rate']:.1%} |"
-            for name, m in med.items()
-        ),
+        *(f"| {name} | {_cells(m)}" for name, m in med.items()),
         "",
         "| ratio | " + " | ".join(METRICS) + " |",
         "| --- |" + " ---: |" * len(METRICS),
@@ -141,8 +137,7 @@ def write_report(rounds: int, results: dict[str, list[dict[str, float]]]) -> Non
         "| configuration | round | " + " | ".join(METRICS) + " |",
         "| --- | ---: |" + " ---: |" * len(METRICS),
         *(
-            f"| {name} | {i} | {run['running at once']:.0f} | {run['output tok/s']:.1f} | "
-            f"{run['mean TTFT s']:.3f} | {run['hit rate']:.1%} |"
+            f"| {name} | {i} | {_cells(run)}"
             for name, runs in results.items()
             for i, run in enumerate(runs)
         ),
@@ -150,6 +145,13 @@ def write_report(rounds: int, results: dict[str, list[dict[str, float]]]) -> Non
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+
+
+def _cells(m: dict[str, float]) -> str:
+    return (
+        f"{m['running at once']:.0f} | {m['output tok/s']:.1f} | {m['mean TTFT s']:.3f} | "
+        f"{m['hit rate']:.1%} |"
+    )
 
 
 if __name__ == "__main__":
