@@ -17,10 +17,12 @@ from tests.conftest import Server, eventually, random_prompts, running
 from tests.test_hicache import mixed_workload
 from tests.test_tp import _ranks_of
 from tierserve import LLM, SamplingParams, TierserveError
-from tierserve.args import EngineArgs
+from tierserve.args import EngineArgs, default_model
 from tierserve.bench.client import parse_prometheus
 from tierserve.engine import engine_metrics
 from tierserve.engine.dispatch import BALANCE_ABS, BLOCK, Dispatcher
+from tierserve.engine.startup import weight_numel
+from tierserve.sampling_params import StructuredOutput
 from tierserve.server.metrics import ServerMetrics
 
 HOST = dict(
@@ -31,6 +33,7 @@ HOST = dict(
     hicache_ratio=8,
 )
 DP = dict(enable_dp_attention=True)
+YES_NO = StructuredOutput("regex", "(yes|no)")
 
 
 def metrics_of(llm: LLM) -> dict[str, float]:
@@ -66,6 +69,42 @@ def test_greedy_outputs_equal_one_process(checkpoints, references, family, tp, d
         assert any(idle)  # and a group joined steps with nothing of its own to run
         # Each group's KV is split over its tp / dp ranks: its pool holds its heads only.
         assert engine.kv_plan.spec.tp == tp // dp
+        # The sizes count the attention side once per group: close to what rank 0 holds (the
+        # rest are the parts a group's ranks keep whole: norms, routers, MLA's latent
+        # projections, counted as split).
+        held = sum(p.numel() for p in engine.runner.model.parameters())
+        _, rank = weight_numel(
+            engine.args, engine.startup.model_path, engine.model_config.num_layers
+        )
+        assert rank == pytest.approx(held, rel=0.1)
+
+
+def test_logprobs_grammars_and_choices_equal_one_process_under_dp_attention():
+    """The demo model (a real tokenizer) at tp 2 / dp 2: logprobs, prompt logprobs, a regex
+    grammar and seeded samples, against one process."""
+    jobs = [
+        ("the code is", SamplingParams(max_tokens=8, temperature=0, logprobs=2, prompt_logprobs=1)),
+        ("say yes or no:", SamplingParams(max_tokens=6, temperature=0, structured_output=YES_NO)),
+        ("once upon a time", SamplingParams(max_tokens=6, temperature=1.0, seed=5)),
+        ("once upon a time", SamplingParams(max_tokens=6, temperature=1.0, seed=6)),
+    ]
+    demo = default_model()
+
+    def run(**kw) -> list:
+        with LLM(demo, device="cpu", max_total_tokens=2048, **kw) as llm:
+            return [llm.generate(prompt, params)[0] for prompt, params in jobs]
+
+    want = run()
+    got = run(tp_size=2, dp_size=2, **DP)
+    for w, g in zip(want, got, strict=True):
+        assert g.token_ids == w.token_ids and g.text == w.text
+        assert [lp.logprob for lp in g.logprobs] == pytest.approx(
+            [lp.logprob for lp in w.logprobs], abs=1e-4
+        )
+        assert [lp.logprob for lp in g.prompt_logprobs or []] == pytest.approx(
+            [lp.logprob for lp in w.prompt_logprobs or []], abs=1e-4
+        )
+    assert got[1].text in ("yes", "no")
 
 
 def _held_running(model, n: int, *flags: str) -> tuple[int, int]:
@@ -176,6 +215,12 @@ def test_cache_aware_yields_to_balance_and_round_robin_ignores_prefixes():
     assert d.place("one-more", hot + [999] * BLOCK) == 1  # out of balance: the idle group
     rr = Dispatcher(2, "round_robin")
     assert [rr.place(f"r{i}", hot + [i + 2] * BLOCK) for i in range(4)] == [0, 1, 0, 1]
+
+
+def test_prompts_too_short_to_index_go_to_the_least_loaded_group():
+    d = Dispatcher(2)
+    short = random_prompts(4, [BLOCK - 1], seed=4)
+    assert [d.place(f"s{i}", p) for i, p in enumerate(short)] == [0, 1, 0, 1]
 
 
 def test_a_requests_choices_share_one_group():

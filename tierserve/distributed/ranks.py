@@ -187,11 +187,13 @@ def _attention_groups(args: EngineArgs, rank: int) -> DPAttention | None:
     ranks, as SGLang lays them out), made by every rank in the same order."""
     if not args.enable_dp_attention:
         return None
-    size = args.attention_tp_size
-    groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(args.dp_size)]
+    size, dp_size = args.attention_tp_size, args.dp_size
+    groups = [dist.new_group(list(range(g * size, (g + 1) * size))) for g in range(dp_size)]
+    # A rank's peers: the ranks at its position in every group, whose hidden states it gathers.
+    peers = [dist.new_group(list(range(p, args.tp_size, size))) for p in range(size)]
     mine = rank // size
     set_tp_group(TPGroup(rank, args.tp_size), TPGroup(rank % size, size, groups[mine]))
-    dp = DPAttention(args.dp_size, mine, size)
+    dp = DPAttention(dp_size, mine, size, peers[rank % size] if size > 1 else None)
     set_dp_attention(dp)
     return dp
 

@@ -10,12 +10,13 @@ own dispatcher places by load alone (`--load-balance-method round_robin`, `total
   group takes the request;
 - otherwise the group whose tree holds the longest prefix of the prompt takes it, if that prefix
   is more than `CACHE_THRESHOLD` of the prompt; else the group with the smallest tree (the most
-  room to cache).
+  room to cache), the least loaded of those that tie.
 
 Like the router, rank 0 keeps its own approximate tree per group (the prompts it sent there, at
 `BLOCK` token granularity, least recently used dropped past `MAX_BLOCKS`) rather than asking the
-groups. A prompt equal to one still in flight goes where that one went: the `n` choices of a
-request share its group and its prefill.
+groups. A prompt equal to one still in flight goes where that one went, under every method,
+unless the groups are out of balance: the `n` choices of a request share its group and its
+prefill.
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _prefix_keys(ids: list[int]) -> list[int]:
 class _InFlight:
     group: int
     tokens: int
-    prompt_key: int
+    prompt_key: int | None  # None: not counted under its prompt (its siblings went elsewhere)
 
 
 @dataclass
@@ -96,13 +97,22 @@ class Dispatcher:
         """The group for a new request."""
         prompt_key = hash(tuple(prompt_ids))
         sibling = self._prompts.get(prompt_key)
-        group = sibling[0] if sibling is not None else self._choose(prompt_ids)
+        if self._imbalanced():
+            group = _least(self.requests)
+        elif sibling is not None:
+            group = sibling[0]
+        else:
+            group = self._choose(prompt_ids)
         self.trees[group].insert(prompt_ids)
         self.requests[group] += 1
         self.placed[group] += 1
         self.tokens[group] += len(prompt_ids)
-        self._in_flight[rid] = _InFlight(group, len(prompt_ids), prompt_key)
-        self._prompts[prompt_key] = (group, sibling[1] + 1 if sibling is not None else 1)
+        joins = sibling is not None and sibling[0] == group
+        self._in_flight[rid] = _InFlight(
+            group, len(prompt_ids), prompt_key if joins or sibling is None else None
+        )
+        if sibling is None or joins:
+            self._prompts[prompt_key] = (group, sibling[1] + 1 if joins else 1)
         return group
 
     def group_of(self, rid: str) -> int | None:
@@ -123,6 +133,8 @@ class Dispatcher:
             return
         self.requests[found.group] -= 1
         self.tokens[found.group] -= found.tokens
+        if found.prompt_key is None:
+            return
         group, count = self._prompts[found.prompt_key]
         if count > 1:
             self._prompts[found.prompt_key] = (group, count - 1)
@@ -138,13 +150,13 @@ class Dispatcher:
             return (self._turn - 1) % self.groups
         if self.method == "total_tokens":
             return _least(self.tokens)
-        if self.method == "total_requests" or self._imbalanced():
+        if self.method == "total_requests":
             return _least(self.requests)
         matches = [tree.match(prompt_ids) for tree in self.trees]
-        best = max(range(self.groups), key=lambda g: matches[g])
+        best = max(range(self.groups), key=lambda g: (matches[g], -self.requests[g]))
         if matches[best] > CACHE_THRESHOLD * len(prompt_ids):
             return best
-        return _least([len(tree.blocks) for tree in self.trees])
+        return min(range(self.groups), key=lambda g: (len(self.trees[g].blocks), self.requests[g]))
 
     def _imbalanced(self) -> bool:
         most, least = max(self.requests), min(self.requests)

@@ -14,10 +14,20 @@ class AttentionGroups:
         self.dispatcher = Dispatcher(groups, method)
         self.reports = [GroupReport(g) for g in range(groups)]
         self.idle_steps = [0] * groups  # steps a group joined with nothing of its own to run
+        self.placed_since_report = 0  # queued on a group after its last report
+
+    def holds(self, rid: str) -> bool:
+        """Whether `rid` is in flight on some group."""
+        return self.dispatcher.group_of(rid) is not None
+
+    def place(self, rid: str, prompt_ids: list[int]) -> int:
+        self.placed_since_report += 1
+        return self.dispatcher.place(rid, prompt_ids)
 
     def take(self, reports: list[GroupReport], step: bool) -> list[StepOutput]:
         """The groups' reports of one step (or flush); every group's outputs, in group order."""
         self.reports = reports
+        self.placed_since_report = 0
         if step:
             for r in reports:
                 self.idle_steps[r.dp_rank] += r.scheduled == 0
@@ -34,7 +44,8 @@ class AttentionGroups:
 
     @property
     def waiting(self) -> int:
-        return sum(r.waiting for r in self.reports)
+        """Queued for admission: as the groups last reported, and placed since."""
+        return sum(r.waiting for r in self.reports) + self.placed_since_report
 
     def busy(self) -> bool:
         """Whether any group has a request in flight (as rank 0 placed them)."""

@@ -217,11 +217,13 @@ class Engine:
         )
 
     def submit(self, req: Request) -> None:
-        dispatcher = self.groups.dispatcher if self.groups is not None else None
-        if req.rid in self._requests or (dispatcher and dispatcher.group_of(req.rid) is not None):
+        groups = self.groups
+        if req.rid in self._requests or (
+            groups and groups.dispatcher.group_of(req.rid) is not None
+        ):
             raise TierserveError(f"request id {req.rid!r} is already in flight", "request_id")
-        if dispatcher is not None and req.message is not None:
-            group = dispatcher.place(req.rid, req.prompt_ids)
+        if groups is not None and req.message is not None:
+            group = groups.place(req.rid, req.prompt_ids)
             req.message = msgspec.structs.replace(req.message, dp_rank=group)
             if group != self.dp_rank:  # that group's ranks take it from the bus
                 self._announce(req.message)
@@ -250,7 +252,7 @@ class Engine:
         if req is not None and not req.finished:
             self.scheduler.finish(req, "abort")
             self._announce(AbortRequest(request_id))
-        elif self.groups is not None and self.groups.dispatcher.group_of(request_id) is not None:
+        elif self.groups is not None and self.groups.holds(request_id):
             self._announce(AbortRequest(request_id))  # another group runs it
         if self.groups is not None:
             self.groups.dispatcher.finished(request_id)
@@ -371,7 +373,11 @@ class Engine:
         if self.ranks is None or self.ranks.dp is None or not self.ranks.leader:
             return self.kv.flush()
         self.ranks.bus.exchange()
-        self._collect([], flushed=self.kv.flush())
+        flushed: dict[str, int | str] = {}
+        try:
+            flushed = self.kv.flush()
+        finally:  # the other ranks wait in the collect for this rank's report
+            self._collect([], flushed=flushed)
         assert self.groups is not None
         return self.groups.flushed()
 

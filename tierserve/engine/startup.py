@@ -51,7 +51,7 @@ class Startup:
     device: torch.device
     dtype: torch.dtype
     context_length: int
-    weight_bytes: int
+    weight_bytes: int  # on the node
     plan: KVPlan
     storage: StorageConfig | None = None
 
@@ -67,14 +67,27 @@ class Startup:
         kv_dtype = model_dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
         # With DP attention a rank holds KV for its attention group's share of the heads.
         spec = KVSpec.from_model(cfg, kv_dtype, args.page_size, tp=args.attention_tp_size)
-        numel = checkpoint_numel(model_path, cfg.num_layers)  # MTP layers past them skipped
-        if args.dp_groups > 1:  # each attention group holds its own copy of the attention side
-            numel += checkpoint_numel(model_path, cfg.num_layers, True) * (args.dp_groups - 1)
-        weight_bytes = numel * dtype.itemsize + _fp32_extra(cfg, dtype.itemsize)
+        node_numel, rank_numel = weight_numel(args, model_path, cfg.num_layers)
+        extra = _fp32_extra(cfg, dtype.itemsize)
+        weight_bytes = node_numel * dtype.itemsize + extra
+        rank_weights = rank_numel * dtype.itemsize + extra // args.tp_size
         storage = _storage_config(args)
-        plan = _kv_plan(args, device, spec, weight_bytes, dtype.itemsize, storage)
+        plan = _kv_plan(args, device, spec, (weight_bytes, rank_weights), dtype.itemsize, storage)
         context = _context_length(args, cfg)
         return cls(model_path, cfg, device, dtype, context, weight_bytes, plan, storage)
+
+
+def weight_numel(args: EngineArgs, model_path: str, num_layers: int) -> tuple[int, int]:
+    """Parameters the node holds, and one rank: the model split over the ranks, except that
+    each attention group under DP attention holds its own copy of the attention side, split
+    over its ranks only. MTP layers past `num_layers` are skipped."""
+    numel = checkpoint_numel(model_path, num_layers)
+    if args.dp_groups == 1:
+        return numel, -(-numel // args.tp_size)
+    attention = checkpoint_numel(model_path, num_layers, attention_only=True)
+    node = numel + attention * (args.dp_groups - 1)
+    rank = -(-(numel - attention) // args.tp_size) + -(-attention // args.attention_tp_size)
+    return node, rank
 
 
 def _fp32_extra(cfg: ModelConfig, itemsize: int) -> int:
@@ -111,11 +124,12 @@ def _kv_plan(
     args: EngineArgs,
     device: torch.device,
     spec: KVSpec,
-    weight_bytes: int,
+    weights: tuple[int, int],  # bytes on the node, on one rank
     compute_width: int,
     storage: StorageConfig | None,
 ) -> KVPlan:
-    num_pages = check_pool_size(_pool_tokens(args, device, spec, weight_bytes), spec.page_size)
+    weight_bytes, rank_weights = weights
+    num_pages = check_pool_size(_pool_tokens(args, device, spec, rank_weights), spec.page_size)
     device_tokens = num_pages * spec.page_size
     on_cpu = device.type == "cpu"
     # On CPU the decode workspace keeps a padded copy of the decode batch's KV (bounded), in
@@ -146,13 +160,13 @@ def _kv_plan(
     return dataclasses.replace(plan, host=host)
 
 
-def _pool_tokens(args: EngineArgs, device: torch.device, spec: KVSpec, weight_bytes: int) -> int:
+def _pool_tokens(args: EngineArgs, device: torch.device, spec: KVSpec, rank_weights: int) -> int:
     if args.max_total_tokens is not None:
         return args.max_total_tokens
     if device.type != "cuda":
         return CPU_DEFAULT_POOL_TOKENS
     free, total = torch.cuda.mem_get_info(device)
-    return device_pool_tokens(spec, total, free, weight_bytes, args.mem_fraction_static)
+    return device_pool_tokens(spec, total, free, rank_weights, args.mem_fraction_static)
 
 
 def device_pool_tokens(

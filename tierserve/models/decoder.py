@@ -62,7 +62,7 @@ class DecoderModel(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         dp = dp_attention()
-        if dp is not None and dp.begin_step(len(input_ids)) == 0:
+        if dp is not None and dp.begin_step(len(input_ids), input_ids.device) == 0:
             return self.embed_tokens.weight.new_empty(0, self.norm.weight.shape[0])
         x = self.embed_tokens(input_ids)
         for layer in self.layers:
