@@ -327,8 +327,12 @@ def test_printed_sglang_lines_reproduce_the_plan(data) -> None:
     assert check.plan.kv.per_rank == plan.kv.per_rank
     vllm = check_vllm(flags.vllm, inputs)
     assert vllm.plan.local_ranks == plan.local_ranks and vllm.plan.kv.per_rank == plan.kv.per_rank
-    assert 0 <= plan.device_tokens_per_rank - vllm.plan.device_tokens_per_rank < 16
-    assert {c.name for c in vllm.verdict.failed} <= {c.name for c in verdict.failed}, vllm.lines
+    # For a MoE model vLLM's -dp is not replicas but its DP attention (the routed experts span
+    # every engine's workers): its pool is its own, not the plan's replica's.
+    if inputs.dp == 1 or inputs.model.config.moe is None:
+        assert 0 <= plan.device_tokens_per_rank - vllm.plan.device_tokens_per_rank < 16
+        failed = {c.name for c in vllm.verdict.failed}
+        assert failed <= {c.name for c in verdict.failed}, vllm.lines
     if "--enable-hierarchical-cache" in flags.sglang:
         assert check.fits, check.lines
         asked = plan.host if plan.host.fits else plan.recommended

@@ -138,3 +138,10 @@ def test_check_vllm_reads_data_parallel_moe_as_dp_attention() -> None:
     assert check.plan.inputs.dp_attention and check.plan.inputs.attention_tp == 1
     assert "each engine's attention and KV are its own" in "\n".join(check.lines)
     assert check.plan.local_ranks == 8
+    # Each engine keeps its dense MLPs and shared experts too; only routed experts span all 8.
+    model = check.plan.inputs.model
+    whole = model.attention_bytes + model.dense_mlp_bytes
+    assert model.dense_mlp_bytes > 0
+    assert check.plan.weights_bytes_per_rank == pytest.approx(
+        (model.weight_bytes - whole) / 8 + whole, rel=1e-6
+    )

@@ -94,6 +94,7 @@ class PlanInputs:
     # with dp_attention attention groups inside the tp ranks (SGLang's --enable-dp-attention):
     # each group of tp / dp ranks holds its own requests' KV; the MLP and experts span all tp.
     dp_attention: bool = False
+    dense_per_group: bool = False  # vLLM's form: dense MLPs and shared experts per group too
 
     def __post_init__(self) -> None:
         kv_dtype_name(self.kv_dtype)
@@ -283,6 +284,7 @@ def _device_side(inputs: PlanInputs, bytes_per_token: int) -> tuple[int, int, in
     rank_weights = weights_per_rank(inputs.model.weight_bytes, inputs.tp * inputs.pp)
     if inputs.dp_attention:  # the attention side split over its group only
         attention = inputs.model.attention_bytes
+        attention += inputs.model.dense_mlp_bytes if inputs.dense_per_group else 0
         rank_weights = weights_per_rank(
             inputs.model.weight_bytes - attention, inputs.tp * inputs.pp
         )

@@ -143,6 +143,7 @@ def _vllm_inputs(flags: VLLMFlags, inputs: PlanInputs) -> PlanInputs:
         pp=flags.pp,
         dp=flags.dp,
         dp_attention=groups,
+        dense_per_group=groups,
         kv_dtype=kv_dtype,
         mem_fraction_static=min(flags.gpu_memory_utilization, 0.999),
         page_size=flags.block_size,
@@ -168,7 +169,8 @@ def check_vllm(flags: str, inputs: PlanInputs) -> VLLMCheck:
     if _dp_attention(parsed, inputs):
         lines.append(
             f"a MoE model: each engine's attention and KV are its own requests' (DP attention), "
-            f"the experts are split over all {parsed.tp * parsed.dp} workers; "
+            f"its dense MLPs and shared experts its own, the routed experts split over all "
+            f"{parsed.tp * parsed.dp} workers; "
             f"{format_count(plan.device_concurrency)} requests of "
             f"{format_count(inputs.workload.avg_seq_len)} tokens run at once"
         )

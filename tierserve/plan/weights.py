@@ -78,13 +78,25 @@ def parameter_groups(config: Mapping[str, Any]) -> dict[str, int]:
     shared += config_int(raw, "shared_expert_intermediate_size", 0)
     moe_layers = layers - dense
     other = layers * (_attention_params(model) + 2 * hidden)  # two RMSNorms a layer
-    other += dense * 3 * hidden * inter + moe_layers * (3 * hidden * shared + experts * hidden)
+    other += _dense_mlp_params(config) + moe_layers * experts * hidden  # + the routers
     embeddings = model.vocab_size * hidden * (1 if model.tie_word_embeddings else 2)
     return {
         "experts": moe_layers * experts * 3 * hidden * expert_inter,
         "other": other + hidden,  # + the final norm
         "embeddings": embeddings,
     }
+
+
+def _dense_mlp_params(config: Mapping[str, Any]) -> int:
+    """The dense MLP layers' and the shared experts' parameters."""
+    raw, model = text_config(config), ModelConfig.from_dict(config)
+    hidden, layers, inter = model.hidden_size, model.num_layers, model.intermediate_size
+    experts = _num_experts(raw)
+    dense = layers if not experts else _dense_layers(raw, layers)
+    expert_inter = config_int(raw, "moe_intermediate_size", 0) or inter
+    shared = config_int(raw, "n_shared_experts", 0) * expert_inter
+    shared += config_int(raw, "shared_expert_intermediate_size", 0)
+    return dense * 3 * hidden * inter + (layers - dense) * 3 * hidden * shared
 
 
 def estimate_parameters(config: Mapping[str, Any]) -> int:
@@ -158,8 +170,11 @@ class ModelSpec:
     weight_note: str  # where weight_bytes came from, for the reader of the plan
     path: str = ""  # what a server's --model flag should say (HF id or local directory)
     # Of weight_bytes: the attention layers and the embeddings, which data-parallel attention
-    # keeps once per attention group (the MLPs and experts stay split over every rank).
+    # keeps once per attention group (the MLPs and experts stay split over every rank)...
     attention_bytes: int = 0
+    # ...and the dense MLPs and shared experts, which vLLM's data parallelism also keeps once
+    # per engine (only its routed experts span every worker).
+    dense_mlp_bytes: int = 0
 
 
 def model_spec(
@@ -180,8 +195,9 @@ def model_spec(
     size = int(sum(groups[g] * scale * dtype_bytes(dtypes[g]) for g in GROUPS))
     attention = model.num_layers * _attention_params(model) * dtype_bytes(dtypes["other"])
     attention = int((attention + groups["embeddings"] * dtype_bytes(dtypes["embeddings"])) * scale)
-    if weights is not None:  # the same share of the bytes given
-        share = int(weights * attention / size) if size else 0
-        return ModelSpec(name, model, weights, f"{format_gb(weights)} as given", "", share)
+    dense = int(_dense_mlp_params(config) * dtype_bytes(dtypes["other"]) * scale)
+    if weights is not None:  # the same shares of the bytes given
+        shares = [int(weights * part / size) if size else 0 for part in (attention, dense)]
+        return ModelSpec(name, model, weights, f"{format_gb(weights)} as given", "", *shares)
     parts = [f"{groups[g] * scale / 1e9:,.1f}B {g} × {dtypes[g]}" for g in GROUPS if groups[g]]
-    return ModelSpec(name, model, size, ", ".join(parts), "", attention)
+    return ModelSpec(name, model, size, ", ".join(parts), "", attention, dense)
