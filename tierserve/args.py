@@ -192,6 +192,21 @@ class EngineArgs:
             "one node only)"
         ),
     )
+    hidden_states_dir: str | None = field(
+        default=None,
+        metadata=_flag(
+            "write every request's prompt hidden states (the --hidden-states-layers and the "
+            "final norm's input) to DIR as safetensors, as vLLM's extract_hidden_states does "
+            "(EAGLE-3 training data); the path comes back with the request"
+        ),
+    )
+    hidden_states_layers: str | None = field(
+        default=None,
+        metadata=_flag(
+            "comma-separated layer ids to capture, as vLLM counts them (k: the output of "
+            "decoder layer k-1; 0 the embeddings); default 2, L/2, L-3"
+        ),
+    )
     enable_dp_attention: bool = field(
         default=False,
         metadata=_flag(
@@ -267,6 +282,9 @@ class EngineArgs:
             )
         self._check_distributed()
         check_mem_fraction(self.mem_fraction_static)
+        if self.hidden_states_layers is not None and self.hidden_states_dir is None:
+            message = "--hidden-states-layers chooses what --hidden-states-dir captures: give both"
+            raise TierserveError(message, "hidden_states_layers")
 
     def _check_distributed(self) -> None:
         for name in ("tp_size", "nnodes"):

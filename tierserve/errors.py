@@ -14,3 +14,7 @@ class TierserveError(ValueError):
         super().__init__(message)
         self.message = message
         self.field = field
+
+
+class StorageFull(TierserveError):
+    """A request the server cannot store what it must write for (its hidden states): 507."""

@@ -95,6 +95,8 @@ class CoreInfo(msgspec.Struct, frozen=True):
     eos_token_ids: list[int]
     num_pages: int  # the device pool, per rank
     page_size: int
+    hidden_states_dir: str | None = None  # every request's hidden states go there
+    hidden_state_bytes_per_token: int = 0  # what each prompt token takes in its file
 
 
 class CoreReady(msgspec.Struct, frozen=True, tag=True):

@@ -30,6 +30,8 @@ class StepOutput:
     logprob: TokenLogprob | None = None  # when the request asks for logprobs
     # With the first token, when the request asks for prompt logprobs: prompt tokens 1.. .
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
+    # With the first token, on a server that captures hidden states: the prompt's file.
+    hidden_states_path: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -60,3 +62,6 @@ class RequestOutput:
     prompt: str | None = None
     prompt_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None
+    # On a server that captures hidden states (--hidden-states-dir): the prompt's safetensors
+    # file, in the first and the final output (engine/hidden_states.py).
+    hidden_states_path: str | None = None

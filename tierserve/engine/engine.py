@@ -27,6 +27,7 @@ from tierserve.cache import (
 )
 from tierserve.distributed import Ranks
 from tierserve.engine.dp_groups import AttentionGroups
+from tierserve.engine.hidden_states import HiddenStatesWriter, parse_layers
 from tierserve.engine.kv_plan import KVPlan, startup_table
 from tierserve.engine.prepare import RequestPreparer
 from tierserve.engine.request import Request
@@ -102,7 +103,10 @@ class Engine:
             sched_cfg = SchedulerConfig(running, args.chunked_prefill_size, self.context_length)
             self.scheduler = Scheduler(sched_cfg, self.kv)
             attn = ATTENTION_BACKENDS[args.attention_backend](pool, cfg.num_layers)
-            self.runner = ModelRunner(model, attn, args.page_size, self.device)
+            self.hidden_states = self._hidden_states_writer()
+            capture = parse_layers(args.hidden_states_layers, cfg.num_layers)
+            capture = capture if args.hidden_states_dir else ()
+            self.runner = ModelRunner(model, attn, args.page_size, self.device, capture)
             self._requests: dict[str, Request] = {}
             self._default_generator = torch.Generator().manual_seed(args.seed)
             # Data-parallel attention: this rank's attention group; rank 0 places requests
@@ -123,6 +127,8 @@ class Engine:
                 eos_token_ids=sorted(self.eos_token_ids),
                 num_pages=self.kv.num_pages,
                 page_size=self.kv.page_size,
+                hidden_states_dir=args.hidden_states_dir,
+                hidden_state_bytes_per_token=_hidden_bytes(capture, cfg.hidden_size, self.dtype),
             )
             self.preparer = RequestPreparer(self.info, self.tokenizer)
             self.grammars = self.preparer.grammars
@@ -134,6 +140,15 @@ class Engine:
             if self.ranks is not None:
                 self.ranks.kill()
             raise
+
+    def _hidden_states_writer(self) -> HiddenStatesWriter | None:
+        """The writer of captured hidden states: on the first rank of each attention group
+        (every rank of a group holds the same states)."""
+        if self.args.hidden_states_dir is None:
+            return None
+        if self.ranks is not None and not self.ranks.group_leader:
+            return None
+        return HiddenStatesWriter(self.args.hidden_states_dir)
 
     @staticmethod
     def vocab_size_of(model_path: str) -> int:
@@ -214,6 +229,7 @@ class Engine:
             prompt_text=message.prompt_text,
             grammar=grammar,
             message=message,
+            captures=self.args.hidden_states_dir is not None,
         )
 
     def submit(self, req: Request) -> None:
@@ -305,6 +321,8 @@ class Engine:
         req = chunk.req
         self.scheduler.record_computed(req, chunk.num_tokens)
         req.prompt_logprobs += result.prompt_logprobs
+        if result.hidden is not None:
+            self._keep_hidden(req, result.hidden)
         if chunk.num_tokens > 1:  # share the prompt with requests that arrive meanwhile
             self.kv.cache_prefix(req.kv, req.all_ids)
         token = result.token
@@ -327,7 +345,19 @@ class Engine:
             num_preemptions=req.num_preemptions,
             logprob=result.logprob,
             prompt_logprobs=self._prompt_logprobs(req),
+            hidden_states_path=req.hidden_states_path if len(req.output_ids) == 1 else None,
         )
+
+    def _keep_hidden(self, req: Request, rows: torch.Tensor) -> None:
+        """Captured rows of the prompt; once all are in, the file is queued for writing."""
+        req.hidden.append(rows)
+        req.num_captured += len(rows)
+        if req.num_captured < len(req.prompt_ids):
+            return
+        hidden, req.hidden = torch.cat(req.hidden), []
+        writer = self.hidden_states
+        if writer is not None:
+            req.hidden_states_path = writer.submit(req.rid, req.prompt_ids, hidden)
 
     @staticmethod
     def _prompt_logprobs(req: Request) -> tuple[TokenLogprob, ...] | None:
@@ -354,6 +384,8 @@ class Engine:
         self._closed = True
         ranks, self.ranks = self.ranks, None
         try:
+            if self.hidden_states is not None:
+                self.hidden_states.close(write_timeout_s)
             if self.storage is not None:
                 self.storage.flush_writes(write_timeout_s)
                 self.storage.close()
@@ -439,3 +471,8 @@ class Engine:
                 if dp:
                     self._collect(outputs, self._scheduled)
         self.close()
+
+
+def _hidden_bytes(capture: tuple[int, ...], hidden_size: int, dtype: torch.dtype) -> int:
+    """Bytes a captured prompt token takes on disk: its id and its layers' states."""
+    return 8 + (len(capture) + 1) * hidden_size * dtype.itemsize if capture else 0

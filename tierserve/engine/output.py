@@ -28,6 +28,7 @@ class OutputBuilder:
         self.request_id = req.rid
         self.prompt, self.prompt_ids = req.prompt_text, req.prompt_ids
         self.prompt_logprobs: list[TokenLogprob] | None = None
+        self.hidden_states_path: str | None = None
         self.stops = req.params.stop
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._detokenizer = IncrementalDetokenizer(tokenizer)
@@ -47,6 +48,8 @@ class OutputBuilder:
         self._ids.append(step.token_id)
         if step.prompt_logprobs is not None:
             self.prompt_logprobs = list(step.prompt_logprobs)
+        if step.hidden_states_path is not None:
+            self.hidden_states_path = step.hidden_states_path
         new_logprobs = [step.logprob] if step.logprob is not None else []
         self._logprobs += new_logprobs
         text = self._detokenizer.add(step.token_id)
@@ -80,6 +83,7 @@ class OutputBuilder:
             prompt=self.prompt if carries_prompt else None,
             prompt_token_ids=self.prompt_ids if carries_prompt else [],
             prompt_logprobs=self.prompt_logprobs if carries_prompt else None,
+            hidden_states_path=self.hidden_states_path if carries_prompt else None,
         )
 
     def _first_stop(self, window: str) -> int | None:

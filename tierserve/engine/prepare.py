@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+import shutil
 from typing import Any
 
 from tierserve.cache import pages_for
 from tierserve.engine.grammar import Grammars
-from tierserve.errors import TierserveError
+from tierserve.errors import StorageFull, TierserveError
 from tierserve.messages import AddRequest, CoreInfo
 from tierserve.sampling_params import SamplingParams
+from tierserve.units import format_bytes
 
 # A token is rarely longer than this many characters: text longer than the context times this
 # is refused before it is tokenized (a 10 MB prompt took ~10 s and gigabytes to learn that).
@@ -50,6 +53,7 @@ class RequestPreparer:
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=self._room_after(prompt_ids))
         self._validate(prompt_ids, params)
+        self._check_hidden_states_room(len(prompt_ids))
         if params.structured_output is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_output)
         rid = request_id or f"req-{next(self._ids)}"
@@ -94,6 +98,28 @@ class RequestPreparer:
                 field="prompt",
             )
         return room
+
+    def _check_hidden_states_room(self, tokens: int) -> None:
+        """A server that writes every request's hidden states refuses (507) a request whose
+        file the directory cannot take, before it runs."""
+        directory = self.info.hidden_states_dir
+        if directory is None:
+            return
+        need = tokens * self.info.hidden_state_bytes_per_token
+        try:
+            writable = os.path.isdir(directory) and os.access(directory, os.W_OK)
+            free = shutil.disk_usage(directory).free if writable else 0
+        except OSError:
+            writable, free = False, 0
+        if not writable:
+            message = f"the hidden-states directory {directory} is not a writable directory"
+            raise StorageFull(message, "hidden_states_dir")
+        if free < need:
+            message = (
+                f"the hidden-states directory {directory} has {format_bytes(free)} free; this "
+                f"request's hidden states need {format_bytes(need)}"
+            )
+            raise StorageFull(message, "hidden_states_dir")
 
     def _validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
         vocab = self.info.vocab_size

@@ -41,6 +41,12 @@ class Request:
     message: AddRequest | None = None
     # Logprobs of prompt tokens 1.. as their positions are computed (prompt_logprobs asked).
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # On a server that captures hidden states: the prompt positions' rows captured so far
+    # (each [positions, layers + 1, hidden]), and where the whole file went.
+    captures: bool = False
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    num_captured: int = 0
+    hidden_states_path: str | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -49,8 +55,11 @@ class Request:
     @property
     def cacheable_ids(self) -> list[int]:
         """The tokens a cached prefix may cover. Prompt logprobs need the logits of every
-        prompt position, which a cache hit skips: until they are all computed, only the
-        positions already scored may come from the cache."""
+        prompt position, and captured hidden states every position's states, which a cache hit
+        skips: until they are all computed, only the positions done may come from the cache."""
+        if self.captures and self.num_captured < len(self.prompt_ids):
+            # Captured hidden states need every prompt position computed, as logprobs do.
+            return self.all_ids[: self.num_captured + 1]
         scored = len(self.prompt_logprobs)
         if self.params.prompt_logprobs is None or scored == len(self.prompt_ids) - 1:
             return self.all_ids

@@ -24,27 +24,39 @@ class ChunkResult:
     token: int | None = None
     logprob: TokenLogprob | None = None
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    hidden: torch.Tensor | None = None  # captured rows of prompt positions not captured yet
 
 
 class ModelRunner:
     def __init__(
-        self, model: nn.Module, attn: AttentionBackend, page_size: int, device: torch.device
+        self,
+        model: nn.Module,
+        attn: AttentionBackend,
+        page_size: int,
+        device: torch.device,
+        capture: tuple[int, ...] = (),
     ) -> None:
         self.model = model
         self.attn = attn
         self.page_size = page_size
         self.device = device
+        self.capture = capture  # layer ids whose hidden states prompts keep (hidden_states.py)
 
     @torch.inference_mode()
     def step(self, chunks: list[ScheduledChunk]) -> list[ChunkResult]:
         """Each chunk's result, in order."""
         batch = self._build_batch(chunks)
         self.attn.prepare(batch)
-        hidden = self.model(batch.input_ids, batch.positions, self.attn)
+        capture = self.capture if any(_needs_capture(c) for c in chunks) else ()
+        hidden = self.model(batch.input_ids, batch.positions, self.attn, capture)
         results = [ChunkResult()] * len(chunks)
         for i, c in enumerate(chunks):
+            scored = []
             if c.req.params.prompt_logprobs is not None:
-                results[i] = ChunkResult(prompt_logprobs=self._scored(c, batch.spans[i], hidden))
+                scored = self._scored(c, batch.spans[i], hidden)
+            rows = self._captured(c, batch.spans[i]) if capture else None
+            if scored or rows is not None:
+                results[i] = ChunkResult(prompt_logprobs=scored, hidden=rows)
         sampling = [i for i, c in enumerate(chunks) if c.samples]
         if not sampling:
             return results
@@ -60,7 +72,7 @@ class ModelRunner:
             for j, lp in zip(asked, found, strict=True):
                 logprobs[j] = lp
         for i, token, lp in zip(sampling, tokens, logprobs, strict=True):
-            results[i] = ChunkResult(token, lp, results[i].prompt_logprobs)
+            results[i] = ChunkResult(token, lp, results[i].prompt_logprobs, results[i].hidden)
         return results
 
     def _scored(
@@ -79,6 +91,17 @@ class ModelRunner:
             targets = req.prompt_ids[lo + 1 : hi + 1]
             out += token_logprobs(self.model.logits(hidden[rows]), targets, [k] * len(targets))
         return out
+
+    def _captured(self, chunk: ScheduledChunk, span: SeqSpan) -> torch.Tensor | None:
+        """This chunk's captured rows for the prompt positions not captured yet (a recompute
+        after preemption captures nothing twice), on the host."""
+        req, start = chunk.req, chunk.req.num_computed
+        first = max(start, req.num_captured)
+        last = min(start + chunk.num_tokens, len(req.prompt_ids))
+        if not req.captures or first >= last:
+            return None
+        rows = self.model.model.captured[span.q_start + first - start : span.q_start + last - start]
+        return rows.to("cpu", non_blocking=rows.device.type == "cuda")
 
     def _build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
         """The step's flat batch. Ids, positions and slots are gathered as Python ints and
@@ -104,6 +127,11 @@ class ModelRunner:
             out_slots=torch.tensor(slots, dtype=torch.long, device=self.device),
             spans=spans,
         )
+
+
+def _needs_capture(chunk: ScheduledChunk) -> bool:
+    req = chunk.req
+    return req.captures and req.num_captured < len(req.prompt_ids)
 
 
 def _token_ids(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:

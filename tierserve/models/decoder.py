@@ -59,14 +59,26 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        capture: tuple[int, ...] = (),
     ) -> torch.Tensor:
+        """Final hidden states; with `capture` (layer ids: k is the output of layer k − 1),
+        `self.captured` is [tokens, len(capture) + 1, hidden]: those, then the final norm's
+        input."""
         dp = dp_attention()
         if dp is not None and dp.begin_step(len(input_ids), input_ids.device) == 0:
             return self.embed_tokens.weight.new_empty(0, self.norm.weight.shape[0])
         x = self.embed_tokens(input_ids)
-        for layer in self.layers:
+        kept = {0: x} if 0 in capture else {}
+        for i, layer in enumerate(self.layers):
             x = layer(positions, x, attn)
+            if i + 1 in capture:
+                kept[i + 1] = x
+        if capture:
+            self.captured = torch.stack([*(kept[k] for k in capture), x], dim=1)
         return self.norm(x)
 
 
@@ -102,10 +114,15 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionBackend,
+        capture: tuple[int, ...] = (),
     ) -> torch.Tensor:
-        """Final hidden states for every token; call `logits` on the rows that sample."""
-        return self.model(input_ids, positions, attn)
+        """Final hidden states for every token; call `logits` on the rows that sample. With
+        `capture`, the layers' hidden states are in `self.model.captured`."""
+        return self.model(input_ids, positions, attn, capture)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from tierserve.errors import TierserveError
+from tierserve.errors import StorageFull, TierserveError
 from tierserve.server import choices
 from tierserve.server.async_engine import AsyncEngine, EngineDeadError
 from tierserve.server.completion import Completion
@@ -85,6 +85,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(TierserveError)
     async def user_error(_: Request, err: TierserveError) -> JSONResponse:
         return _error(400, err.message, "invalid_request_error", err.field)
+
+    @app.exception_handler(StorageFull)
+    async def storage_full(_: Request, err: StorageFull) -> JSONResponse:
+        return _error(507, err.message, "insufficient_storage", err.field)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, err: RequestValidationError) -> JSONResponse:
@@ -195,8 +199,8 @@ def _apply_chat_template(engine: AsyncEngine, body: ChatCompletionRequest) -> li
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
     engine.preparer.check_text_length(sum(len(m["content"]) for m in messages), "messages")
     try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except TemplateError as err:  # e.g. a template that requires alternating roles
+        text = tok.apply_chat_template(messages, tokenize=False, **body.template_switches())
+    except (TemplateError, ValueError) as err:  # alternating roles; nothing to continue
         message = f"the chat template rejected the messages: {err}"
         raise TierserveError(message, "messages") from None
     ids = tok(text, add_special_tokens=False).input_ids

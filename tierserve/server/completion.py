@@ -40,6 +40,7 @@ class Completion:
         self.stream = bool(body and body.stream)
         self.echo = bool(getattr(body, "echo", False))  # completions only
         self.prompt_only = bool(getattr(body, "prompt_only", False))
+        self.return_token_ids = bool(getattr(body, "return_token_ids", False))  # vLLM's
         prefix = {"text_completion": "cmpl", "chat.completion": "chatcmpl"}.get(kind, "gen")
         self.id = new_id(prefix)
         self.created = now()
@@ -103,7 +104,12 @@ class Completion:
     def _whole(self, out: RequestOutput) -> dict[str, Any]:
         if self.kind == "generate":
             return _native(out, out.text, out.token_ids)
-        return self.envelope(self.kind, [self.whole_choice(0, out)], usage=self._usage(out))
+        body = self.envelope(self.kind, [self.whole_choice(0, out)], usage=self._usage(out))
+        if self.return_token_ids and self.kind == "chat.completion":  # vLLM: at the top
+            body["prompt_token_ids"] = out.prompt_token_ids
+        if out.hidden_states_path is not None:  # vLLM's extract_hidden_states reply
+            body["kv_transfer_params"] = {"hidden_states_path": out.hidden_states_path}
+        return body
 
     def whole_choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
         echo_text, echo_logprobs = self._echoed(out, index)
@@ -113,6 +119,10 @@ class Completion:
             choice = {"index": index, "text": echo_text + out.text}
         choice["logprobs"] = join(echo_logprobs, self._logprobs(out.logprobs, index))
         choice["finish_reason"] = out.finish_reason
+        if self.return_token_ids:  # vLLM's: the output's ids; a completion's prompt's too
+            choice["token_ids"] = out.token_ids
+            if self.kind != "chat.completion":
+                choice["prompt_token_ids"] = out.prompt_token_ids
         return choice
 
     def _echoed(self, out: RequestOutput, index: int) -> tuple[str, dict[str, Any] | None]:

@@ -89,6 +89,7 @@ class SamplingKnobs(TextBody):
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
+    return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids
     regex: str | None = None  # SGLang's structured output beside OpenAI's response_format
     ebnf: str | None = None
 
@@ -254,6 +255,25 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    # vLLM's chat template switches: open an assistant turn (the default), or continue the
+    # last message as it stands (what regenerating a conversation's turn needs).
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+
+    def template_switches(self) -> dict[str, bool]:
+        if self.continue_final_message and self.add_generation_prompt:
+            message = (
+                "continue_final_message continues the last message: it needs "
+                "add_generation_prompt false (as in vLLM)"
+            )
+            raise TierserveError(message, "continue_final_message")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            message = "continue_final_message needs an assistant message last"
+            raise TierserveError(message, "continue_final_message")
+        return {
+            "add_generation_prompt": self.add_generation_prompt,
+            "continue_final_message": self.continue_final_message,
+        }
 
     def sampling_params(self) -> SamplingParams:
         if self.max_tokens is None and self.max_completion_tokens is not None:

@@ -1,0 +1,115 @@
+"""Hidden states for EAGLE-3 training data: a server started with `--hidden-states-dir DIR`
+writes, for every request, its prompt's hidden states at the auxiliary layers and at the final
+norm's input into one safetensors file, in the form vLLM's extract_hidden_states writes and
+vLLM's `speculators` reads: `token_ids` [seq] and `hidden_states` [seq, layers + 1, hidden] in
+the model's dtype.
+
+Layer ids are vLLM's: id k is the output of decoder layer k − 1 (transformers'
+`hidden_states[k]`; 0 is the embeddings); the default is EAGLE-3's (2, L // 2, L − 3). The last
+slot is the final norm's input.
+
+Files are written by one thread behind a bounded queue, so the engine never waits on the disk
+unless that many files are already waiting (then it does: memory stays bounded). `PATH.lock`
+exists, held with an exclusive flock, from before the request's first token is reported until
+the file is whole; a reader that takes the lock shared sees the whole file or none. A write
+that fails removes the file and its lock and is counted.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import queue
+import re
+import threading
+from pathlib import Path
+
+import torch
+
+from tierserve.errors import TierserveError
+
+logger = logging.getLogger("tierserve")
+
+QUEUED_FILES = 8  # files waiting for the writer before the engine waits for it
+
+
+def default_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's auxiliary layers (vLLM's default): early, middle, late."""
+    return (2, num_layers // 2, num_layers - 3)
+
+
+def parse_layers(text: str | None, num_layers: int) -> tuple[int, ...]:
+    """`--hidden-states-layers` ("2,14,25"), checked against the model's layers."""
+    if text is None:
+        return tuple(max(0, k) for k in default_layers(num_layers))
+    try:
+        layers = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        message = f"--hidden-states-layers takes layer ids like 2,14,25, got {text!r}"
+        raise TierserveError(message, "hidden_states_layers") from None
+    bad = [k for k in layers if not 0 <= k <= num_layers]
+    if not layers or bad:
+        message = (
+            f"--hidden-states-layers must be ids in [0, {num_layers}] (k: the output of decoder "
+            f"layer k − 1), got {text!r}"
+        )
+        raise TierserveError(message, "hidden_states_layers")
+    return layers
+
+
+class HiddenStatesWriter:
+    def __init__(self, directory: str) -> None:
+        self.directory = Path(directory)
+        try:
+            self.directory.mkdir(parents=True, exist_ok=True)
+            probe = self.directory / ".tierserve-write-probe"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as err:
+            message = f"--hidden-states-dir {directory} is not writable: {err.strerror or err}"
+            raise TierserveError(message, "hidden_states_dir") from None
+        self.failed = 0
+        self.written = 0
+        self._queue: queue.Queue = queue.Queue(maxsize=QUEUED_FILES)
+        self._thread = threading.Thread(target=self._run, name="tierserve-hidden-states")
+        self._thread.daemon = True
+        self._thread.start()
+
+    def path_for(self, request_id: str) -> Path:
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", request_id)
+        return self.directory / f"{safe}.safetensors"
+
+    def submit(self, request_id: str, token_ids: list[int], hidden: torch.Tensor) -> str:
+        """Queue the file of one request; its lock is held from now until it is written."""
+        path = self.path_for(request_id)
+        lock = open(path.with_name(path.name + ".lock"), "w")  # noqa: SIM115 (held until written)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ids = torch.tensor(token_ids, dtype=torch.long)
+        self._queue.put((path, lock, ids, hidden))
+        return str(path)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Let queued files finish (bounded), then stop the thread."""
+        self._queue.put(None)
+        self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        from safetensors.torch import save_file
+
+        while (item := self._queue.get()) is not None:
+            path, lock, ids, hidden = item
+            tmp = path.with_name(path.name + ".tmp")
+            try:
+                tensors = {"token_ids": ids, "hidden_states": hidden.contiguous()}
+                save_file(tensors, str(tmp))
+                os.replace(tmp, path)
+                self.written += 1
+            except Exception:  # a full or vanished disk: this file is lost, the server goes on
+                logger.exception("writing the hidden states of %s failed", path.name)
+                self.failed += 1
+                for leftover in (tmp, path):
+                    leftover.unlink(missing_ok=True)
+            finally:
+                Path(lock.name).unlink(missing_ok=True)
+                lock.close()  # releases the flock
