@@ -1,4 +1,5 @@
-"""`tierserve batch`: the OpenAI Batch file format, against a running server or in-process.
+"""`tierserve batch`: the OpenAI Batch file format, against a running server or in-process;
+with `--regenerate`, a dataset of conversations answered again turn by turn (regenerate.py).
 
 Output lines are appended as requests complete, so a run that is killed loses nothing it
 finished: a rerun skips every `custom_id` that succeeded (and drops a torn last line). Lines
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
 import time
 import uuid
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +44,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="keep the failed lines of an earlier run instead of retrying them",
     )
     parser.add_argument("--no-progress", action="store_true")
+    regen = parser.add_argument_group("--regenerate (EAGLE-3 data: a dataset's answers again)")
+    regen.add_argument(
+        "--regenerate",
+        action="store_true",
+        help="the input is conversations (ShareGPT `conversations` or OpenAI `messages`, "
+        "optional `id`): replace every assistant turn with the model's, turn by turn; "
+        "resumable by row id",
+    )
+    regen.add_argument("--max-tokens", type=int, default=2048, help="per regenerated turn")
+    regen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    regen.add_argument("--model-name", default=None, help="the model a server is asked for")
     EngineArgs.add_cli_args(parser)  # used when no --url is given: an in-process engine
 
 
@@ -214,6 +228,8 @@ def run(ns: argparse.Namespace) -> int:
         raise TierserveError("--concurrency must be > 0", "concurrency")
     if ns.max_retries < 0:
         raise TierserveError("--max-retries must be >= 0", "max_retries")
+    if ns.regenerate:
+        return _regenerate(ns)
     lines = read_input(Path(ns.input))
     out = Path(ns.output)
     done = read_output(out)
@@ -232,12 +248,41 @@ def run(ns: argparse.Namespace) -> int:
     return 0 if runner.totals.failed == 0 and kept_failed == 0 else 1
 
 
+def _regenerate(ns: argparse.Namespace) -> int:
+    from tierserve.server.regenerate import Regenerator, prefix_order, read_done, read_rows
+
+    if ns.max_tokens <= 0:
+        raise TierserveError("--max-tokens must be > 0", "max_tokens")
+    rows = read_rows(Path(ns.input))
+    out = Path(ns.output)
+    done = read_done(out)
+    pending = prefix_order([row for row in rows if row.id not in done])
+
+    async def go() -> Regenerator:
+        async with _client(ns) as (client, _):
+            regenerator = Regenerator(client, out, ns)
+            await regenerator.run(pending)
+            return regenerator
+
+    regenerator = asyncio.run(go())
+    print(regenerator.summary(len(rows) - len(pending)), file=sys.stderr)
+    return 0 if regenerator.progress.failed == 0 else 1
+
+
 async def _run(pending: list[dict[str, Any]], out: Path, ns: argparse.Namespace) -> BatchRunner:
+    async with _client(ns) as (client, in_process):
+        runner = BatchRunner(client, out, ns, any_model=in_process)
+        await runner.run(pending)
+        return runner
+
+
+@contextlib.asynccontextmanager
+async def _client(ns: argparse.Namespace) -> AsyncIterator[tuple[httpx.AsyncClient, bool]]:
+    """A client of the server at --url, or of an engine started in this process (True)."""
     if ns.url:
         async with httpx.AsyncClient(base_url=ns.url) as client:
-            runner = BatchRunner(client, out, ns, any_model=False)
-            await runner.run(pending)
-            return runner
+            yield client, False
+        return
     from tierserve.server.api import create_app
     from tierserve.server.async_engine import AsyncEngine
     from tierserve.server.cli import served_model_name
@@ -249,8 +294,6 @@ async def _run(pending: list[dict[str, Any]], out: Path, ns: argparse.Namespace)
     try:
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://in-process") as client:
-            runner = BatchRunner(client, out, ns, any_model=True)
-            await runner.run(pending)
-            return runner
+            yield client, True
     finally:
         engine.stop()

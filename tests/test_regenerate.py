@@ -1,0 +1,141 @@
+"""`tierserve batch --regenerate` against a real server: every assistant turn answered again
+turn by turn, in the input's own format; killed with SIGKILL once the output holds 1, 3 and 5
+rows and rerun, each row is written exactly once and equals a run without crashes (greedy)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import tierserve
+from tests.conftest import Server, eventually
+from tierserve import TierserveError
+from tierserve.server.regenerate import prefix_order, read_done, read_rows
+
+DEMO_DIR = Path(tierserve.__file__).parent / "demo_model"
+SYSTEMS = ["You answer briefly.", "You are a careful assistant who explains."]
+WORDS = [
+    "the",
+    "a",
+    "code",
+    "list",
+    "sort",
+    "function",
+    "value",
+    "error",
+    "test",
+    "file",
+    "data",
+    "loop",
+]
+
+
+def dataset(path: Path, rows: int = 8) -> Path:
+    """ShareGPT rows (two system prompts, two user turns each) and two OpenAI-format rows."""
+    lines = []
+    for i in range(rows):
+        ask = [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(k, k + 5)) for k in (0, 3)]
+        turns = [{"from": "system", "value": SYSTEMS[i % 2]}]
+        for q in ask:
+            turns += [{"from": "human", "value": q}, {"from": "gpt", "value": "old answer"}]
+        lines.append({"id": f"row-{i}", "conversations": turns})
+    for i in range(2):
+        messages = [{"role": "user", "content": f"say {WORDS[i]}"}]
+        lines.append({"messages": [*messages, {"role": "assistant", "content": "old"}]})
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def regenerate(url: str, src: Path, out: Path, *more: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "tierserve.cli", "batch", str(src), "-o", str(out), "--url", url]
+    cmd += ["--regenerate", "--max-tokens", "12", "--no-progress", *more]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def rows_in(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(raw) for raw in path.read_text().splitlines() if raw.strip()]
+
+
+@pytest.fixture(scope="module")
+def server():
+    with Server(DEMO_DIR, "--device", "cpu") as s:
+        yield s
+
+
+def test_regenerated_rows_replace_every_assistant_turn(server, tmp_path):
+    src = dataset(tmp_path / "in.jsonl")
+    out = tmp_path / "out.jsonl"
+    proc = regenerate(server.url, src, out, "--concurrency", "4")
+    assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()
+    rows = {r["id"]: r for r in rows_in(out)}
+    assert sorted(rows) == sorted([f"row-{i}" for i in range(8)] + ["8", "9"])
+    for row in rows.values():
+        assert row["status"] == "success"
+        turns = row.get("conversations") or row["messages"]
+        answers = [
+            t.get("value", t.get("content"))
+            for t in turns
+            if t.get("from", t.get("role")) in ("gpt", "assistant")
+        ]
+        assert answers and all(a not in ("old answer", "old") for a in answers)
+    # The second turn's prompt is the first turn's conversation: the radix cache served it.
+    assert server.metrics()["tierserve_cached_tokens_total{tier=device}"] > 0
+
+
+def test_a_killed_run_resumes_by_row_id_exactly_once(server, tmp_path):
+    src = dataset(tmp_path / "in.jsonl")
+    clean = tmp_path / "clean.jsonl"
+    assert regenerate(server.url, src, clean).wait(timeout=300) == 0
+    want = {r["id"]: r for r in rows_in(clean)}
+    out = tmp_path / "out.jsonl"
+    for rows in (1, 3, 5):  # kill -9 once the output holds this many rows, then rerun
+        proc = regenerate(server.url, src, out, "--concurrency", "1")
+
+        def written(rows: int = rows, proc: subprocess.Popen = proc) -> bool:
+            return len(rows_in(out)) >= rows or proc.poll() is not None
+
+        assert eventually(written, 120)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert regenerate(server.url, src, out).wait(timeout=300) == 0
+    got = rows_in(out)
+    assert sorted(r["id"] for r in got) == sorted(want)  # every row, none twice
+    assert {r["id"]: r for r in got} == want  # greedy: the same answers as without crashes
+
+
+def test_resume_drops_a_torn_line_and_failed_rows(tmp_path):
+    out = tmp_path / "out.jsonl"
+    ok = {"id": "a", "status": "success", "messages": []}
+    failed = {"id": "b", "status": "error", "error": "x"}
+    out.write_text(json.dumps(ok) + "\n" + json.dumps(failed) + "\n" + '{"id": "c", "sta')
+    assert read_done(out) == {"a"}
+    assert rows_in(out) == [ok]  # b is done again, c's torn line is gone
+
+
+def test_rows_that_share_a_first_turn_run_together(tmp_path):
+    rows = read_rows(dataset(tmp_path / "in.jsonl"))
+    order = [r.turns[0].get("value", r.turns[0].get("content")) for r in prefix_order(rows)]
+    firsts = list(dict.fromkeys(order))
+    assert order == sorted(order, key=firsts.index)  # each first turn's rows are adjacent
+
+
+@pytest.mark.parametrize(
+    ("line", "needle"),
+    [
+        ('{"text": "no turns"}', "needs `conversations` or `messages`"),
+        ('{"messages": [{"role": "user"}]}', "string role and content"),
+        ("not json", "not JSON"),
+    ],
+)
+def test_bad_rows_are_refused_with_their_line(tmp_path, line, needle):
+    src = tmp_path / "in.jsonl"
+    src.write_text(line + "\n")
+    with pytest.raises(TierserveError, match=needle):
+        read_rows(src)

@@ -1,0 +1,234 @@
+"""`tierserve batch --regenerate`: a dataset's assistant turns, answered again by the served
+model, turn by turn: the first step of making EAGLE-3 training data (SpecForge's
+`regenerate_train_data.py`, speculators' `regenerate-responses`).
+
+Each input row is a conversation: ShareGPT `conversations` ({"from", "value"}) or OpenAI
+`messages` ({"role", "content"}), with an optional `id`. Every assistant turn is replaced by the
+model's answer to the conversation so far (its earlier turns already regenerated), so each
+turn's prompt extends the last one's and the radix cache serves the history. An output line is
+the input row with its turns replaced, in the input's own format, plus `status` ("success", or
+"error" and an `error`).
+
+Resume is by row id, never by count: a line is appended only once its whole row is done, a
+torn last line is cut off, and a rerun skips every id that succeeded, so after a kill at any
+point each row ends up in the output exactly once. Rows that share their first turn (a system
+prompt, a few-shot header) are sent one after another, so that prefix stays cached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tierserve.errors import TierserveError
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
+
+
+@dataclass
+class Row:
+    id: str
+    raw: dict[str, Any]
+    sharegpt: bool  # `conversations` with from/value, else OpenAI `messages`
+
+    @property
+    def turns(self) -> list[dict[str, Any]]:
+        return self.raw["conversations" if self.sharegpt else "messages"]
+
+    def message(self, turn: dict[str, Any]) -> dict[str, str]:
+        if not self.sharegpt:
+            return {"role": turn["role"], "content": turn["content"]}
+        role = SHAREGPT_ROLES.get(turn["from"], turn["from"])
+        return {"role": role, "content": turn["value"]}
+
+    def is_assistant(self, turn: dict[str, Any]) -> bool:
+        return self.message(turn)["role"] == "assistant"
+
+    def with_answer(self, turn: dict[str, Any], text: str) -> dict[str, Any]:
+        return {**turn, "value" if self.sharegpt else "content": text}
+
+
+def read_rows(path: Path) -> list[Row]:
+    if not path.exists():
+        raise TierserveError(f"input file not found: {path}", field="input")
+    rows, seen = [], set()
+    for number, raw in enumerate(path.read_text().splitlines(), 1):
+        if not raw.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            line = json.loads(raw)
+        except json.JSONDecodeError as err:
+            raise TierserveError(f"{where}: not JSON ({err.msg})", "input") from None
+        sharegpt = isinstance(line, dict) and isinstance(line.get("conversations"), list)
+        if not sharegpt and not (isinstance(line, dict) and isinstance(line.get("messages"), list)):
+            raise TierserveError(f"{where}: needs `conversations` or `messages` (a list)", "input")
+        row = Row(str(line.get("id", number - 1)), line, sharegpt)
+        _check_turns(row, where)
+        if row.id in seen:
+            raise TierserveError(f"{where}: duplicate id {row.id!r}", "input")
+        seen.add(row.id)
+        rows.append(row)
+    return rows
+
+
+def _check_turns(row: Row, where: str) -> None:
+    keys = ("from", "value") if row.sharegpt else ("role", "content")
+    for turn in row.turns:
+        if not isinstance(turn, dict) or not all(isinstance(turn.get(k), str) for k in keys):
+            raise TierserveError(f"{where}: every turn needs string {keys[0]} and {keys[1]}")
+
+
+def read_done(path: Path) -> set[str]:
+    """Ids of the rows already regenerated; a torn last line (a killed run) is cut off and
+    rows that failed are dropped, so that a rerun does them again."""
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    lines = data[:keep].splitlines(keepends=True)
+    good = []
+    for number, raw in enumerate(lines, 1):
+        try:
+            record = json.loads(raw)
+            status, row_id = record["status"], str(record["id"])
+        except (ValueError, KeyError, TypeError):
+            message = f"{path}:{number}: not a regenerated row; fix or remove it, then rerun"
+            raise TierserveError(message, "output") from None
+        if status == "success":
+            good.append((row_id, raw))
+    if len(good) != len(lines) or keep < len(data):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(b"".join(raw for _, raw in good))
+        tmp.replace(path)
+    return {row_id for row_id, _ in good}
+
+
+def prefix_order(rows: list[Row]) -> list[Row]:
+    """Rows that open with the same turn, one after another (in their first row's place)."""
+    first_seen: dict[str, int] = {}
+    for i, row in enumerate(rows):
+        key = json.dumps(row.message(row.turns[0])) if row.turns else ""
+        first_seen.setdefault(key, i)
+    return sorted(
+        rows,
+        key=lambda r: first_seen[json.dumps(r.message(r.turns[0])) if r.turns else ""],
+    )
+
+
+@dataclass
+class Progress:
+    rows: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    start: float = field(default_factory=time.perf_counter)
+
+    def add(self, usage: dict[str, Any]) -> None:
+        self.prompt_tokens += usage.get("prompt_tokens", 0)
+        self.completion_tokens += usage.get("completion_tokens", 0)
+        details = usage.get("prompt_tokens_details") or {}
+        self.cached_tokens += details.get("cached_tokens", 0) or 0
+
+    def postfix(self) -> dict[str, str]:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        hit = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        return {
+            "rows_s": f"{self.rows / elapsed:.2f}",
+            "tok_s": f"{self.completion_tokens / elapsed:.0f}",
+            "hit": f"{hit:.0%}",
+            "failed": str(self.failed),
+        }
+
+
+class Regenerator:
+    def __init__(self, client: httpx.AsyncClient, out: Path, ns: argparse.Namespace) -> None:
+        self.client, self.out, self.ns = client, out, ns
+        self.progress = Progress()
+        self.lock = asyncio.Lock()
+        self.bar: Any = None
+
+    async def run(self, rows: list[Row]) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=len(rows), unit="row", disable=self.ns.no_progress)
+        gate = asyncio.Semaphore(self.ns.concurrency)
+        with self.out.open("a") as sink:
+
+            async def one(row: Row) -> None:
+                async with gate:
+                    record = await self._regenerate(row)
+                await self._write(sink, record)
+
+            await asyncio.gather(*(one(row) for row in rows))
+        self.bar.close()
+
+    async def _regenerate(self, row: Row) -> dict[str, Any]:
+        messages: list[dict[str, str]] = []
+        turns = []
+        for turn in row.turns:
+            if not row.is_assistant(turn):
+                messages.append(row.message(turn))
+                turns.append(turn)
+                continue
+            try:
+                text = await self._answer(messages)
+            except TierserveError as err:
+                return {**row.raw, "id": row.id, "status": "error", "error": err.message}
+            messages.append({"role": "assistant", "content": text})
+            turns.append(row.with_answer(turn, text))
+        key = "conversations" if row.sharegpt else "messages"
+        return {**row.raw, "id": row.id, key: turns, "status": "success"}
+
+    async def _answer(self, messages: list[dict[str, str]]) -> str:
+        body: dict[str, Any] = {
+            "messages": messages,
+            "max_tokens": self.ns.max_tokens,
+            "temperature": self.ns.temperature,
+        }
+        if self.ns.model_name:
+            body["model"] = self.ns.model_name
+        for attempt in range(self.ns.max_retries + 1):
+            try:
+                reply = await self.client.post("/v1/chat/completions", json=body, timeout=None)
+                if reply.status_code == 200:
+                    data = reply.json()
+                    self.progress.add(data.get("usage") or {})
+                    return data["choices"][0]["message"]["content"] or ""
+                if reply.status_code < 500 and reply.status_code != 429:
+                    raise TierserveError(f"{reply.status_code}: {_message(reply)}")
+            except httpx.TransportError as err:
+                if attempt == self.ns.max_retries:
+                    raise TierserveError(f"{type(err).__name__}: {err}") from None
+            await asyncio.sleep(min(30.0, 0.5 * 2**attempt))
+        raise TierserveError(f"gave up after {self.ns.max_retries + 1} tries")
+
+    async def _write(self, sink: Any, record: dict[str, Any]) -> None:
+        async with self.lock:
+            sink.write(json.dumps(record) + "\n")
+            sink.flush()  # a whole row, or nothing: what a killed run leaves
+            self.progress.rows += 1
+            self.progress.failed += record["status"] != "success"
+            self.bar.set_postfix(self.progress.postfix())
+            self.bar.update(1)
+
+    def summary(self, skipped: int) -> str:
+        p = self.progress
+        done = p.rows - p.failed
+        stats = ", ".join(f"{k} {v}" for k, v in p.postfix().items() if k != "failed")
+        return f"regenerate: {done} rows, {p.failed} failed, {skipped} already done; {stats}"
+
+
+def _message(reply: httpx.Response) -> str:
+    try:
+        return str(reply.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return reply.text[:200]
