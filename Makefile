@@ -8,6 +8,12 @@ export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 
+# vLLM's `speculators` (EAGLE-3 data tools) in a virtualenv of its own: it pins a transformers
+# older than ours. The tests run its commands, unmodified, against a tierserve server. CPU torch
+# first and as a constraint, or pip pulls CUDA torch and ~3 GB of nvidia wheels.
+SPEC       := .venv-speculators
+SPEC_STAMP := $(SPEC)/.installed
+
 .PHONY: install serve test lint bench clean
 
 $(STAMP): pyproject.toml
@@ -27,12 +33,21 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev,bench,storage]'
 	touch $(STAMP)
 
+$(SPEC_STAMP):
+	test -x $(SPEC)/bin/python || $(PY) -m venv $(SPEC)
+	$(SPEC)/bin/pip install -q torch==2.13.0 || \
+	  $(SPEC)/bin/pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu
+	echo torch==2.13.0 > $(SPEC)/constraints.txt
+	$(SPEC)/bin/pip install -q -c $(SPEC)/constraints.txt speculators==0.9.0
+	$(SPEC)/bin/pip uninstall -q -y torchvision torchaudio
+	touch $(SPEC_STAMP)
+
 install: $(STAMP)
 
 serve: $(STAMP)
 	$(BIN)/tierserve serve $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) $(SPEC_STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
@@ -40,4 +55,4 @@ lint: $(STAMP)
 	$(BIN)/ruff format --check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) $(SPEC) .pytest_cache .ruff_cache *.egg-info

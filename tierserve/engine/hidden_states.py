@@ -11,8 +11,9 @@ slot is the final norm's input.
 Files are written by one thread behind a bounded queue, so the engine never waits on the disk
 unless that many files are already waiting (then it does: memory stays bounded). `PATH.lock`
 exists, held with an exclusive flock, from before the request's first token is reported until
-the file is whole; a reader that takes the lock shared sees the whole file or none. A write
-that fails removes the file and its lock and is counted.
+the file is whole. As with vLLM's connector, the reader takes the lock once it is free and
+removes the lock file itself (speculators does). A write that fails removes the file and its
+lock and is counted.
 """
 
 from __future__ import annotations
@@ -108,8 +109,7 @@ class HiddenStatesWriter:
             except Exception:  # a full or vanished disk: this file is lost, the server goes on
                 logger.exception("writing the hidden states of %s failed", path.name)
                 self.failed += 1
-                for leftover in (tmp, path):
+                for leftover in (tmp, path, Path(lock.name)):
                     leftover.unlink(missing_ok=True)
             finally:
-                Path(lock.name).unlink(missing_ok=True)
-                lock.close()  # releases the flock
+                lock.close()  # releases the flock: the reader may go on

@@ -24,6 +24,8 @@ from tierserve.server.guards import ApiKey, BodyLimit
 from tierserve.server.metrics import ServerMetrics
 from tierserve.server.protocol import (
     ChatCompletionRequest,
+    ChatRenderRequest,
+    ChatTemplateFields,
     CompletionRequest,
     GenerateRequest,
     error_body,
@@ -185,6 +187,12 @@ def _add_routes(
         todo = choices.jobs([prompt_ids], params, body.n)
         return await choices.respond(stream, todo, body.n, request, body.stream)
 
+    @app.post("/v1/chat/completions/render")
+    async def render(body: ChatRenderRequest) -> dict[str, Any]:
+        check_model(body.model)
+        ids = await asyncio.to_thread(_apply_chat_template, engine, body)
+        return {"token_ids": body.truncated(ids)}
+
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
         admit(request)
@@ -192,7 +200,7 @@ def _add_routes(
         return await stream.respond(body.prompt(), body.params(), request, stream=body.stream)
 
 
-def _apply_chat_template(engine: AsyncEngine, body: ChatCompletionRequest) -> list[int]:
+def _apply_chat_template(engine: AsyncEngine, body: ChatTemplateFields) -> list[int]:
     tok = engine.tokenizer
     if not getattr(tok, "chat_template", None):
         raise TierserveError("this model has no chat template; use /v1/completions", "messages")

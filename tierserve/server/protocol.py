@@ -252,15 +252,18 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatTemplateFields(BaseModel):
+    """What a chat template renders: the messages and vLLM's switches."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
     # vLLM's chat template switches: open an assistant turn (the default), or continue the
     # last message as it stands (what regenerating a conversation's turn needs).
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
 
-    def template_switches(self) -> dict[str, bool]:
+    def template_switches(self) -> dict[str, Any]:
         if self.continue_final_message and self.add_generation_prompt:
             message = (
                 "continue_final_message continues the last message: it needs "
@@ -270,10 +273,31 @@ class ChatCompletionRequest(SamplingFields):
         if self.continue_final_message and self.messages[-1].role != "assistant":
             message = "continue_final_message needs an assistant message last"
             raise TierserveError(message, "continue_final_message")
+        extra = {"tools": self.tools} if self.tools else {}
         return {
+            **(self.chat_template_kwargs or {}),
+            **extra,
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
         }
+
+
+class ChatRenderRequest(ChatTemplateFields):
+    """vLLM's /v1/chat/completions/render: the token ids a chat request would run on."""
+
+    model: str | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    truncation_side: Literal["left", "right"] = "left"
+
+    def truncated(self, ids: list[int]) -> list[int]:
+        keep = self.truncate_prompt_tokens
+        if keep is None or len(ids) <= keep:
+            return ids
+        return ids[-keep:] if self.truncation_side == "left" else ids[:keep]
+
+
+class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
+    max_completion_tokens: int | None = None
 
     def sampling_params(self) -> SamplingParams:
         if self.max_tokens is None and self.max_completion_tokens is not None:
