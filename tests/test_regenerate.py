@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 import tierserve
 from tests.conftest import Server, eventually
@@ -139,3 +140,22 @@ def test_bad_rows_are_refused_with_their_line(tmp_path, line, needle):
     src.write_text(line + "\n")
     with pytest.raises(TierserveError, match=needle):
         read_rows(src)
+
+
+def test_regenerated_rows_come_with_their_hidden_states(tmp_path):
+    """In-process (no --url): every output row's conversation as the template renders it, in
+    speculators' hs_{index} file, equal in length to the rendered conversation."""
+    src = dataset(tmp_path / "in.jsonl", rows=2)
+    out, hs = tmp_path / "out.jsonl", tmp_path / "hs"
+    cmd = [sys.executable, "-m", "tierserve.cli", "batch", str(src), "-o", str(out)]
+    cmd += ["--regenerate", "--max-tokens", "6", "--no-progress", "--device", "cpu"]
+    cmd += ["--model", str(DEMO_DIR), "--hidden-states-dir", str(hs)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {r["id"]: r for r in rows_in(out)}
+    assert sorted(p.name for p in hs.glob("hs_*.safetensors")) == [
+        f"hs_{i}.safetensors" for i in range(4)
+    ]
+    assert not list(hs.glob("*.lock")) and not list(hs.glob("*cmpl*"))  # moved, none left
+    tensors = load_file(rows["row-0"]["hidden_states_path"])
+    assert tensors["hidden_states"].shape[:2] == (tensors["token_ids"].shape[0], 4)

@@ -69,6 +69,9 @@ class SamplingParams:
     # name). A cached prefix has no logits, so such a request computes its whole prompt.
     prompt_logprobs: int | None = None
     structured_output: StructuredOutput | None = None
+    # On a server with --hidden-states-dir (SGLang's name): None captures, as the server does
+    # for every request (vLLM's way); False opts this request out.
+    return_hidden_states: bool | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a single string the way OpenAI clients send them.

@@ -229,7 +229,8 @@ class Engine:
             prompt_text=message.prompt_text,
             grammar=grammar,
             message=message,
-            captures=self.args.hidden_states_dir is not None,
+            captures=self.args.hidden_states_dir is not None
+            and params.return_hidden_states is not False,
         )
 
     def submit(self, req: Request) -> None:

@@ -90,6 +90,7 @@ class SamplingKnobs(TextBody):
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
     return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids
+    return_hidden_states: bool | None = None  # SGLang's; False: no file on a capture server
     regex: str | None = None  # SGLang's structured output beside OpenAI's response_format
     ebnf: str | None = None
 
@@ -122,6 +123,7 @@ class SamplingKnobs(TextBody):
             min_tokens=self.min_tokens,
             logit_bias=self.logit_bias or (),
             structured_output=self._structured(structured),
+            return_hidden_states=self.return_hidden_states,
         )
 
 

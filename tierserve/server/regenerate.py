@@ -9,6 +9,11 @@ turn's prompt extends the last one's and the radix cache serves the history. An 
 the input row with its turns replaced, in the input's own format, plus `status` ("success", or
 "error" and an `error`).
 
+With `--hidden-states-dir DIR` each row's regenerated conversation, as the chat template renders
+it, is sent once more (one token) asking for its hidden states, and the server's file becomes
+`DIR/hs_{index}.safetensors` (speculators' name; the index is the row's place in the input)
+before the row's line is written. The turns themselves never ask for a file.
+
 Resume is by row id, never by count: a line is appended only once its whole row is done, a
 torn last line is cut off, and a rerun skips every id that succeeded, so after a kill at any
 point each row ends up in the output exactly once. Rows that share their first turn (a system
@@ -19,7 +24,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import fcntl
 import json
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +42,7 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 @dataclass
 class Row:
     id: str
+    index: int  # its place among the input's rows
     raw: dict[str, Any]
     sharegpt: bool  # `conversations` with from/value, else OpenAI `messages`
 
@@ -70,7 +78,7 @@ def read_rows(path: Path) -> list[Row]:
         sharegpt = isinstance(line, dict) and isinstance(line.get("conversations"), list)
         if not sharegpt and not (isinstance(line, dict) and isinstance(line.get("messages"), list)):
             raise TierserveError(f"{where}: needs `conversations` or `messages` (a list)", "input")
-        row = Row(str(line.get("id", number - 1)), line, sharegpt)
+        row = Row(str(line.get("id", len(rows))), len(rows), line, sharegpt)
         _check_turns(row, where)
         if row.id in seen:
             raise TierserveError(f"{where}: duplicate id {row.id!r}", "input")
@@ -186,23 +194,44 @@ class Regenerator:
             messages.append({"role": "assistant", "content": text})
             turns.append(row.with_answer(turn, text))
         key = "conversations" if row.sharegpt else "messages"
-        return {**row.raw, "id": row.id, key: turns, "status": "success"}
+        record = {**row.raw, "id": row.id, key: turns, "status": "success"}
+        if self.ns.hidden_states_dir:
+            try:
+                record["hidden_states_path"] = await self._capture(row, messages)
+            except TierserveError as err:
+                return {**row.raw, "id": row.id, "status": "error", "error": err.message}
+        return record
 
     async def _answer(self, messages: list[dict[str, str]]) -> str:
-        body: dict[str, Any] = {
-            "messages": messages,
-            "max_tokens": self.ns.max_tokens,
-            "temperature": self.ns.temperature,
-        }
+        body = {"messages": messages, "max_tokens": self.ns.max_tokens}
+        data = await self._chat({**body, "temperature": self.ns.temperature})
+        return data["choices"][0]["message"]["content"] or ""
+
+    async def _capture(self, row: Row, messages: list[dict[str, str]]) -> str:
+        """The conversation's hidden states, as `DIR/hs_{index}.safetensors`."""
+        body = {"messages": messages, "max_tokens": 1, "add_generation_prompt": False}
+        data = await self._chat({**body, "temperature": 0, "return_hidden_states": True}, False)
+        source = (data.get("kv_transfer_params") or {}).get("hidden_states_path")
+        if not source:
+            raise TierserveError(
+                "the server wrote no hidden states: start it with --hidden-states-dir"
+            )
+        target = Path(self.ns.hidden_states_dir) / f"hs_{row.index}.safetensors"
+        await asyncio.to_thread(_take, Path(source), target)
+        return str(target)
+
+    async def _chat(self, body: dict[str, Any], counted: bool = True) -> dict[str, Any]:
         if self.ns.model_name:
             body["model"] = self.ns.model_name
+        body.setdefault("return_hidden_states", False)
         for attempt in range(self.ns.max_retries + 1):
             try:
                 reply = await self.client.post("/v1/chat/completions", json=body, timeout=None)
                 if reply.status_code == 200:
                     data = reply.json()
-                    self.progress.add(data.get("usage") or {})
-                    return data["choices"][0]["message"]["content"] or ""
+                    if counted:  # a capture's prompt is recomputed: not the job's hit rate
+                        self.progress.add(data.get("usage") or {})
+                    return data
                 if reply.status_code < 500 and reply.status_code != 429:
                     raise TierserveError(f"{reply.status_code}: {_message(reply)}")
             except httpx.TransportError as err:
@@ -225,6 +254,16 @@ class Regenerator:
         done = p.rows - p.failed
         stats = ", ".join(f"{k} {v}" for k, v in p.postfix().items() if k != "failed")
         return f"regenerate: {done} rows, {p.failed} failed, {skipped} already done; {stats}"
+
+
+def _take(source: Path, target: Path) -> None:
+    """Wait for the server's file to be whole (its lock free), then move it to `target`."""
+    lock = source.with_name(source.name + ".lock")
+    with open(lock) as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+    lock.unlink(missing_ok=True)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(source), str(target))
 
 
 def _message(reply: httpx.Response) -> str:
