@@ -126,6 +126,7 @@ def test_a_capturing_server_speaks_vllms_hidden_states_protocol(checkpoints, tmp
         assert Path(path).parent == out_dir
         assert eventually(lambda: unlocked(path), 30)
         check_file(path, prompt, checkpoint, (0, 1))
+        assert server.metrics()["tierserve_hidden_states_files_total{outcome=written}"] == 1
 
         out_dir.rename(tmp_path / "moved")
         out_dir.write_text("a file where the directory was")

@@ -58,6 +58,13 @@ def engine_metrics(engine: Engine) -> list[MetricFamily]:
     families += _memory(engine)
     if engine.groups is not None:
         families += _groups(engine.groups)
+    writer = engine.hidden_states
+    if writer is not None:
+        outcomes = {"written": writer.written, "failed": writer.failed}
+        doc = "hidden-state files by outcome"
+        families.append(
+            _labelled("tierserve_hidden_states_files", "counter", doc, "outcome", outcomes)
+        )
     if engine.storage is not None:
         families += _storage(engine.storage)
     return families

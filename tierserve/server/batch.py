@@ -55,6 +55,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     regen.add_argument("--max-tokens", type=int, default=2048, help="per regenerated turn")
     regen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     regen.add_argument("--model-name", default=None, help="the model a server is asked for")
+    regen.add_argument(
+        "--no-prefix-order",
+        action="store_true",
+        help="send rows in input order, not rows sharing a first turn together",
+    )
     EngineArgs.add_cli_args(parser)  # used when no --url is given: an in-process engine
 
 
@@ -256,7 +261,8 @@ def _regenerate(ns: argparse.Namespace) -> int:
     rows = read_rows(Path(ns.input))
     out = Path(ns.output)
     done = read_done(out)
-    pending = prefix_order([row for row in rows if row.id not in done])
+    pending = [row for row in rows if row.id not in done]
+    pending = pending if ns.no_prefix_order else prefix_order(pending)
 
     async def go() -> Regenerator:
         async with _client(ns) as (client, _):
