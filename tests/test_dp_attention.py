@@ -79,6 +79,16 @@ def test_greedy_outputs_equal_one_process(checkpoints, references, family, tp, d
         assert rank == pytest.approx(held, rel=0.1)
 
 
+def test_write_back_and_offload_preemption_under_dp_attention(checkpoints, references):
+    """The host tier's other policy, and a request offloaded to make room, in a group."""
+    path = str(checkpoints["llama"])
+    kw = dict(tp_size=2, dp_size=2, hicache_write_policy="write_back", **DP, **HOST)
+    with LLM(path, **kw) as llm:
+        assert mixed_workload(llm) == references["llama"]
+        assert llm.engine.scheduler.stats.num_offload_preemptions > 0
+        assert llm.engine.kv.host.stats.host_written_tokens > 0
+
+
 def test_logprobs_grammars_and_choices_equal_one_process_under_dp_attention():
     """The demo model (a real tokenizer) at tp 2 / dp 2: logprobs, prompt logprobs, a regex
     grammar and seeded samples, against one process."""
