@@ -64,39 +64,55 @@ def _num_experts(raw: Mapping[str, Any]) -> int:
     return next((config_int(raw, k) for k in keys if raw.get(k)), 0)
 
 
+@dataclass(frozen=True)
+class _MLPShape:
+    """A config's MLP side: dense layers, routed and shared experts."""
+
+    hidden: int
+    layers: int
+    inter: int
+    experts: int  # routed experts per MoE layer (0: a dense model)
+    dense: int  # layers with a plain MLP
+    expert_inter: int
+    shared: int  # shared experts' intermediate size, all together
+
+    @classmethod
+    def of(cls, config: Mapping[str, Any]) -> _MLPShape:
+        raw, model = text_config(config), ModelConfig.from_dict(config)
+        layers, inter = model.num_layers, model.intermediate_size
+        experts = _num_experts(raw)
+        dense = layers if not experts else _dense_layers(raw, layers)
+        expert_inter = config_int(raw, "moe_intermediate_size", 0) or inter
+        shared = config_int(raw, "n_shared_experts", 0) * expert_inter
+        shared += config_int(raw, "shared_expert_intermediate_size", 0)
+        return cls(model.hidden_size, layers, inter, experts, dense, expert_inter, shared)
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense
+
+    @property
+    def dense_params(self) -> int:
+        """The dense MLP layers' and the shared experts' parameters."""
+        return 3 * self.hidden * (self.dense * self.inter + self.moe_layers * self.shared)
+
+
 def parameter_groups(config: Mapping[str, Any]) -> dict[str, int]:
     """Parameters from config.json alone, by group (within ~1% of published totals for the
     presets). Leaves out biases and MTP layers."""
-    raw, model = text_config(config), ModelConfig.from_dict(config)
+    model = ModelConfig.from_dict(config)
     if model.vocab_size == 0:
         raise TierserveError("model config lacks 'vocab_size'", field="vocab_size")
-    hidden, layers, inter = model.hidden_size, model.num_layers, model.intermediate_size
-    experts = _num_experts(raw)
-    dense = layers if not experts else _dense_layers(raw, layers)
-    expert_inter = config_int(raw, "moe_intermediate_size", 0) or inter
-    shared = config_int(raw, "n_shared_experts", 0) * expert_inter
-    shared += config_int(raw, "shared_expert_intermediate_size", 0)
-    moe_layers = layers - dense
+    mlp = _MLPShape.of(config)
+    hidden, layers = mlp.hidden, mlp.layers
     other = layers * (_attention_params(model) + 2 * hidden)  # two RMSNorms a layer
-    other += _dense_mlp_params(config) + moe_layers * experts * hidden  # + the routers
+    other += mlp.dense_params + mlp.moe_layers * mlp.experts * hidden  # + the routers
     embeddings = model.vocab_size * hidden * (1 if model.tie_word_embeddings else 2)
     return {
-        "experts": moe_layers * experts * 3 * hidden * expert_inter,
+        "experts": mlp.moe_layers * mlp.experts * 3 * hidden * mlp.expert_inter,
         "other": other + hidden,  # + the final norm
         "embeddings": embeddings,
     }
-
-
-def _dense_mlp_params(config: Mapping[str, Any]) -> int:
-    """The dense MLP layers' and the shared experts' parameters."""
-    raw, model = text_config(config), ModelConfig.from_dict(config)
-    hidden, layers, inter = model.hidden_size, model.num_layers, model.intermediate_size
-    experts = _num_experts(raw)
-    dense = layers if not experts else _dense_layers(raw, layers)
-    expert_inter = config_int(raw, "moe_intermediate_size", 0) or inter
-    shared = config_int(raw, "n_shared_experts", 0) * expert_inter
-    shared += config_int(raw, "shared_expert_intermediate_size", 0)
-    return dense * 3 * hidden * inter + (layers - dense) * 3 * hidden * shared
 
 
 def estimate_parameters(config: Mapping[str, Any]) -> int:
@@ -195,7 +211,7 @@ def model_spec(
     size = int(sum(groups[g] * scale * dtype_bytes(dtypes[g]) for g in GROUPS))
     attention = model.num_layers * _attention_params(model) * dtype_bytes(dtypes["other"])
     attention = int((attention + groups["embeddings"] * dtype_bytes(dtypes["embeddings"])) * scale)
-    dense = int(_dense_mlp_params(config) * dtype_bytes(dtypes["other"]) * scale)
+    dense = int(_MLPShape.of(config).dense_params * dtype_bytes(dtypes["other"]) * scale)
     if weights is not None:  # the same shares of the bytes given
         shares = [int(weights * part / size) if size else 0 for part in (attention, dense)]
         return ModelSpec(name, model, weights, f"{format_gb(weights)} as given", "", *shares)

@@ -28,6 +28,7 @@ import httpx
 
 from tierserve.args import EngineArgs
 from tierserve.errors import TierserveError
+from tierserve.server.job_usage import JobUsage
 
 RETRYABLE = {408, 429, 500, 502, 503, 504}
 
@@ -134,27 +135,16 @@ def drop_failed(path: Path) -> None:
 
 
 @dataclass
-class Totals:
+class Totals(JobUsage):
     completed: int = 0
     failed: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
 
-    def add(self, status: int, body: dict[str, Any]) -> None:
+    def add_reply(self, status: int, body: dict[str, Any]) -> None:
         if status != 200:
             self.failed += 1
             return
         self.completed += 1
-        usage = body.get("usage") or {}
-        self.prompt_tokens += usage.get("prompt_tokens", 0)
-        self.completion_tokens += usage.get("completion_tokens", 0)
-        details = usage.get("prompt_tokens_details") or {}
-        self.cached_tokens += details.get("cached_tokens", 0) or 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+        self.add(body.get("usage") or {})
 
 
 class BatchRunner:
@@ -208,7 +198,7 @@ class BatchRunner:
         async with self.lock:
             sink.write(json.dumps(record) + "\n")
             sink.flush()  # survives the process being killed
-            self.totals.add(status, body)
+            self.totals.add_reply(status, body)
             elapsed = time.perf_counter() - self.start
             self.bar.set_postfix(
                 tok_s=f"{self.totals.completion_tokens / elapsed:.0f}",

@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from tierserve.errors import TierserveError
+from tierserve.server.job_usage import JobUsage
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 
@@ -132,27 +133,17 @@ def prefix_order(rows: list[Row]) -> list[Row]:
 
 
 @dataclass
-class Progress:
+class Progress(JobUsage):
     rows: int = 0
     failed: int = 0
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
     start: float = field(default_factory=time.perf_counter)
-
-    def add(self, usage: dict[str, Any]) -> None:
-        self.prompt_tokens += usage.get("prompt_tokens", 0)
-        self.completion_tokens += usage.get("completion_tokens", 0)
-        details = usage.get("prompt_tokens_details") or {}
-        self.cached_tokens += details.get("cached_tokens", 0) or 0
 
     def postfix(self) -> dict[str, str]:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        hit = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
         return {
             "rows_s": f"{self.rows / elapsed:.2f}",
             "tok_s": f"{self.completion_tokens / elapsed:.0f}",
-            "hit": f"{hit:.0%}",
+            "hit": f"{self.hit_rate:.0%}",
             "failed": str(self.failed),
         }
 
