@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from tierserve.args import EngineArgs
 from tierserve.errors import StorageFull, TierserveError
 from tierserve.server import choices
 from tierserve.server.async_engine import AsyncEngine, EngineDeadError
@@ -31,6 +32,7 @@ from tierserve.server.protocol import (
     error_body,
     now,
 )
+from tierserve.server.worker_info import model_info, server_info
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
@@ -146,6 +148,16 @@ def _add_routes(
         if engine.error is not None:
             raise EngineDeadError(str(engine.error))
         return {"status": "ok"}
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")  # SGLang's older name; sglang-router tries both
+    async def get_server_info() -> dict[str, Any]:
+        return server_info(engine.args or EngineArgs(), engine.info, model)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return model_info(engine.info)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

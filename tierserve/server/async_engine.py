@@ -71,6 +71,7 @@ class AsyncEngine:
         exit non-zero."""
         self.core = core
         self.info = core.info
+        self.args: EngineArgs | None = None  # what it was launched with (launch sets it)
         self.tokenizer = tokenizer
         self.preparer = RequestPreparer(core.info, tokenizer)
         self.on_failure = on_failure
@@ -103,7 +104,9 @@ class AsyncEngine:
         except BaseException:
             core.kill()
             raise
-        return cls(core, tokenizer, **kwargs)
+        engine = cls(core, tokenizer, **kwargs)
+        engine.args = args
+        return engine
 
     @property
     def pid(self) -> int:

@@ -1,0 +1,59 @@
+"""What a router asks a worker about itself, answered in SGLang's shapes: sglang-router reads
+`/server_info` (or `/get_server_info`) and `/model_info` (or `/get_model_info`) when a worker
+joins, for the model and tokenizer paths and the parallel layout."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Any
+
+from tierserve.args import EngineArgs
+from tierserve.messages import CoreInfo
+
+
+def server_info(args: EngineArgs, info: CoreInfo, served_name: str) -> dict[str, Any]:
+    """SGLang's /get_server_info: the server's arguments (tierserve's flags, and SGLang's
+    names for the ones a router reads) and the engine's sizes."""
+    return {
+        **dataclasses.asdict(args),
+        "model_path": info.model_path,
+        "tokenizer_path": info.tokenizer_path,
+        "served_model_name": served_name,
+        "dp_size": args.dp_groups,
+        "max_total_num_tokens": info.num_pages * info.page_size,
+        "context_length": info.context_length,
+        "version": _version(),
+    }
+
+
+def model_info(info: CoreInfo) -> dict[str, Any]:
+    """SGLang's /get_model_info."""
+    config = _config(info.model_path)
+    return {
+        "model_path": info.model_path,
+        "tokenizer_path": info.tokenizer_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": config.get("model_type"),
+        "architectures": config.get("architectures"),
+    }
+
+
+def _config(model_path: str) -> dict[str, Any]:
+    try:
+        return json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _version() -> str:
+    try:
+        return version("tierserve")
+    except PackageNotFoundError:
+        return "unknown"
