@@ -20,20 +20,7 @@ from tierserve.server.regenerate import prefix_order, read_done, read_rows
 
 DEMO_DIR = Path(tierserve.__file__).parent / "demo_model"
 SYSTEMS = ["You answer briefly.", "You are a careful assistant who explains."]
-WORDS = [
-    "the",
-    "a",
-    "code",
-    "list",
-    "sort",
-    "function",
-    "value",
-    "error",
-    "test",
-    "file",
-    "data",
-    "loop",
-]
+WORDS = ("the", "a", "code", "list", "sort", "function", "value", "error", "test", "file")
 
 
 def dataset(path: Path, rows: int = 8) -> Path:
