@@ -235,9 +235,7 @@ class Engine:
 
     def submit(self, req: Request) -> None:
         groups = self.groups
-        if req.rid in self._requests or (
-            groups and groups.dispatcher.group_of(req.rid) is not None
-        ):
+        if req.rid in self._requests or (groups is not None and groups.holds(req.rid)):
             raise TierserveError(f"request id {req.rid!r} is already in flight", "request_id")
         if groups is not None and req.message is not None:
             group = groups.place(req.rid, req.prompt_ids)
@@ -350,14 +348,16 @@ class Engine:
         )
 
     def _keep_hidden(self, req: Request, rows: torch.Tensor) -> None:
-        """Captured rows of the prompt; once all are in, the file is queued for writing."""
-        req.hidden.append(rows)
+        """Captured rows of the prompt; once all are in, the file is queued for writing. Every
+        rank counts them (its scheduler's cache matches depend on it); only the writer keeps
+        them."""
         req.num_captured += len(rows)
-        if req.num_captured < len(req.prompt_ids):
-            return
-        hidden, req.hidden = torch.cat(req.hidden), []
         writer = self.hidden_states
-        if writer is not None:
+        if writer is None:
+            return
+        req.hidden.append(rows)
+        if req.num_captured == len(req.prompt_ids):
+            hidden, req.hidden = torch.cat(req.hidden), []
             req.hidden_states_path = writer.submit(req.rid, req.prompt_ids, hidden)
 
     @staticmethod

@@ -20,7 +20,7 @@ from tierserve.engine.kv_plan import KVPlan, check_cpu_ram, size_host_tier
 from tierserve.errors import TierserveError
 from tierserve.layers import DecodeWorkspace
 from tierserve.model_config import ModelConfig
-from tierserve.models import checkpoint_numel
+from tierserve.models import checkpoint_numels
 from tierserve.sizing import KVSpec, device_pool_bytes
 from tierserve.storage import StorageConfig, backend_class
 
@@ -81,10 +81,9 @@ def weight_numel(args: EngineArgs, model_path: str, num_layers: int) -> tuple[in
     """Parameters the node holds, and one rank: the model split over the ranks, except that
     each attention group under DP attention holds its own copy of the attention side, split
     over its ranks only. MTP layers past `num_layers` are skipped."""
-    numel = checkpoint_numel(model_path, num_layers)
+    numel, attention = checkpoint_numels(model_path, num_layers)
     if args.dp_groups == 1:
         return numel, -(-numel // args.tp_size)
-    attention = checkpoint_numel(model_path, num_layers, attention_only=True)
     node = numel + attention * (args.dp_groups - 1)
     rank = -(-(numel - attention) // args.tp_size) + -(-attention // args.attention_tp_size)
     return node, rank

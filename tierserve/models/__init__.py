@@ -7,6 +7,7 @@ from tierserve.lazy import lazy_exports
 # first use: tierserve/lazy.py).
 EXPORTS = {
     "checkpoint_numel": "loader",
+    "checkpoint_numels": "loader",
     "load_model": "loader",
     "model_fingerprint": "loader",
 }

@@ -53,7 +53,7 @@ class DecoderModel(nn.Module):
         with building_attention():  # a group's own tokens: split over its attention group
             self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, family.attention(cfg, i, self.rotary), family.mlp(cfg, i))
+            DecoderLayer(cfg, family.attention(cfg, i, self.rotary), family.mlp_part(cfg, i))
             for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -100,17 +100,13 @@ class CausalLM(nn.Module):
         with building_attention():
             return cls.attention_part(cfg, layer_id, rotary)
 
-    @classmethod
-    def mlp(cls, cfg: ModelConfig, layer_id: int) -> nn.Module:
-        """Layer `layer_id`'s MLP or MoE, split over every rank."""
-        return cls.mlp_part(cfg, layer_id)
-
     @staticmethod
     def attention_part(cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> nn.Module:
         raise NotImplementedError
 
     @staticmethod
     def mlp_part(cfg: ModelConfig, layer_id: int) -> nn.Module:
+        """Layer `layer_id`'s MLP or MoE, split over every rank."""
         raise NotImplementedError
 
     def forward(

@@ -73,20 +73,30 @@ class CheckpointLayout:
 _ATTENTION_SIDE = (".self_attn.", "embed_tokens.", "lm_head.")
 
 
-def checkpoint_numel(path: str | Path, num_layers: int, attention_only: bool = False) -> int:
-    """Parameters a model of `num_layers` will hold (or, with `attention_only`, those of its
-    attention side), read from the safetensors headers without loading them."""
-    total, layout = 0, CheckpointLayout.of(Path(path), num_layers)
+def checkpoint_numel(path: str | Path, num_layers: int) -> int:
+    """Parameters a model of `num_layers` will hold, read from the safetensors headers without
+    loading them."""
+    return checkpoint_numels(path, num_layers)[0]
+
+
+def checkpoint_numels(path: str | Path, num_layers: int) -> tuple[int, int]:
+    """(all parameters, those of the attention side) a model of `num_layers` will hold, in one
+    read of the safetensors headers."""
+    total = attention = 0
+    layout = CheckpointLayout.of(Path(path), num_layers)
     for file in weight_files(Path(path)):
         try:
             with safe_open(str(file), framework="pt") as f:
                 for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
                     name = layout.model_name(key)
-                    if name and (not attention_only or any(p in name for p in _ATTENTION_SIDE)):
-                        total += math.prod(f.get_slice(key).get_shape())
+                    if not name:
+                        continue
+                    numel = math.prod(f.get_slice(key).get_shape())
+                    total += numel
+                    attention += numel if any(p in name for p in _ATTENTION_SIDE) else 0
         except Exception as err:  # safetensors raises its own error type for a bad header
             raise TierserveError(f"cannot read {file}: {err}", field="model") from None
-    return total
+    return total, attention
 
 
 def _block_size(path: Path) -> tuple[int, int]:
