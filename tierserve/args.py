@@ -166,10 +166,11 @@ class EngineArgs:
         ),
     )
     hicache_storage_prefetch_policy: str = field(
-        default="best_effort",
+        default="auto",
         metadata=_flag(
-            "how long a request waits for its prefix to be fetched from storage",
-            choices=["best_effort", "wait_complete", "timeout"],
+            "how long a request waits for its prefix to be fetched from storage (auto: while "
+            "reading is estimated faster than recomputing, idle engine or not)",
+            choices=["auto", "best_effort", "wait_complete", "timeout"],
         ),
     )
     attention_backend: str = field(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import Any
 
 import msgspec
@@ -50,7 +51,7 @@ from tierserve.model_config import ModelConfig
 from tierserve.models import load_model, model_fingerprint
 from tierserve.outputs import StepOutput, TokenLogprob
 from tierserve.sampling_params import SamplingParams
-from tierserve.storage import Namespace, StorageTier
+from tierserve.storage import Namespace, PrefetchRates, StorageTier
 
 logger = logging.getLogger("tierserve")
 
@@ -188,7 +189,14 @@ class Engine:
         assert startup.storage is not None
         fingerprint = model_fingerprint(startup.model_path, startup.storage.namespace)
         namespace = Namespace(fingerprint, startup.plan.spec)
-        return StorageTier(startup.storage, namespace)
+        cfg = startup.storage
+        rates = PrefetchRates.make(
+            cfg.prefetch_read_bytes_per_s,
+            cfg.prefetch_recompute_tokens_per_s,
+            startup.flops_per_token,
+            startup.device.type,
+        )
+        return StorageTier(cfg, namespace, rates)
 
     # --- requests --------------------------------------------------------------------------
 
@@ -312,7 +320,11 @@ class Engine:
                 # pool at submission); reaching here is a bug, and a loud one beats a hang.
                 raise RuntimeError("scheduler admitted nothing with an idle engine")
             return []
+        start = time.perf_counter()
         sampled = self.runner.step(chunks)
+        if self.storage is not None:
+            seconds = time.perf_counter() - start
+            self.storage.rates.observe_step([c.num_tokens for c in chunks], seconds)
         outputs = [self._advance(c, t) for c, t in zip(chunks, sampled, strict=True)]
         return [o for o in outputs if o is not None]
 

@@ -54,6 +54,9 @@ class Startup:
     weight_bytes: int  # on the node
     plan: KVPlan
     storage: StorageConfig | None = None
+    # One rank's share of a token's forward pass: 2 FLOPs per parameter (every expert of a MoE
+    # counted, so estimates from it err slow).
+    flops_per_token: float = 0.0
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> Startup:
@@ -74,7 +77,8 @@ class Startup:
         storage = _storage_config(args)
         plan = _kv_plan(args, device, spec, (weight_bytes, rank_weights), dtype.itemsize, storage)
         context = _context_length(args, cfg)
-        return cls(model_path, cfg, device, dtype, context, weight_bytes, plan, storage)
+        flops = 2.0 * node_numel / args.tp_size
+        return cls(model_path, cfg, device, dtype, context, weight_bytes, plan, storage, flops)
 
 
 def weight_numel(args: EngineArgs, model_path: str, num_layers: int) -> tuple[int, int]:

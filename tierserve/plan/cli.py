@@ -371,7 +371,7 @@ def _storage_ram(ns: argparse.Namespace) -> int:
     if ns.hicache_storage_backend is None:
         return 0
     extra = ns.hicache_storage_backend_extra_config
-    cfg = StorageConfig.parse(ns.hicache_storage_backend, extra, "best_effort")
+    cfg = StorageConfig.parse(ns.hicache_storage_backend, extra)
     return backend_class(cfg.backend).ram_bytes(cfg.extra)
 
 

@@ -7,6 +7,7 @@ from tierserve.lazy import lazy_exports
 # first use: tierserve/lazy.py).
 EXPORTS = {
     "Namespace": "keys",
+    "PrefetchRates": "prefetch_policy",
     "StorageConfig": "tier",
     "StorageTier": "tier",
     "backend_class": "registry",

@@ -9,11 +9,7 @@ Reads: a request whose uncached prefix is at least `prefetch_threshold` tokens s
 of its pages, in order, in batches: `exists`, then `get` of the consecutive pages found, each
 object checked (objects.py) before it is handed over. The engine thread takes the fetched pages
 at its next step (`take_fetched`) into the host tier, whence the request loads them back like any
-host hit. How long the request waits before it is admitted anyway
-(`--hicache-storage-prefetch-policy`):
-- best_effort: while the engine has other requests to run; an idle engine admits it at once;
-- wait_complete: until the prefetch ends (found all, hit a miss, or the store failed);
-- timeout: until it ends or `base + per_ki_token × tokens / 1024` seconds pass (capped).
+host hit. How long the request waits before it is admitted anyway: prefetch_policy.py.
 """
 
 from __future__ import annotations
@@ -35,11 +31,16 @@ from tierserve.storage.backend import EXTRA_FIELD, StorageBackend
 from tierserve.storage.client import GuardedStore, StorageStats, StorageUnavailable
 from tierserve.storage.keys import Namespace
 from tierserve.storage.objects import pack, unpack
+from tierserve.storage.prefetch_policy import (
+    DEFAULT_POLICY,
+    PREFETCH_POLICIES,
+    PrefetchRates,
+    should_wait,
+)
 from tierserve.storage.registry import make_backend
 
 logger = logging.getLogger("tierserve")
 
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 MAX_STOPPED = 1024  # pages where prefetches stopped, remembered for miss_ttl_s
 FETCHERS = 2  # prefetches that run at once
 FETCH_AHEAD = 2  # batches a prefetch fetches before the engine has placed the earlier ones
@@ -51,12 +52,14 @@ class StorageConfig:
 
     backend: str
     extra: Mapping[str, Any] = field(default_factory=dict)
-    prefetch_policy: str = "best_effort"
+    prefetch_policy: str = DEFAULT_POLICY
     timeout_s: float = 2.0  # per call into the store
     prefetch_threshold: int = 256  # tokens; a shorter miss is recomputed
     prefetch_timeout_base: float = 1.0
     prefetch_timeout_per_ki_token: float = 0.25
     prefetch_timeout_max: float = 10.0
+    prefetch_read_bytes_per_s: float = 0.0  # auto's rates, pinned; 0: measured
+    prefetch_recompute_tokens_per_s: float = 0.0
     write_queue_bytes: int = 256 * 2**20  # pages waiting to be written, at most
     batch_pages: int = 64
     breaker_failures: int = 3
@@ -65,7 +68,9 @@ class StorageConfig:
     namespace: str = ""  # a salt: servers with different salts never share pages
 
     @classmethod
-    def parse(cls, backend: str, extra_json: str | None, policy: str) -> StorageConfig:
+    def parse(
+        cls, backend: str, extra_json: str | None, policy: str = DEFAULT_POLICY
+    ) -> StorageConfig:
         try:
             extra = json.loads(extra_json) if extra_json else {}
         except ValueError as err:
@@ -129,8 +134,9 @@ class Prefetch:
 
 
 class StorageTier:
-    def __init__(self, cfg: StorageConfig, namespace: Namespace) -> None:
+    def __init__(self, cfg: StorageConfig, namespace: Namespace, rates: PrefetchRates) -> None:
         self.cfg, self.namespace, self.spec = cfg, namespace, namespace.spec
+        self.rates = rates
         self.stats = StorageStats()
         self.backend: StorageBackend = make_backend(cfg.backend, cfg.extra)
         self.store = GuardedStore(
@@ -241,13 +247,18 @@ class StorageTier:
         if stopped is not None and time.monotonic() - stopped < self.cfg.miss_ttl_s:
             return None  # a prefetch just stopped here (missing or damaged): do not ask again
         keys = self.namespace.chain(parent_key, rest)
-        limit = self.cfg.wait_limit(len(keys) * ps)
-        pf = Prefetch(tuple(tokens), first_page, keys, time.monotonic() + limit)
+        pf = Prefetch(tuple(tokens), first_page, keys, time.monotonic() + self._wait_limit(keys))
         self.prefetches.update(dict.fromkeys(keys, pf))
         self._running.append(pf)
         self.stats.add(prefetches=1)
         self._fetchers.submit(self._fetch, pf)
         return pf
+
+    def _wait_limit(self, keys: list[str]) -> float:
+        tokens = len(keys) * self.spec.page_size
+        if self.cfg.prefetch_policy == "auto":
+            return self.rates.wait_limit(tokens, len(keys) * self.spec.bytes_per_page)
+        return self.cfg.wait_limit(tokens)
 
     def _fetch(self, pf: Prefetch) -> None:
         done = 0
@@ -277,15 +288,16 @@ class StorageTier:
     def _fetch_batch(self, keys: list[str]) -> list[bytes]:
         """The payloads of the leading pages of `keys` that exist and are intact."""
         try:
+            start = time.perf_counter()
             found = self.store.call(self.backend.exists, keys)
             n = found.index(False) if False in found else len(found)
             if n == 0:
                 return []
-            start = time.perf_counter()
             blobs = self.store.call(self.backend.get, keys[:n])
             seconds = time.perf_counter() - start
         except StorageUnavailable:
             return []
+        self.rates.read.observe(sum(len(b) for b in blobs if b), seconds)
         out = []
         for key, blob in zip(keys[:n], blobs, strict=True):
             payload = unpack(blob, key, self.spec) if blob else None
@@ -302,10 +314,7 @@ class StorageTier:
         """Whether the request behind `pf` stays out of the batch for now (the policy)."""
         if pf.finished:
             return False
-        policy = self.cfg.prefetch_policy
-        if policy == "best_effort":
-            return busy and not pf.done.is_set()
-        return not (policy == "timeout" and time.monotonic() >= pf.deadline)
+        return should_wait(self.cfg.prefetch_policy, pf.done.is_set(), busy, pf.deadline)
 
     def end(self, pf: Prefetch) -> None:
         """The request went ahead: stop fetching what it will compute anyway."""
