@@ -32,20 +32,22 @@ import torch
 
 from tierserve import LLM, SamplingParams
 from tierserve.args import default_model
-from tierserve.bench.compare import ServerProcess
+from tierserve.bench.server_process import ServerProcess
 from tierserve.engine import CORE_MODULE
 
 OUT = Path(__file__).parent / "results" / "served-cpu-split"
+# aiohttp, as vLLM's and SGLang's serving benchmarks use (httpx's streaming took twice the CPU).
 CLIENT = """
-import asyncio, json, sys, httpx
-prompts, url = json.loads(sys.stdin.read()), sys.argv[1]
+import asyncio, json, sys, aiohttp
+prompts, url = json.loads(sys.stdin.read()), sys.argv[1] + "/v1/completions"
 async def one(h, p):
     body = {"prompt": p, "max_tokens": 128, "temperature": 0, "ignore_eos": True, "stream": True}
-    async with h.stream("POST", "/v1/completions", json=body) as r:
-        return sum([line.startswith("data: {") async for line in r.aiter_lines()])
+    async with h.post(url, json=body) as r:
+        return sum([line.startswith(b"data: {") async for line in r.content])
 async def main():
-    limits = httpx.Limits(max_connections=100)
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as h:
+    connector = aiohttp.TCPConnector(limit=100)
+    timeout = aiohttp.ClientTimeout(total=600)
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as h:
         print(sum(await asyncio.gather(*(one(h, p) for p in prompts))))
 asyncio.run(main())
 """
