@@ -28,7 +28,7 @@ import httpx
 
 from tierserve.args import default_model
 from tierserve.bench.client import parse_prometheus
-from tierserve.bench.compare import ServerProcess
+from tierserve.bench.server_process import ServerProcess
 
 OUT = Path(__file__).parent / "results" / "abandoned-grammars"
 PLAIN = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}

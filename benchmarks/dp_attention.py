@@ -34,7 +34,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.conftest import make_checkpoint
 from tierserve.bench.client import parse_prometheus
-from tierserve.bench.compare import ServerProcess
+from tierserve.bench.server_process import ServerProcess
 
 OUT = Path(__file__).parent / "results" / "dp-attention"
 POOL_TOKENS = 2048  # per rank: TP against DP attention

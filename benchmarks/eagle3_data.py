@@ -38,7 +38,7 @@ from pathlib import Path
 import httpx
 
 from tierserve.args import DEMO_MODEL_DIR
-from tierserve.bench.compare import ServerProcess
+from tierserve.bench.server_process import ServerProcess
 
 OUT = Path(__file__).parent / "results" / "eagle3-data"
 ROWS = 24

@@ -35,7 +35,7 @@ import torch
 from offline_throughput import make_prompts, run_tierserve  # the same prompts and offline run
 
 from tierserve.args import default_model
-from tierserve.bench.compare import ServerProcess
+from tierserve.bench.server_process import ServerProcess
 from tierserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 # A process that keeps one core busy for `duty` of the time: what the server's event loop and

@@ -46,7 +46,7 @@ def worker() -> dict[str, float]:
     import tierserve
     from tierserve import LLM, SamplingParams
     from tierserve.args import default_model
-    from tierserve.bench.compare import ServerProcess
+    from tierserve.bench.server_process import ServerProcess
 
     model = default_model()
     g = torch.Generator().manual_seed(0)

@@ -26,8 +26,8 @@ from typing import Any
 
 from tierserve.args import default_model
 from tierserve.bench.client import LoadOptions, RunResult, run_load_async
-from tierserve.bench.compare import ServerProcess
 from tierserve.bench.metrics import hit_rate, summarize
+from tierserve.bench.server_process import ServerProcess
 from tierserve.bench.workloads import TokenSpace, Workload, trace
 from tierserve.model_config import ModelConfig
 from tierserve.storage.mooncake import MooncakeMaster

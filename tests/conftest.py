@@ -17,7 +17,7 @@ import torch
 
 from tierserve import LLM
 from tierserve.bench.client import parse_prometheus
-from tierserve.bench.compare import ServerProcess
+from tierserve.bench.server_process import ServerProcess
 from tierserve.engine import CORE_MODULE, STEP_GATE_ENV
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -8,30 +8,32 @@ Configurations (the device pool of the small ones holds about a quarter of the w
     write_through_selective   ... write_through_selective
     write_back                ... write_back
     limit                     a device pool big enough for the whole workload (the upper bound)
+    replicas-N-POLICY[-store] N servers with limit's pool behind sglang-router --policy POLICY
+                              (round_robin, cache_aware, random, power_of_two), with -store one
+                              Mooncake Store shared by all (replicas.py); a -store layout runs
+                              the workload once to fill the store, waits for the writes to land,
+                              then measures (caches flushed, the store kept)
 """
 
 from __future__ import annotations
 
 import json
 import math
-import signal
-import subprocess
-import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 
 from tierserve.bench import report
 from tierserve.bench.client import LoadOptions, RunResult, run_load, warmup
 from tierserve.bench.metrics import later_rounds_ttft, summarize
+from tierserve.bench.replicas import ReplicaLayout, ReplicaSet
+from tierserve.bench.server_process import ServerProcess
 from tierserve.bench.workloads import TokenSpace, Workload
 from tierserve.errors import TierserveError
-from tierserve.net import free_port
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 CONFIG_NAMES = ("device-only", *WRITE_POLICIES, "limit")
@@ -42,6 +44,7 @@ class ServerConfig:
     name: str
     flags: list[str]
     description: str
+    replicas: ReplicaLayout | None = None  # servers behind a router, not one server
 
 
 @dataclass(frozen=True)
@@ -109,84 +112,16 @@ def configurations(sizing: Sizing, names: Sequence[str] = CONFIG_NAMES) -> list[
         elif name == "limit":
             flags = ["--max-total-tokens", str(sizing.limit_tokens)] + page
             out.append(ServerConfig(name, flags, "device pool big enough for everything"))
+        elif (layout := ReplicaLayout.parse(name)) is not None:
+            flags = ["--max-total-tokens", str(sizing.limit_tokens)] + page
+            out.append(ServerConfig(name, flags, layout.describe(), layout))
         else:
+            known = ", ".join(CONFIG_NAMES)
             raise TierserveError(
-                f"unknown configuration {name!r}; known: {', '.join(CONFIG_NAMES)}", "configs"
+                f"unknown configuration {name!r}; known: {known}, replicas-N-POLICY[-store]",
+                "configs",
             )
     return out
-
-
-# --- one server ---------------------------------------------------------------------------
-
-
-class ServerProcess:
-    """`tierserve serve` in a subprocess on a free port; stopped with SIGTERM."""
-
-    def __init__(
-        self,
-        model: str,
-        flags: Sequence[str],
-        log_path: Path,
-        startup_timeout_s: float = 300,
-        env: Mapping[str, str] | None = None,
-    ) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.cmd = cmd = self.command(model, flags)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=None if env is None else dict(env)
-        )
-        try:
-            self._wait_ready(startup_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-
-    def command(self, model: str, flags: Sequence[str]) -> list[str]:
-        """The server's command line on `self.port` (another server's, in a subclass)."""
-        cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", model]
-        return cmd + ["--port", str(self.port), "--log-level", "warning", *flags]
-
-    def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise TierserveError(
-                    f"server exited with status {self.proc.returncode}: {self.log_tail()}",
-                    "server_args",
-                )
-            try:
-                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
-        raise TierserveError(f"server not ready after {timeout_s:.0f} s: {self.log_tail()}")
-
-    def log_tail(self, chars: int = 1500) -> str:
-        self._log.flush()
-        return self.log_path.read_bytes()[-chars:].decode(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-        if self.log_path.exists() and self.log_path.stat().st_size == 0:
-            self.log_path.unlink()  # --log-level warning: a quiet server leaves no log
-
-    def __enter__(self) -> ServerProcess:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 # --- the whole comparison -----------------------------------------------------------------
@@ -213,6 +148,30 @@ def run_repeats(
         result = run_load(url, workload, opts)
         out.append((result, summarize(result)))
     return out
+
+
+def _run_config(
+    model: str,
+    cfg: ServerConfig,
+    flags: list[str],
+    logs: Path,
+    workload: Workload,
+    opts: LoadOptions,
+    space: TokenSpace,
+    repeats: int,
+    warmup_requests: int,
+    log: Any,
+) -> list[tuple[RunResult, dict[str, Any]]]:
+    if cfg.replicas is None:
+        with ServerProcess(model, flags, logs / f"{cfg.name}.log") as server:
+            return run_repeats(server.url, workload, opts, space, repeats, warmup_requests)
+    with ReplicaSet(model, cfg.replicas, flags, logs, cfg.name) as replicas:
+        if cfg.replicas.shared_store:
+            fill = summarize(run_load(replicas.url, workload, opts))
+            log(f"[{cfg.name}] filling the store: hit rate {fill['hit_rate'] or 0:.1%}")
+            if not replicas.drain_writes():
+                log(f"[{cfg.name}] the replicas' store writes did not drain in time")
+        return run_repeats(replicas.url, workload, opts, space, repeats, warmup_requests)
 
 
 def brief(summary: dict[str, Any]) -> dict[str, Any]:
@@ -249,8 +208,8 @@ def compare(
         flags = [*cfg.flags, *server_args]
         log(f"[{cfg.name}] starting: tierserve serve {' '.join(flags)}")
         start = time.monotonic()
-        with ServerProcess(model, flags, out / "logs" / f"{cfg.name}.log") as server:
-            reps = run_repeats(server.url, workload, opts, space, repeats, warmup_requests)
+        reps = _run_config(model, cfg, flags, out / "logs", workload, opts, space, repeats,
+                           warmup_requests, log)  # fmt: skip
         # the repeat of median request throughput (the lower one of an even count) stands for
         # the configuration; every repeat's headline numbers are kept beside it
         order = sorted(range(repeats), key=lambda i: reps[i][1]["request_throughput"])

@@ -1,0 +1,87 @@
+"""`tierserve serve` (or another server, in a subclass) in a subprocess on a free port, ready
+when /health answers; stopped with SIGTERM. The bench's comparisons and the benchmarks start
+their servers with it."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import httpx
+
+from tierserve.errors import TierserveError
+from tierserve.net import free_port
+
+
+class ServerProcess:
+    """`tierserve serve` in a subprocess on a free port; stopped with SIGTERM."""
+
+    def __init__(
+        self,
+        model: str,
+        flags: Sequence[str],
+        log_path: Path,
+        startup_timeout_s: float = 300,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.cmd = cmd = self.command(model, flags)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=None if env is None else dict(env)
+        )
+        try:
+            self._wait_ready(startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def command(self, model: str, flags: Sequence[str]) -> list[str]:
+        """The server's command line on `self.port` (another server's, in a subclass)."""
+        cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", model]
+        return cmd + ["--port", str(self.port), "--log-level", "warning", *flags]
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise TierserveError(
+                    f"server exited with status {self.proc.returncode}: {self.log_tail()}",
+                    "server_args",
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        raise TierserveError(f"server not ready after {timeout_s:.0f} s: {self.log_tail()}")
+
+    def log_tail(self, chars: int = 1500) -> str:
+        self._log.flush()
+        return self.log_path.read_bytes()[-chars:].decode(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+        if self.log_path.exists() and self.log_path.stat().st_size == 0:
+            self.log_path.unlink()  # --log-level warning: a quiet server leaves no log
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
