@@ -439,6 +439,23 @@ def test_compare_writes_json_report_and_plots(llama_dir, tmp_path):
         cmp.configurations(sizing, ["nonsense"])
 
 
+def test_replica_configurations_name_their_layout():
+    wl = w.multiturn(SPACE, clients=2, rounds=2, request_length=40, output_length=6)
+    sizing = cmp.size_pools(wl, page_size=16)
+    limit, rr, shared = cmp.configurations(
+        sizing, ["limit", "replicas-2-round_robin", "replicas-4-cache_aware-store"]
+    )
+    assert limit.replicas is None and rr.flags == limit.flags  # each replica: limit's pool
+    assert (rr.replicas.replicas, rr.replicas.policy, rr.replicas.shared_store) == (
+        2, "round_robin", False,
+    )  # fmt: skip
+    assert (shared.replicas.replicas, shared.replicas.shared_store) == (4, True)
+    assert "Mooncake" in shared.description
+    for bad in ("replicas-0-round_robin", "replicas-2-fastest", "replicas-x-cache_aware"):
+        with pytest.raises(TierserveError, match="replicas-N-POLICY"):
+            cmp.configurations(sizing, [bad])
+
+
 def test_cli_bad_input_exits_2(capsys):
     rc = cli_main(["bench", "run", "--url", "http://127.0.0.1:9", "--vocab-size", "320",
                    "--workload", "random", "--random-range-ratio", "2"])  # fmt: skip

@@ -1,9 +1,10 @@
 """tierserve as a worker of the real sglang-router (`smg launch`): the router's worker discovery
-finds SGLang's info endpoints, and requests sent to the router come back from the workers."""
+finds SGLang's info endpoints, requests sent to the router come back from the workers, workers
+join, leave and die under it, and what cache-aware routing and a shared store buy in hit rate."""
 
 from __future__ import annotations
 
-import subprocess
+import concurrent.futures
 from pathlib import Path
 
 import httpx
@@ -11,10 +12,13 @@ import openai
 
 import tierserve
 from tests.conftest import Server, eventually
-from tierserve.net import free_port
+from tierserve.bench.client import LoadOptions, run_load
+from tierserve.bench.metrics import summarize
+from tierserve.bench.replicas import ROUTER_POLICIES, ReplicaLayout, ReplicaSet, Router
+from tierserve.bench.server_process import ServerProcess
+from tierserve.bench.workloads import TokenSpace, Workload, multiturn
 
 DEMO_DIR = Path(tierserve.__file__).parent / "demo_model"
-SMG = Path(__file__).resolve().parents[1] / ".venv" / "bin" / "smg"
 
 
 def test_tierserve_workers_behind_sglang_router(tmp_path):
@@ -24,30 +28,140 @@ def test_tierserve_workers_behind_sglang_router(tmp_path):
             assert info["model_path"] == str(DEMO_DIR) and info["dp_size"] == 1
             model = httpx.get(f"{worker.url}/model_info").json()
             assert model["architectures"] == ["LlamaForCausalLM"] and model["is_generation"]
-        port = free_port()
-        cmd = [str(SMG), "launch", "--worker-urls", a.url, b.url, "--policy", "cache_aware"]
-        log = (tmp_path / "router.log").open("wb")
-        cmd += ["--port", str(port), "--prometheus-port", str(free_port())]
-        router = subprocess.Popen(cmd, stdout=log, stderr=log)
+        for policy in ROUTER_POLICIES:  # power_of_two also polls the workers' /get_load
+            router = Router([a.url, b.url], policy, tmp_path / f"{policy}.log")
+            try:
+                client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="x", max_retries=0)
+                before = sum(_served(w) for w in (a, b))
+                reply = client.chat.completions.create(
+                    model=DEMO_DIR.name, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+                )
+                assert reply.choices[0].message.content is not None
+                assert sum(_served(w) for w in (a, b)) > before, policy
+                assert _generate(router.url, 1).json()["meta_info"]["completion_tokens"] == 3
+            finally:
+                router.stop()
+        for worker in (a, b):  # the router found every endpoint it asked for
+            assert " 404 " not in worker.log_tail(10**6)
+
+
+def test_load_and_generating_health_answer_as_sglangs(tmp_path):
+    with Server(DEMO_DIR, "--device", "cpu") as server:
+        (idle,) = httpx.get(f"{server.url}/get_load").json()
+        assert idle == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+        before = _served(server)
+        assert httpx.get(f"{server.url}/health_generate", timeout=60).json() == {"status": "ok"}
+        assert _served(server) == before + 1  # it generated a token
+        server.hold_steps(1)  # the next request's prefill runs, then the engine waits
+        pending = concurrent.futures.ThreadPoolExecutor(1).submit(_generate, server.url, 2)
         try:
-            url = f"http://127.0.0.1:{port}"
-
-            def ready() -> bool:
-                try:
-                    return httpx.get(f"{url}/v1/models", timeout=5).status_code == 200
-                except httpx.TransportError:
-                    return False
-
-            assert eventually(ready, 60), (tmp_path / "router.log").read_text()[-2000:]
-            client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
-            reply = client.chat.completions.create(
-                model=DEMO_DIR.name, messages=[{"role": "user", "content": "hi"}], max_tokens=4
-            )
-            assert reply.choices[0].message.content is not None
-            served = sum(w.metrics()["tierserve_generation_tokens_total"] for w in (a, b))
-            assert served >= 1
-            for worker in (a, b):  # the router found every info endpoint it asked for
-                assert " 404 " not in worker.log_tail(10**6)
+            server.wait_for(lambda m: m["tierserve_num_requests_running"] == 1)
+            (held,) = httpx.get(f"{server.url}/get_loads").json()
+            assert held["num_reqs"] == 1 and held["num_tokens"] >= 40
         finally:
-            router.terminate()
-            router.wait(timeout=30)
+            server.release_steps()
+        assert pending.result(timeout=60).status_code == 200
+
+
+# --- replicas that come, go and die -----------------------------------------------------------
+
+
+def _served(worker: Server) -> float:
+    return worker.metrics()["tierserve_generation_tokens_total"]
+
+
+def _generate(url: str, seed: int) -> httpx.Response:
+    """A /generate with token ids, as the bench sends: the router routes on them."""
+    ids = [3 + (seed * 7 + i) % 300 for i in range(40)]
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+    return httpx.post(f"{url}/generate", json=body, timeout=60)
+
+
+def test_workers_join_and_leave_the_router(tmp_path):
+    with Server(DEMO_DIR, "--device", "cpu") as a, Server(DEMO_DIR, "--device", "cpu") as b:
+        router = Router([a.url], "round_robin", tmp_path / "router.log")
+        try:
+            added = httpx.post(f"{router.url}/workers", json={"url": b.url}, timeout=10)
+            assert added.status_code == 202, added.text
+            both = lambda: sum(w["is_healthy"] for w in router.workers()) == 2  # noqa: E731
+            assert eventually(both, 60), router.workers()
+            for i in range(6):  # round robin over both
+                assert _generate(router.url, i).status_code == 200
+            assert _served(a) > 0 and _served(b) > 0
+            (a_id,) = [w["id"] for w in router.workers() if w["url"] == a.url]
+            assert httpx.delete(f"{router.url}/workers/{a_id}", timeout=10).is_success
+            assert eventually(lambda: [w["url"] for w in router.workers()] == [b.url], 60)
+            before = _served(a), _served(b)
+            for i in range(4):
+                assert _generate(router.url, 10 + i).status_code == 200
+            assert _served(a) == before[0] and _served(b) > before[1]
+        finally:
+            router.stop()
+
+
+def test_a_killed_replica_is_routed_around(tmp_path):
+    """SIGKILL of one replica's server (its core dies with it): once the router's health check
+    marks it down, requests complete on the other one, and none hangs."""
+    with Server(DEMO_DIR, "--device", "cpu") as a, Server(DEMO_DIR, "--device", "cpu") as b:
+        flags = ["--health-check-interval-secs", "1", "--cb-failure-threshold", "1"]
+        router = Router([a.url, b.url], "round_robin", tmp_path / "router.log", flags)
+        try:
+            assert _generate(router.url, 0).status_code == 200
+            a.proc.kill()
+            a.proc.wait(timeout=30)
+
+            def a_down() -> bool:
+                return not any(w["is_healthy"] for w in router.workers() if w["url"] == a.url)
+
+            assert eventually(a_down, 60), router.workers()
+            before = _served(b)
+            replies = [_generate(router.url, 1 + i) for i in range(6)]
+            assert [r.status_code for r in replies] == [200] * 6, [r.text for r in replies]
+            assert _served(b) > before
+        finally:
+            router.stop()
+
+
+# --- what routing and a shared store buy, driven by the bench ---------------------------------
+
+
+def _multiturn() -> Workload:
+    space = TokenSpace(4096, 3)
+    return multiturn(space, clients=6, rounds=3, request_length=300, output_length=8,
+                     sub_question_length=40, seed=3)  # fmt: skip
+
+
+def _outputs(result) -> dict[tuple[int, int], list[int]]:
+    assert all(r.ok for r in result.records), [r.error for r in result.records if not r.ok]
+    return {(r.client, r.round): r.output_ids for r in result.records}
+
+
+def test_routing_and_a_shared_store_keep_one_servers_hit_rate(tmp_path):
+    """Two replicas behind the real router: cache_aware keeps the hit rate of one server that
+    holds everything and beats round robin; with one Mooncake Store shared, round robin reaches
+    it too once the store holds the workload (writes drained, caches flushed, a second pass).
+    Every configuration's greedy outputs equal the single server's."""
+    wl = _multiturn()
+    opts = LoadOptions(max_in_flight=4)
+    flags = ["--max-total-tokens", "16384", "--device", "cpu"]
+    with ServerProcess(str(DEMO_DIR), flags, tmp_path / "single.log") as one:
+        single = run_load(one.url, wl, opts)
+    ceiling = summarize(single)["hit_rate"]
+    assert ceiling > 0.3
+    rates = {}
+    for name in (
+        "replicas-2-cache_aware",
+        "replicas-2-round_robin",
+        "replicas-2-round_robin-store",
+    ):
+        layout = ReplicaLayout.parse(name)
+        with ReplicaSet(str(DEMO_DIR), layout, flags, tmp_path / "logs", name) as replicas:
+            result = run_load(replicas.url, wl, opts)
+            if layout.shared_store:
+                assert replicas.drain_writes()
+                result = run_load(replicas.url, wl, opts)  # caches flushed first, the store kept
+        assert _outputs(result) == _outputs(single), name
+        rates[name] = summarize(result)["hit_rate"]
+    assert rates["replicas-2-cache_aware"] >= 0.9 * ceiling, (rates, ceiling)
+    assert rates["replicas-2-cache_aware"] > rates["replicas-2-round_robin"], rates
+    assert rates["replicas-2-round_robin-store"] >= 0.9 * ceiling, (rates, ceiling)

@@ -222,6 +222,8 @@ class _Sender:
                 if resp.status_code != 200:
                     detail = (await resp.aread()).decode(errors="replace")[:300]
                     rec.error = f"HTTP {resp.status_code}: {detail}"
+                    if "StringOrArray" in detail:  # sglang-router's schema for `prompt`
+                        rec.error += " (a router takes text prompts only: use --backend generate)"
                     return rec
                 async for line in resp.aiter_lines():
                     if not line.startswith("data:"):

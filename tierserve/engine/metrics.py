@@ -210,6 +210,12 @@ def _storage(storage: StorageTier) -> list[MetricFamily]:
     families = [
         _counter(f"tierserve_storage_{field}", doc, stats[field]) for field, doc in STORAGE_COUNTERS
     ]
+    families.append(
+        _gauge(
+            "tierserve_storage_write_queue_pages", "pages queued for storage, not written yet",
+            storage.queued_writes,
+        )
+    )  # fmt: skip
     state = {name: float(storage.store.state == name) for name in ("closed", "open", "half-open")}
     families.append(
         _labelled(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierserve.args import EngineArgs
 from tierserve.errors import StorageFull, TierserveError
+from tierserve.sampling_params import SamplingParams
 from tierserve.server import choices
 from tierserve.server.async_engine import AsyncEngine, EngineDeadError
 from tierserve.server.completion import Completion
@@ -32,7 +34,7 @@ from tierserve.server.protocol import (
     error_body,
     now,
 )
-from tierserve.server.worker_info import model_info, server_info
+from tierserve.server.worker_info import loads, model_info, server_info
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
 
@@ -148,6 +150,22 @@ def _add_routes(
         if engine.error is not None:
             raise EngineDeadError(str(engine.error))
         return {"status": "ok"}
+
+    @app.get("/health_generate")
+    async def health_generate() -> dict[str, str]:
+        """SGLang's: healthy only when the engine generates a token (a core that is up but
+        stuck fails here, and past --watchdog-timeout everywhere)."""
+        if engine.error is not None:
+            raise EngineDeadError(str(engine.error))
+        params = SamplingParams(max_tokens=1, temperature=0)
+        async for _ in engine.generate([0], params, f"health-generate-{uuid.uuid4().hex}"):
+            pass
+        return {"status": "ok"}
+
+    @app.get("/get_load")
+    @app.get("/get_loads")
+    async def get_load() -> list[dict[str, int]]:
+        return loads(await engine.metrics(), engine.info.page_size)
 
     @app.get("/server_info")
     @app.get("/get_server_info")  # SGLang's older name; sglang-router tries both

@@ -1,6 +1,7 @@
 """What a router asks a worker about itself, answered in SGLang's shapes: sglang-router reads
 `/server_info` (or `/get_server_info`) and `/model_info` (or `/get_model_info`) when a worker
-joins, for the model and tokenizer paths and the parallel layout."""
+joins, for the model and tokenizer paths and the parallel layout, and `/get_load` for its
+power_of_two policy (the sum of `num_tokens`)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from tierserve.args import EngineArgs
-from tierserve.messages import CoreInfo
+from tierserve.messages import CoreInfo, MetricFamily
 
 
 def server_info(args: EngineArgs, info: CoreInfo, served_name: str) -> dict[str, Any]:
@@ -43,6 +44,29 @@ def model_info(info: CoreInfo) -> dict[str, Any]:
         "model_type": config.get("model_type"),
         "architectures": config.get("architectures"),
     }
+
+
+def loads(families: list[MetricFamily], page_size: int) -> list[dict[str, int]]:
+    """SGLang's /get_load: per attention group (one without DP attention), the requests
+    running and waiting and the device KV tokens in use, read from the engine's metrics."""
+    by_name = {f.name: f for f in families}
+
+    def values(name: str) -> list[int]:
+        return [int(v) for _, v in by_name[name].samples]
+
+    if "tierserve_dp_requests_running" in by_name:
+        running = values("tierserve_dp_requests_running")
+        waiting = values("tierserve_dp_requests_waiting")
+        tokens = values("tierserve_dp_device_tokens_used")
+    else:
+        running = values("tierserve_num_requests_running")
+        waiting = values("tierserve_num_requests_waiting")
+        pages = {labels[0]: v for labels, v in by_name["tierserve_kv_pages_used"].samples}
+        tokens = [int(pages.get("device", 0)) * page_size]
+    return [
+        {"dp_rank": g, "num_reqs": r, "num_waiting_reqs": w, "num_tokens": t}
+        for g, (r, w, t) in enumerate(zip(running, waiting, tokens, strict=True))
+    ]
 
 
 def _config(model_path: str) -> dict[str, Any]:

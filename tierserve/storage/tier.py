@@ -218,6 +218,11 @@ class StorageTier:
         except StorageUnavailable:
             self.stats.add(dropped_writes=len(batch))
 
+    @property
+    def queued_writes(self) -> int:
+        """Pages queued or being written (a replica's writes have landed when this is 0)."""
+        return self._writes.unfinished_tasks
+
     def flush_writes(self, timeout_s: float = 10.0) -> bool:
         """Wait until every queued write is done (tests, shutdown); False if time ran out."""
         end = time.monotonic() + timeout_s

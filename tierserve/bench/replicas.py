@@ -1,0 +1,182 @@
+"""Replicas behind the real sglang-router: N `tierserve serve` processes, optionally attached to
+one Mooncake Store they share, and an `smg launch` process in front of them, started and stopped
+together. `tierserve bench compare` runs a workload against the router's URL as against a
+single server's.
+
+Names of replica configurations: `replicas-N-POLICY`, and `replicas-N-POLICY-store` for the
+shared store; POLICY is one of sglang-router's (`round_robin`, `cache_aware`, `random`,
+`power_of_two`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from tierserve.bench.client import parse_prometheus
+from tierserve.bench.server_process import ServerProcess
+from tierserve.errors import TierserveError
+from tierserve.net import free_port
+from tierserve.storage import MooncakeMaster
+
+ROUTER_POLICIES = ("round_robin", "cache_aware", "random", "power_of_two")
+ROUTER_HINT = "replicas run behind sglang-router: pip install 'sglang-router>=0.3.2,<0.4'"
+WRITE_QUEUE = "tierserve_storage_write_queue_pages"
+
+
+@dataclass(frozen=True)
+class ReplicaLayout:
+    replicas: int
+    policy: str
+    shared_store: bool
+
+    @classmethod
+    def parse(cls, name: str) -> ReplicaLayout | None:
+        """The layout a configuration name asks for; None for a name that is not one."""
+        parts = name.split("-")
+        if len(parts) < 3 or parts[0] != "replicas":
+            return None
+        store = parts[-1] == "store"
+        policy = "-".join(parts[2 : len(parts) - store])
+        if not parts[1].isdigit() or int(parts[1]) < 1 or policy not in ROUTER_POLICIES:
+            raise TierserveError(
+                f"bad replicas configuration {name!r}: replicas-N-POLICY[-store], POLICY one "
+                f"of {', '.join(ROUTER_POLICIES)}",
+                "configs",
+            )
+        return cls(int(parts[1]), policy, store)
+
+    def describe(self) -> str:
+        store = ", one Mooncake Store shared" if self.shared_store else ""
+        return f"{self.replicas} replicas behind sglang-router --policy {self.policy}{store}"
+
+
+def router_binary() -> str:
+    beside = Path(sys.executable).parent / "smg"  # installed in the same virtualenv
+    found = shutil.which("smg") or (str(beside) if beside.exists() else None)
+    if found is None:
+        raise TierserveError(f"sglang-router's smg is not installed: {ROUTER_HINT}", "configs")
+    return found
+
+
+class Router:
+    """`smg launch` in front of `workers`, ready once every worker is healthy in its registry."""
+
+    def __init__(
+        self,
+        workers: Sequence[str],
+        policy: str,
+        log_path: Path,
+        flags: Sequence[str] = (),
+        startup_timeout_s: float = 120,
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [router_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port)]
+        cmd += ["--worker-urls", *workers, "--policy", policy]
+        cmd += ["--prometheus-port", str(free_port()), *flags]
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        try:
+            self._wait_ready(len(workers), startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+
+    def workers(self) -> list[dict]:
+        """The router's registry (`GET /workers`)."""
+        return httpx.get(f"{self.url}/workers", timeout=5).json().get("workers", [])
+
+    def _wait_ready(self, count: int, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise TierserveError(f"the router exited: {self.log_tail()}", "configs")
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                healthy = [w for w in self.workers() if w.get("is_healthy")]
+                if len(healthy) >= count:
+                    return
+            time.sleep(0.2)
+        raise TierserveError(f"the router found no {count} healthy workers: {self.log_tail()}")
+
+    def log_tail(self, chars: int = 1500) -> str:
+        self._log.flush()
+        return self.log_path.read_bytes()[-chars:].decode(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+class ReplicaSet:
+    """The store (when shared), the replicas and the router, up together; `url` is the
+    router's."""
+
+    def __init__(
+        self, model: str, layout: ReplicaLayout, flags: Sequence[str], logs: Path, name: str
+    ) -> None:
+        self.layout = layout
+        self.master: MooncakeMaster | None = None
+        self.servers: list[ServerProcess] = []
+        self.router: Router | None = None
+        try:
+            flags = list(flags)
+            if layout.shared_store:
+                self.master = MooncakeMaster()
+                flags += ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake"]
+                flags += ["--hicache-storage-backend-extra-config", json.dumps(self.master.extra())]
+            for i in range(layout.replicas):
+                log = logs / f"{name}.replica{i}.log"
+                self.servers.append(ServerProcess(model, flags, log))
+            urls = [s.url for s in self.servers]
+            self.router = Router(urls, layout.policy, logs / f"{name}.router.log")
+        except BaseException:
+            self.stop()
+            raise
+        self.url = self.router.url
+
+    def drain_writes(self, timeout_s: float = 120) -> bool:
+        """Wait until no replica has pages queued for the store (read from its /metrics)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if all(_queued_writes(s.url) == 0 for s in self.servers):
+                return True
+            time.sleep(0.1)
+        return False
+
+    def stop(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+        for s in self.servers:
+            s.stop()
+        if self.master is not None:
+            self.master.stop()
+
+    def __enter__(self) -> ReplicaSet:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _queued_writes(url: str) -> float:
+    metrics = parse_prometheus(httpx.get(f"{url}/metrics", timeout=10).text)
+    return metrics.get(WRITE_QUEUE, 0.0)
