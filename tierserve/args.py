@@ -295,9 +295,6 @@ class EngineArgs:
         if not 0 <= self.node_rank < self.nnodes:
             message = f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}"
             raise TierserveError(message, "node_rank")
-        if self.tp_size > 1 and self.hicache_storage_backend is not None:
-            message = "the storage tier does not run with --tp-size > 1 yet"
-            raise TierserveError(message, "hicache_storage_backend")
         if self.nnodes > 1 and self.dist_init_addr is None:
             message = "several nodes meet at --dist-init-addr HOST:PORT (node 0's address)"
             raise TierserveError(message, "dist_init_addr")

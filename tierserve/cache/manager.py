@@ -132,7 +132,7 @@ class KVCacheManager:
         return False
 
     def _place_fetched(
-        self, tokens: tuple[int, ...], first_page: int, payloads: list[bytes]
+        self, tokens: tuple[int, ...], first_page: int, payloads: list[bytes | None]
     ) -> None:
         """Fetched pages into free host pages and the tree (host-only). Pages the tree holds
         by now are skipped before any host page is taken; all are dropped (and counted) when
@@ -152,7 +152,10 @@ class KVCacheManager:
         if pages is None:
             self.storage.stats.add(dropped_prefetch_pages=n)
             return
-        host.host_pool.write_page_bytes(pages, payloads)
+        if payloads[0] is not None:  # None: the rank filling this shared host copy writes it
+            host.host_pool.write_page_bytes(pages, payloads)
+        if host.share is not None:  # loads of these pages wait for that rank at a barrier
+            host.share.backed_up = True
         unused = radix.insert_host(tokens, start, pages)  # 0 unless eviction took the prefix
         host.allocator.free(pages[:unused])
         self.storage.stats.add(hit_pages=need - unused, dropped_prefetch_pages=n - need + unused)

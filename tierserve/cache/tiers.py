@@ -130,7 +130,7 @@ class HostTier:
         device_pages = [p for n in path for p in n.pages]
         host_pages = matched_runs(device_pages, host_pages)
         self._backups.add(device_pages, host_pages)
-        if self.storage is not None:
+        if self.storage is not None and self.storage.roles.writes:
             chain = self.storage.namespace.chain
             keys = [k for n in path for k in self.radix.page_keys(n, chain)]
             self._to_store.append((self._backups, keys, host_pages))

@@ -53,9 +53,14 @@ class CommandBus:
     def all_true(self, flags: list[bool]) -> list[bool]:
         """Each flag ANDed over the ranks of this rank's attention group (a copy has landed
         on every rank that holds it)."""
-        t = torch.tensor(flags, dtype=torch.uint8)
+        return [bool(x) for x in self.all_min([int(f) for f in flags])]
+
+    def all_min(self, values: list[int]) -> list[int]:
+        """Each value's minimum over the ranks of this rank's attention group (the pages every
+        rank has fetched; the first rank's verdict, where the others send a large number)."""
+        t = torch.tensor(values, dtype=torch.int64)
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._attention)
-        return [bool(x) for x in t.tolist()]
+        return t.tolist()
 
     def collect(self, value: bytes | None) -> list[bytes | None]:
         """Every rank's `value` on rank 0, in rank order (the others get [])."""

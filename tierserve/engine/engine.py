@@ -51,7 +51,7 @@ from tierserve.model_config import ModelConfig
 from tierserve.models import load_model, model_fingerprint
 from tierserve.outputs import StepOutput, TokenLogprob
 from tierserve.sampling_params import SamplingParams
-from tierserve.storage import Namespace, PrefetchRates, StorageTier
+from tierserve.storage import Namespace, PrefetchRates, RankRoles, StorageTier, shard_of
 
 logger = logging.getLogger("tierserve")
 
@@ -184,19 +184,27 @@ class Engine:
         nbytes = pages * plan.spec.bytes_per_page
         return open_share(name, nbytes, rank == writer, bus.group_barrier)
 
-    @staticmethod
-    def _storage_tier(startup: Startup) -> StorageTier:
+    def _storage_tier(self, startup: Startup) -> StorageTier:
         assert startup.storage is not None
-        fingerprint = model_fingerprint(startup.model_path, startup.storage.namespace)
-        namespace = Namespace(fingerprint, startup.plan.spec)
-        cfg = startup.storage
+        cfg, plan = startup.storage, startup.plan
+        rank = self.ranks.rank if self.ranks is not None else 0
+        attention_rank = rank % self.args.attention_tp_size
+        fingerprint = model_fingerprint(startup.model_path, cfg.namespace)
+        namespace = Namespace(fingerprint, plan.spec, shard_of(plan.spec, attention_rank))
         rates = PrefetchRates.make(
             cfg.prefetch_read_bytes_per_s,
             cfg.prefetch_recompute_tokens_per_s,
             startup.flops_per_token,
             startup.device.type,
         )
-        return StorageTier(cfg, namespace, rates)
+        return StorageTier(cfg, namespace, rates, self._storage_roles(plan, rank))
+
+    def _storage_roles(self, plan: KVPlan, rank: int) -> RankRoles:
+        if self.ranks is None:
+            return RankRoles()
+        sharing = plan.host.sharing if plan.host is not None else 1
+        tp, local = self.args.attention_tp_size, self.args.local_ranks
+        return RankRoles.of(plan.spec, rank, tp, local, sharing, self.ranks.bus.all_min)
 
     # --- requests --------------------------------------------------------------------------
 

@@ -155,9 +155,10 @@ def _kv_plan(
         overhead = (device_tokens * spec.bytes_per_token + workspace) * args.local_ranks
         overhead += weight_bytes  # split among the node's ranks (tensor parallelism)
         store = 0
-        if storage is not None:  # the client's RAM, and the tier's own write and fetch buffers
+        if storage is not None:  # each rank's client RAM, and its write and fetch buffers
             store = backend_class(storage.backend).ram_bytes(storage.extra)
             store += storage.buffer_bytes(spec.bytes_per_page)
+            store *= args.local_ranks
         host = size_host_tier(args, spec, device_tokens, (overhead if on_cpu else 0) + store)
         plan = dataclasses.replace(plan, storage_ram_bytes=store)
     return dataclasses.replace(plan, host=host)

@@ -8,7 +8,9 @@ from tierserve.lazy import lazy_exports
 EXPORTS = {
     "MooncakeMaster": "mooncake",
     "Namespace": "keys",
+    "shard_of": "keys",
     "PrefetchRates": "prefetch_policy",
+    "RankRoles": "prefetch",
     "StorageConfig": "tier",
     "StorageTier": "tier",
     "backend_class": "registry",

@@ -19,7 +19,6 @@ pinned in the extra config (`prefetch_read_bytes_per_s`, `prefetch_recompute_tok
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 PREFETCH_POLICIES = ("auto", "best_effort", "wait_complete", "timeout")
@@ -93,10 +92,11 @@ class PrefetchRates:
         return recompute if read is None or read < recompute else 0.0
 
 
-def should_wait(policy: str, done: bool, busy: bool, deadline: float) -> bool:
-    """Whether a request whose prefetch has not been taken in whole stays out of the batch."""
+def should_wait(policy: str, busy: bool, expired: bool) -> bool:
+    """Whether a request whose prefetch has not ended stays out of the batch; `expired`: the
+    policy's wait has run out (auto, timeout)."""
     if policy == "best_effort":
-        return busy and not done
+        return busy
     if policy == "auto":
-        return (busy and not done) or time.monotonic() < deadline
-    return policy == "wait_complete" or time.monotonic() < deadline
+        return busy or not expired
+    return policy == "wait_complete" or not expired

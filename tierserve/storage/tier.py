@@ -5,11 +5,10 @@ Writes: a page copied to the host tier is queued for storage (SGLang HiCache's b
 reaches the host is backed up), packed and checked against the store on a writer thread, and put
 in batches. The queue is bounded: when it is full a page is dropped and counted, never waited for.
 
-Reads: a request whose uncached prefix is at least `prefetch_threshold` tokens starts a prefetch
-of its pages, in order, in batches: `exists`, then `get` of the consecutive pages found, each
-object checked (objects.py) before it is handed over. The engine thread takes the fetched pages
-at its next step (`take_fetched`) into the host tier, whence the request loads them back like any
-host hit. How long the request waits before it is admitted anyway: prefetch_policy.py.
+Reads (prefetch.py): a request whose uncached prefix is at least `prefetch_threshold` tokens
+starts a prefetch of its pages, in order, in batches, on worker threads; the engine thread places
+what every rank of its group has fetched at its next step, into the host tier, whence the request
+loads them back like any host hit. How long the request waits: prefetch_policy.py.
 """
 
 from __future__ import annotations
@@ -20,9 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,20 +27,12 @@ from tierserve.errors import TierserveError
 from tierserve.storage.backend import EXTRA_FIELD, StorageBackend
 from tierserve.storage.client import GuardedStore, StorageStats, StorageUnavailable
 from tierserve.storage.keys import Namespace
-from tierserve.storage.objects import pack, unpack
-from tierserve.storage.prefetch_policy import (
-    DEFAULT_POLICY,
-    PREFETCH_POLICIES,
-    PrefetchRates,
-    should_wait,
-)
+from tierserve.storage.objects import pack
+from tierserve.storage.prefetch import FETCH_AHEAD, FETCHERS, Prefetch, Prefetcher, RankRoles
+from tierserve.storage.prefetch_policy import DEFAULT_POLICY, PREFETCH_POLICIES, PrefetchRates
 from tierserve.storage.registry import make_backend
 
 logger = logging.getLogger("tierserve")
-
-MAX_STOPPED = 1024  # pages where prefetches stopped, remembered for miss_ttl_s
-FETCHERS = 2  # prefetches that run at once
-FETCH_AHEAD = 2  # batches a prefetch fetches before the engine has placed the earlier ones
 
 
 @dataclass(frozen=True)
@@ -115,28 +104,17 @@ def _check_field(name: str, value: Any) -> None:
         raise TierserveError("timeout_s in the storage config must be > 0", EXTRA_FIELD)
 
 
-@dataclass(eq=False)
-class Prefetch:
-    """Pages `first_page ...` of `tokens`, fetched in order by a worker."""
-
-    tokens: tuple[int, ...]  # whole pages, through the last one it may fetch
-    first_page: int  # pages the tree held when it started
-    keys: list[str]
-    deadline: float
-    fetched: queue.SimpleQueue[tuple[int, list[bytes]]] = field(default_factory=queue.SimpleQueue)
-    done: threading.Event = field(default_factory=threading.Event)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-    @property
-    def finished(self) -> bool:
-        """Ended, and everything it fetched taken by the engine."""
-        return self.done.is_set() and self.fetched.empty()
-
-
 class StorageTier:
-    def __init__(self, cfg: StorageConfig, namespace: Namespace, rates: PrefetchRates) -> None:
+    def __init__(
+        self,
+        cfg: StorageConfig,
+        namespace: Namespace,
+        rates: PrefetchRates,
+        roles: RankRoles | None = None,
+    ) -> None:
         self.cfg, self.namespace, self.spec = cfg, namespace, namespace.spec
         self.rates = rates
+        self.roles = roles or RankRoles()
         self.stats = StorageStats()
         self.backend: StorageBackend = make_backend(cfg.backend, cfg.extra)
         self.store = GuardedStore(
@@ -146,21 +124,15 @@ class StorageTier:
             failures_to_open=cfg.breaker_failures,
             cooldown_s=cfg.breaker_cooldown_s,
         )
-        # Prefetches not finished, by every key they cover: a request whose missing part
-        # starts anywhere in one joins it instead of fetching the same pages again.
-        self.prefetches: dict[str, Prefetch] = {}
-        self._running: list[Prefetch] = []
-        self._bad_keys: set[str] = set()  # found corrupt: rewritten without asking `exists`
-        # Where prefetches stopped (a page missing or damaged), so a request that goes ahead
-        # after a partial prefetch does not start another one at the same page.
-        self._stopped_at: OrderedDict[str, float] = OrderedDict()
+        self.reads = Prefetcher(
+            cfg.prefetch_policy, namespace, self.store, self.backend, self.stats, rates,
+            self.roles, cfg.wait_limit, cfg.prefetch_threshold, cfg.batch_pages, cfg.miss_ttl_s,
+        )  # fmt: skip
         self._lock = threading.Lock()
         self._writes: queue.Queue[tuple[str, bytes] | None] = queue.Queue()
         self._queued_bytes = 0  # bounded by cfg.write_queue_bytes (see write_room)
         self._writer = threading.Thread(target=self._write_loop, daemon=True, name="kv-writer")
         self._writer.start()
-        self._fetchers = ThreadPoolExecutor(FETCHERS, thread_name_prefix="tierserve-prefetch")
-        self._any_fetched = threading.Event()
 
     # --- writes -----------------------------------------------------------------------------
 
@@ -201,15 +173,13 @@ class StorageTier:
             todo = {
                 k: pack(k, self.spec, payload)
                 for (k, payload), found in zip(batch, present, strict=True)
-                if not found or k in self._bad_keys
+                if not found or k in self.reads.bad_keys
             }
             if todo:
                 start = time.perf_counter()
                 self.store.call(self.backend.put, todo)
-                self._bad_keys.difference_update(todo)
-                with self._lock:  # stored now: worth asking for again
-                    for key in todo:
-                        self._stopped_at.pop(key, None)
+                self.reads.bad_keys.difference_update(todo)
+                self.reads.written(list(todo))  # stored now: worth asking for again
                 self.stats.add(
                     written_pages=len(todo),
                     written_bytes=sum(len(b) for b in todo.values()),
@@ -230,128 +200,27 @@ class StorageTier:
             time.sleep(0.01)
         return not self._writes.unfinished_tasks
 
-    # --- reads ------------------------------------------------------------------------------
+    # --- reads (prefetch.py) ----------------------------------------------------------------
 
     def prefetch(
         self, tokens: Sequence[int], first_page: int, parent_key: str | None
     ) -> Prefetch | None:
-        """The prefetch covering `tokens`' page `first_page`, started if none runs and the
-        pages from there are worth it (at least `prefetch_threshold` tokens); None when not,
-        or when one stopped at that page moments ago."""
-        ps = self.spec.page_size
-        rest = tokens[first_page * ps :]
-        # Asked every step while the request waits: hash one page to find it, not the prompt.
-        first = self.namespace.chain(parent_key, rest[:ps])[0]
-        running = self.prefetches.get(first)
-        if running is not None:
-            return running  # whatever is left of it, once joined, is waited for
-        if len(rest) < max(self.cfg.prefetch_threshold, ps):
-            return None
-        with self._lock:
-            stopped = self._stopped_at.get(first)
-        if stopped is not None and time.monotonic() - stopped < self.cfg.miss_ttl_s:
-            return None  # a prefetch just stopped here (missing or damaged): do not ask again
-        keys = self.namespace.chain(parent_key, rest)
-        pf = Prefetch(tuple(tokens), first_page, keys, time.monotonic() + self._wait_limit(keys))
-        self.prefetches.update(dict.fromkeys(keys, pf))
-        self._running.append(pf)
-        self.stats.add(prefetches=1)
-        self._fetchers.submit(self._fetch, pf)
-        return pf
-
-    def _wait_limit(self, keys: list[str]) -> float:
-        tokens = len(keys) * self.spec.page_size
-        if self.cfg.prefetch_policy == "auto":
-            return self.rates.wait_limit(tokens, len(keys) * self.spec.bytes_per_page)
-        return self.cfg.wait_limit(tokens)
-
-    def _fetch(self, pf: Prefetch) -> None:
-        done = 0
-        try:
-            while done < len(pf.keys) and not pf.cancelled.is_set():
-                while pf.fetched.qsize() >= FETCH_AHEAD and not pf.cancelled.is_set():
-                    time.sleep(0.005)  # the engine places what came; memory stays bounded
-                got = self._fetch_batch(pf.keys[done : done + self.cfg.batch_pages])
-                if got:
-                    pf.fetched.put((done, got))
-                    self._any_fetched.set()
-                done += len(got)
-                if len(got) < min(self.cfg.batch_pages, len(pf.keys) - done + len(got)):
-                    break  # a page is missing: the pages after it cannot be used
-            if done < len(pf.keys) and not pf.cancelled.is_set():
-                self.stats.add(miss_pages=len(pf.keys) - done)
-                with self._lock:
-                    self._stopped_at[pf.keys[done]] = time.monotonic()
-                    while len(self._stopped_at) > MAX_STOPPED:
-                        self._stopped_at.popitem(last=False)
-        except Exception:  # a bug here must not leave the request waiting for ever
-            logger.exception("storage prefetch failed")
-        finally:
-            pf.done.set()
-            self._any_fetched.set()
-
-    def _fetch_batch(self, keys: list[str]) -> list[bytes]:
-        """The payloads of the leading pages of `keys` that exist and are intact."""
-        try:
-            start = time.perf_counter()
-            found = self.store.call(self.backend.exists, keys)
-            n = found.index(False) if False in found else len(found)
-            if n == 0:
-                return []
-            blobs = self.store.call(self.backend.get, keys[:n])
-            seconds = time.perf_counter() - start
-        except StorageUnavailable:
-            return []
-        self.rates.read.observe(sum(len(b) for b in blobs if b), seconds)
-        out = []
-        for key, blob in zip(keys[:n], blobs, strict=True):
-            payload = unpack(blob, key, self.spec) if blob else None
-            if payload is None:
-                if blob:  # present but not this page: counted, rewritten when next stored
-                    self.stats.add(corrupt_objects=1)
-                    self._bad_keys.add(key)
-                break
-            out.append(payload)
-        self.stats.add(read_bytes=sum(len(b) for b in blobs if b), read_seconds=seconds)
-        return out
+        return self.reads.start(tokens, first_page, parent_key)
 
     def should_wait(self, pf: Prefetch, busy: bool) -> bool:
-        """Whether the request behind `pf` stays out of the batch for now (the policy)."""
-        if pf.finished:
-            return False
-        return should_wait(self.cfg.prefetch_policy, pf.done.is_set(), busy, pf.deadline)
+        return self.reads.should_wait(pf, busy)
 
     def end(self, pf: Prefetch) -> None:
-        """The request went ahead: stop fetching what it will compute anyway."""
-        pf.cancelled.set()
+        self.reads.end(pf)
 
-    def take_fetched(self) -> list[tuple[Prefetch, int, list[bytes]]]:
-        """(prefetch, index of its first page in this batch, payloads) fetched since the last
-        call. Prefetches that ended and were emptied are forgotten here, so a request never
-        joins a finished one."""
-        self._any_fetched.clear()
-        out, running = [], []
-        for pf in self._running:
-            while not pf.fetched.empty():
-                start, payloads = pf.fetched.get()
-                out.append((pf, start, payloads))
-            if pf.done.is_set() and pf.fetched.empty():
-                for key in pf.keys:
-                    if self.prefetches.get(key) is pf:
-                        del self.prefetches[key]
-            else:
-                running.append(pf)
-        self._running = running
-        return out
+    def take_fetched(self) -> list[tuple[Prefetch, int, list[bytes | None]]]:
+        return self.reads.take()
 
     def wait_for_fetches(self, timeout_s: float) -> None:
-        """Block the engine thread briefly when only prefetches are left to wait for."""
-        self._any_fetched.wait(timeout_s)
+        self.reads.wait(timeout_s)
 
     def close(self) -> None:
-        for pf in list(self._running):
-            pf.cancelled.set()
+        self.reads.close()
         with contextlib.suppress(queue.Full):
             self._writes.put_nowait(None)
-        self._fetchers.shutdown(wait=False, cancel_futures=True)
         self.backend.close()  # store calls still running are daemon threads: nothing to join
