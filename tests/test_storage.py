@@ -406,6 +406,38 @@ def test_two_servers_share_pages_through_one_mooncake_master(llama_dir, master):
         b.stop()
 
 
+def test_a_killed_replicas_objects_fail_fast_and_are_recomputed(llama_dir, master):
+    """SIGKILL of the server whose segment holds the objects: the master may still list them,
+    but the other server's reads fail within the store's timeout, and it recomputes."""
+    extra = master.extra(timeout_s=1.0)
+    flags = (
+        "--max-total-tokens", "4096", "--enable-hierarchical-cache",
+        "--hicache-storage-backend", "mooncake",
+        "--hicache-storage-backend-extra-config", json.dumps(extra),
+        "--hicache-storage-prefetch-policy", "wait_complete",
+    )  # fmt: skip
+    a, b = Server(llama_dir, *flags), Server(llama_dir, *flags)
+    try:
+        prompt = prompts(7, 1)[0]
+        body = dict(model=llama_dir.name, prompt=prompt, max_tokens=4, temperature=0)
+        ca = openai.OpenAI(base_url=f"{a.url}/v1", api_key="x", max_retries=0)
+        first = ca.completions.create(**body)
+        pages = (len(prompt) - 1) // PAGE
+        a.wait_for(lambda m: m["tierserve_storage_written_pages_total"] >= pages)
+        a.proc.kill()  # its engine core dies with it (a parent-death signal)
+        a.proc.wait(timeout=30)
+        cb = openai.OpenAI(base_url=f"{b.url}/v1", api_key="x", max_retries=0, timeout=60)
+        second = cb.completions.create(**body)
+        assert second.choices[0].text == first.choices[0].text
+        metrics = b.metrics()
+        assert metrics["tierserve_storage_hit_pages_total"] == 0
+        failed = ("errors", "timeouts", "miss_pages", "breaker_skips")
+        assert sum(metrics[f"tierserve_storage_{f}_total"] for f in failed) > 0, metrics
+    finally:
+        a.stop()
+        b.stop()
+
+
 def test_a_mooncake_outage_costs_hits_and_the_store_comes_back(llama_dir, master, reference):
     extra = master.extra(timeout_s=0.5, breaker_cooldown_s=0.3, breaker_failures=2)
     llm = storage_llm(llama_dir, "mooncake", extra)

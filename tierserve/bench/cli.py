@@ -197,6 +197,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--server-args", default="", help="more `tierserve serve` flags for every configuration"
     )
     cmp_p.add_argument(
+        "--store-extra-config",
+        default=None,
+        help="JSON of storage tier keys (docs/kv-cache.md) for replicas-...-store configurations, "
+        "beside the store's address, e.g. '{\"prefetch_threshold\": 16}'",
+    )
+    cmp_p.add_argument(
         "--repeats",
         type=int,
         default=1,
@@ -209,6 +215,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # --- building things from the flags -------------------------------------------------------
+
+
+def _store_extra(text: str | None) -> dict[str, Any]:
+    try:
+        extra = json.loads(text) if text else {}
+    except ValueError as err:
+        message = f"--store-extra-config is not JSON: {err}"
+        raise TierserveError(message, "store_extra_config") from None
+    if not isinstance(extra, dict):
+        raise TierserveError("--store-extra-config must be a JSON object", "store_extra_config")
+    return extra
 
 
 def _vocab_size(ns: argparse.Namespace) -> int:
@@ -381,7 +398,7 @@ def run(ns: argparse.Namespace) -> int:
     sizing = cmp.size_pools(
         workload, ns.page_size, ns.device_tokens, ns.device_fraction, ns.hicache_ratio
     )
-    configs = cmp.configurations(sizing, names)
+    configs = cmp.configurations(sizing, names, store_extra=_store_extra(ns.store_extra_config))
     meta = {
         "title": ns.title or f"{workload.kind}, {', '.join(names)}",
         "note": ns.note,

@@ -45,6 +45,7 @@ class ServerConfig:
     flags: list[str]
     description: str
     replicas: ReplicaLayout | None = None  # servers behind a router, not one server
+    store_extra: dict[str, Any] | None = None  # tier keys for a shared store (replicas)
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,11 @@ def size_pools(
     return Sizing(kv, small, ratio, limit, page_size)
 
 
-def configurations(sizing: Sizing, names: Sequence[str] = CONFIG_NAMES) -> list[ServerConfig]:
+def configurations(
+    sizing: Sizing,
+    names: Sequence[str] = CONFIG_NAMES,
+    store_extra: dict[str, Any] | None = None,
+) -> list[ServerConfig]:
     small = ["--max-total-tokens", str(sizing.device_tokens)]
     page = ["--page-size", str(sizing.page_size)]
     out = []
@@ -114,7 +119,7 @@ def configurations(sizing: Sizing, names: Sequence[str] = CONFIG_NAMES) -> list[
             out.append(ServerConfig(name, flags, "device pool big enough for everything"))
         elif (layout := ReplicaLayout.parse(name)) is not None:
             flags = ["--max-total-tokens", str(sizing.limit_tokens)] + page
-            out.append(ServerConfig(name, flags, layout.describe(), layout))
+            out.append(ServerConfig(name, flags, layout.describe(), layout, store_extra))
         else:
             known = ", ".join(CONFIG_NAMES)
             raise TierserveError(
@@ -161,17 +166,21 @@ def _run_config(
     repeats: int,
     warmup_requests: int,
     log: Any,
-) -> list[tuple[RunResult, dict[str, Any]]]:
+) -> tuple[list[tuple[RunResult, dict[str, Any]]], dict[str, Any] | None]:
+    """The measured repeats, and a shared store's fill pass (None without one)."""
     if cfg.replicas is None:
         with ServerProcess(model, flags, logs / f"{cfg.name}.log") as server:
-            return run_repeats(server.url, workload, opts, space, repeats, warmup_requests)
-    with ReplicaSet(model, cfg.replicas, flags, logs, cfg.name) as replicas:
+            reps = run_repeats(server.url, workload, opts, space, repeats, warmup_requests)
+            return reps, None
+    fill = None
+    with ReplicaSet(model, cfg.replicas, flags, logs, cfg.name, cfg.store_extra) as replicas:
         if cfg.replicas.shared_store:
             fill = summarize(run_load(replicas.url, workload, opts))
             log(f"[{cfg.name}] filling the store: hit rate {fill['hit_rate'] or 0:.1%}")
             if not replicas.drain_writes():
                 log(f"[{cfg.name}] the replicas' store writes did not drain in time")
-        return run_repeats(replicas.url, workload, opts, space, repeats, warmup_requests)
+        reps = run_repeats(replicas.url, workload, opts, space, repeats, warmup_requests)
+    return reps, fill
 
 
 def brief(summary: dict[str, Any]) -> dict[str, Any]:
@@ -208,8 +217,8 @@ def compare(
         flags = [*cfg.flags, *server_args]
         log(f"[{cfg.name}] starting: tierserve serve {' '.join(flags)}")
         start = time.monotonic()
-        reps = _run_config(model, cfg, flags, out / "logs", workload, opts, space, repeats,
-                           warmup_requests, log)  # fmt: skip
+        reps, fill = _run_config(model, cfg, flags, out / "logs", workload, opts, space,
+                                 repeats, warmup_requests, log)  # fmt: skip
         # the repeat of median request throughput (the lower one of an even count) stands for
         # the configuration; every repeat's headline numbers are kept beside it
         order = sorted(range(repeats), key=lambda i: reps[i][1]["request_throughput"])
@@ -223,6 +232,8 @@ def compare(
             "repeat_shown": mid,
             "repeats": [brief(s) for _, s in reps],
         }
+        if fill is not None:  # a shared store's first pass, while it filled
+            run["fill_pass"] = brief(fill)
         report.write_run_json(out / "runs" / f"{cfg.name}.json", run, result)
         for i, (res_i, sum_i) in enumerate(reps):
             if i != mid:

@@ -12,14 +12,16 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -131,7 +133,13 @@ class ReplicaSet:
     router's."""
 
     def __init__(
-        self, model: str, layout: ReplicaLayout, flags: Sequence[str], logs: Path, name: str
+        self,
+        model: str,
+        layout: ReplicaLayout,
+        flags: Sequence[str],
+        logs: Path,
+        name: str,
+        store_extra: Mapping[str, Any] | None = None,  # tier keys beside the store's address
     ) -> None:
         self.layout = layout
         self.master: MooncakeMaster | None = None
@@ -142,10 +150,12 @@ class ReplicaSet:
             if layout.shared_store:
                 self.master = MooncakeMaster()
                 flags += ["--enable-hierarchical-cache", "--hicache-storage-backend", "mooncake"]
-                flags += ["--hicache-storage-backend-extra-config", json.dumps(self.master.extra())]
+                extra = self.master.extra(**(store_extra or {}))
+                flags += ["--hicache-storage-backend-extra-config", json.dumps(extra)]
+            env = _cpu_share(layout.replicas)
             for i in range(layout.replicas):
                 log = logs / f"{name}.replica{i}.log"
-                self.servers.append(ServerProcess(model, flags, log))
+                self.servers.append(ServerProcess(model, flags, log, env=env))
             urls = [s.url for s in self.servers]
             self.router = Router(urls, layout.policy, logs / f"{name}.router.log")
         except BaseException:
@@ -175,6 +185,18 @@ class ReplicaSet:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _cpu_share(replicas: int) -> dict[str, str] | None:
+    """Without a GPU the replicas share this machine's cores: each gets its share of them as
+    torch's threads (unless OMP_NUM_THREADS says otherwise), as each would get its own device,
+    instead of every replica's threads contending for every core."""
+    import torch
+
+    if torch.cuda.is_available() or "OMP_NUM_THREADS" in os.environ:
+        return None
+    share = max(1, (os.cpu_count() or 1) // replicas)
+    return {**os.environ, "OMP_NUM_THREADS": str(share)}
 
 
 def _queued_writes(url: str) -> float:
