@@ -416,7 +416,7 @@ def test_a_killed_replicas_objects_fail_fast_and_are_recomputed(llama_dir, maste
         "--hicache-storage-backend-extra-config", json.dumps(extra),
         "--hicache-storage-prefetch-policy", "wait_complete",
     )  # fmt: skip
-    a, b = Server(llama_dir, *flags), Server(llama_dir, *flags)
+    a, b = Server(llama_dir, *flags), None
     try:
         prompt = prompts(7, 1)[0]
         body = dict(model=llama_dir.name, prompt=prompt, max_tokens=4, temperature=0)
@@ -424,6 +424,8 @@ def test_a_killed_replicas_objects_fail_fast_and_are_recomputed(llama_dir, maste
         first = ca.completions.create(**body)
         pages = (len(prompt) - 1) // PAGE
         a.wait_for(lambda m: m["tierserve_storage_written_pages_total"] >= pages)
+        # Started after A's writes, B's segment holds none of them: all are in A's.
+        b = Server(llama_dir, *flags)
         a.proc.kill()  # its engine core dies with it (a parent-death signal)
         a.proc.wait(timeout=30)
         cb = openai.OpenAI(base_url=f"{b.url}/v1", api_key="x", max_retries=0, timeout=60)
@@ -435,7 +437,8 @@ def test_a_killed_replicas_objects_fail_fast_and_are_recomputed(llama_dir, maste
         assert sum(metrics[f"tierserve_storage_{f}_total"] for f in failed) > 0, metrics
     finally:
         a.stop()
-        b.stop()
+        if b is not None:
+            b.stop()
 
 
 def test_a_mooncake_outage_costs_hits_and_the_store_comes_back(llama_dir, master, reference):
