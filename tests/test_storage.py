@@ -144,7 +144,9 @@ def test_a_server_restarted_on_the_same_directory_reports_cached_tokens(tmp_path
         "--hicache-storage-backend-extra-config", json.dumps({"path": str(tmp_path)}),
     )  # fmt: skip
     prompt = random_prompts(1, [600], seed=4)[0]
-    body = dict(model=model.name, prompt=prompt, max_tokens=4, temperature=0)
+    # One token: the request ends in its prefill step, so its copies to the host are still
+    # queued at SIGTERM; closing lands them and hands them to storage.
+    body = dict(model=model.name, prompt=prompt, max_tokens=1, temperature=0)
     first = Server(model, *flags)
     try:
         c = openai.OpenAI(base_url=f"{first.url}/v1", api_key="x", max_retries=0)

@@ -408,6 +408,7 @@ class Engine:
             if self.hidden_states is not None:
                 self.hidden_states.close(write_timeout_s)
             if self.storage is not None:
+                self._land_host_copies(tp=ranks is not None)
                 self.storage.flush_writes(write_timeout_s)
                 self.storage.close()
             if ranks is not None and ranks.leader:
@@ -418,6 +419,14 @@ class Engine:
             raise
         if ranks is not None:
             ranks.close()
+
+    def _land_host_copies(self, tp: bool) -> None:
+        """Copies to the host that the last steps queued, landed and handed to storage, so a
+        restarted server finds a request that finished in its final step. Not under TP on a
+        GPU, where landings are agreed between ranks that close one at a time."""
+        host = self.kv.host
+        if host is not None and not (tp and self.device.type == "cuda"):
+            host.drain()
 
     def flush_cache(self) -> dict[str, int | str]:
         """Pages dropped per tier (device, host) and what storage did (nothing); under DP
