@@ -5,13 +5,14 @@ greedy outputs equal TP 1 without any cache, with the file backend and a real Mo
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.conftest import eventually, make_checkpoint, random_prompts
+from tests.test_storage import PAGE
+from tests.test_storage import storage_llm as single_rank_storage_llm
 from tierserve import LLM, SamplingParams
 from tierserve.sizing.kv import KVSpec
 from tierserve.storage import MooncakeMaster
@@ -21,7 +22,6 @@ from tierserve.storage.prefetch import RankRoles
 
 CPU = dict(device="cpu")
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
-PAGE = 16
 
 
 def prompts(seed: int) -> list[list[int]]:
@@ -47,19 +47,9 @@ def reference(path: Path, seed: int) -> list[list[int]]:
 
 
 def storage_llm(path: Path, backend: str, extra: dict, tp: int, **kw) -> LLM:
-    args = dict(
-        **CPU,
-        tp_size=tp,
-        page_size=PAGE,
-        max_total_tokens=4096,
-        enable_hierarchical_cache=True,
-        hicache_storage_backend=backend,
-        hicache_storage_backend_extra_config=json.dumps(extra),
-        # Hits are asserted: a request waits for its whole prefetch, however fast this
-        # machine recomputes (auto's wait is a tiny model's recompute time).
-        hicache_storage_prefetch_policy="wait_complete",
-    )
-    return LLM(str(path), **{**args, **kw})
+    """test_storage's engine (a request waits for its whole prefetch: hits are asserted) on
+    `tp` ranks."""
+    return single_rank_storage_llm(path, backend, extra, tp_size=tp, **CPU, **kw)
 
 
 def stored_files(root: Path) -> int:

@@ -14,8 +14,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -26,7 +24,7 @@ from typing import Any
 import httpx
 
 from tierserve.bench.client import parse_prometheus
-from tierserve.bench.server_process import ServerProcess
+from tierserve.bench.server_process import LoggedProcess, ServerProcess
 from tierserve.errors import TierserveError
 from tierserve.net import free_port
 from tierserve.storage import MooncakeMaster
@@ -71,8 +69,10 @@ def router_binary() -> str:
     return found
 
 
-class Router:
+class Router(LoggedProcess):
     """`smg launch` in front of `workers`, ready once every worker is healthy in its registry."""
+
+    stop_timeout_s = 30.0
 
     def __init__(
         self,
@@ -87,10 +87,7 @@ class Router:
         cmd = [router_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port)]
         cmd += ["--worker-urls", *workers, "--policy", policy]
         cmd += ["--prometheus-port", str(free_port()), *flags]
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_path
-        self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
+        self._launch(cmd, log_path, None)
         try:
             self._wait_ready(len(workers), startup_timeout_s)
         except BaseException:
@@ -112,20 +109,6 @@ class Router:
                     return
             time.sleep(0.2)
         raise TierserveError(f"the router found no {count} healthy workers: {self.log_tail()}")
-
-    def log_tail(self, chars: int = 1500) -> str:
-        self._log.flush()
-        return self.log_path.read_bytes()[-chars:].decode(errors="replace")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
 
 class ReplicaSet:

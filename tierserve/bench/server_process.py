@@ -17,7 +17,35 @@ from tierserve.errors import TierserveError
 from tierserve.net import free_port
 
 
-class ServerProcess:
+class LoggedProcess:
+    """A subprocess writing to a log file; stopped with SIGTERM, killed if it lingers."""
+
+    stop_timeout_s = 60.0
+
+    def _launch(self, cmd: list[str], log_path: Path, env: Mapping[str, str] | None) -> None:
+        self.log_path = log_path
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = log_path.open("wb")
+        self.proc = subprocess.Popen(
+            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=None if env is None else dict(env)
+        )
+
+    def log_tail(self, chars: int = 1500) -> str:
+        self._log.flush()
+        return self.log_path.read_bytes()[-chars:].decode(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=self.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+class ServerProcess(LoggedProcess):
     """`tierserve serve` in a subprocess on a free port; stopped with SIGTERM."""
 
     def __init__(
@@ -30,13 +58,8 @@ class ServerProcess:
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = log_path
-        self.cmd = cmd = self.command(model, flags)
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = log_path.open("wb")
-        self.proc = subprocess.Popen(
-            cmd, stdout=self._log, stderr=subprocess.STDOUT, env=None if env is None else dict(env)
-        )
+        self.cmd = self.command(model, flags)
+        self._launch(self.cmd, log_path, env)
         try:
             self._wait_ready(startup_timeout_s)
         except BaseException:
@@ -64,19 +87,8 @@ class ServerProcess:
             time.sleep(0.3)
         raise TierserveError(f"server not ready after {timeout_s:.0f} s: {self.log_tail()}")
 
-    def log_tail(self, chars: int = 1500) -> str:
-        self._log.flush()
-        return self.log_path.read_bytes()[-chars:].decode(errors="replace")
-
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        super().stop()
         if self.log_path.exists() and self.log_path.stat().st_size == 0:
             self.log_path.unlink()  # --log-level warning: a quiet server leaves no log
 
