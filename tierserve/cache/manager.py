@@ -79,7 +79,7 @@ class KVCacheManager:
         if self.host is not None:
             self.host.poll()
         if self.storage is not None:
-            for pf, start, payloads in self.storage.take_fetched():
+            for pf, start, payloads in self.storage.reads.take():
                 self._place_fetched(pf.tokens, pf.first_page + start, payloads)
 
     def issue(self) -> None:
@@ -123,12 +123,12 @@ class KVCacheManager:
         if h.node is not None and h.node is not radix.root and h.node.host_pages is None:
             return False  # a device-only prefix: host copies must form a prefix of the tree
         last = radix.page_keys(h.node, storage.namespace.chain) if h.node else []
-        pf = storage.prefetch(tokens[:whole], have // ps, last[-1] if last else None)
+        pf = storage.reads.start(tokens[:whole], have // ps, last[-1] if last else None)
         if pf is None:
             return False
-        if storage.should_wait(pf, busy):
+        if storage.reads.should_wait(pf, busy):
             return True
-        storage.end(pf)
+        storage.reads.end(pf)
         return False
 
     def _place_fetched(

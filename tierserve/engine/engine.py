@@ -321,7 +321,7 @@ class Engine:
             if self.storage is not None and self.scheduler.waited_for_storage:
                 # Every admissible request waits for a storage prefetch: let the fetchers run
                 # rather than spin.
-                self.storage.wait_for_fetches(0.01)
+                self.storage.reads.wait(0.01)
                 return []
             if self.scheduler.waiting and not self.scheduler.running:
                 # Admission with nothing running always fits (requests are checked against the

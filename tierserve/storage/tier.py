@@ -19,7 +19,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +28,7 @@ from tierserve.storage.backend import EXTRA_FIELD, StorageBackend
 from tierserve.storage.client import GuardedStore, StorageStats, StorageUnavailable
 from tierserve.storage.keys import Namespace
 from tierserve.storage.objects import pack
-from tierserve.storage.prefetch import FETCH_AHEAD, FETCHERS, Prefetch, Prefetcher, RankRoles
+from tierserve.storage.prefetch import FETCH_AHEAD, FETCHERS, Prefetcher, RankRoles
 from tierserve.storage.prefetch_policy import DEFAULT_POLICY, PREFETCH_POLICIES, PrefetchRates
 from tierserve.storage.registry import make_backend
 
@@ -199,25 +199,6 @@ class StorageTier:
         while self._writes.unfinished_tasks and time.monotonic() < end:
             time.sleep(0.01)
         return not self._writes.unfinished_tasks
-
-    # --- reads (prefetch.py) ----------------------------------------------------------------
-
-    def prefetch(
-        self, tokens: Sequence[int], first_page: int, parent_key: str | None
-    ) -> Prefetch | None:
-        return self.reads.start(tokens, first_page, parent_key)
-
-    def should_wait(self, pf: Prefetch, busy: bool) -> bool:
-        return self.reads.should_wait(pf, busy)
-
-    def end(self, pf: Prefetch) -> None:
-        self.reads.end(pf)
-
-    def take_fetched(self) -> list[tuple[Prefetch, int, list[bytes | None]]]:
-        return self.reads.take()
-
-    def wait_for_fetches(self, timeout_s: float) -> None:
-        self.reads.wait(timeout_s)
 
     def close(self) -> None:
         self.reads.close()
