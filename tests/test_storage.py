@@ -5,10 +5,12 @@ correctness or liveness; the auto prefetch policy waits when reading beats recom
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -199,18 +201,36 @@ def test_auto_waits_for_a_lone_request_when_reading_beats_recomputing(
         assert out.cached_tokens == 0  # admitted at once, as best_effort would
 
 
+OPEN = threading.Event()  # GatedFileBackend's lookups wait for it
+
+
+@register("gated-file")
+class GatedFileBackend(FileBackend):
+    """The file backend whose lookups answer only once the test opens `OPEN`."""
+
+    def exists(self, keys):
+        OPEN.wait(60)
+        return super().exists(keys)
+
+
 def test_auto_never_waits_longer_than_recomputing_would_take(llama_dir, tmp_path, reference):
-    """A store that answers in 2 s, a recompute estimate of 0.1 s: the request waits out the
-    estimate (not less) and goes ahead without the pages."""
+    """A store that cannot answer before the request has finished, a recompute estimate of
+    0.1 s: the request waits out the estimate (not less) and goes ahead without the pages."""
     stored(llama_dir, tmp_path, 1)
     prompt = prompts(1)[0]
-    recompute_rate = len(prompt) / 0.1
-    extra = {"path": str(tmp_path), "delay_s": 2.0, "prefetch_read_bytes_per_s": 1e12}
-    extra["prefetch_recompute_tokens_per_s"] = recompute_rate
-    reader = storage_llm(llama_dir, "slow-file", extra, hicache_storage_prefetch_policy="auto")
-    start = time.monotonic()
-    (out,) = reader.generate([prompt], GREEDY)
-    assert time.monotonic() - start >= 0.1  # it waited for the estimate's length
+    extra = {"path": str(tmp_path), "timeout_s": 60, "prefetch_read_bytes_per_s": 1e12}
+    extra["prefetch_recompute_tokens_per_s"] = len(prompt) / 0.1
+    reader = storage_llm(llama_dir, "gated-file", extra, hicache_storage_prefetch_policy="auto")
+    OPEN.clear()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            start = time.monotonic()
+            # The bound only caps a hang: the store stays shut until the request is done.
+            (out,) = pool.submit(reader.generate, [prompt], GREEDY).result(timeout=60)
+            waited = time.monotonic() - start
+    finally:
+        OPEN.set()
+    assert waited >= 0.1  # it waited for the estimate's length
     assert out.token_ids == reference[1][0] and out.cached_tokens == 0
 
 

@@ -109,7 +109,9 @@ def test_tp2_with_mooncake_survives_its_master_dying(models, master):
     reads back its own, then loses the master mid-run."""
     path = models["llama"]
     want = {s: reference(path, s) for s in (3, 4)}
-    quick = master.extra(timeout_s=0.5, breaker_cooldown_s=0.5)  # a dead master fails fast
+    # The default call timeout (2 s) for a live master; a short cooldown, so the breaker
+    # lets calls test the dead one again soon.
+    quick = master.extra(breaker_cooldown_s=0.5)
     with storage_llm(path, "mooncake", quick, tp=2) as llm:
         assert [o.token_ids for o in llm.generate(prompts(3), GREEDY)] == want[3]
         assert every_rank_stored(llm, master.extra(), prompts(3))
