@@ -147,6 +147,34 @@ def test_decode_workspace_stays_within_twice_the_live_kv(checkpoints):
 
 
 @pytest.mark.parametrize("family", ["llama", "deepseek-v3"])
+def test_decode_bands_attend_each_row_over_its_own_length(checkpoints, family):
+    """Rows of one workspace group with lengths far apart are attended in several bands, each
+    over its longest row's context only (GQA through SDPA, MLA in the latent space); the
+    outputs are transformers'."""
+    path = checkpoints[family]
+    prompts = random_prompts(4, [200, 160, 120, 100], seed=14)
+    llm = LLM(str(path), page_size=16, max_total_tokens=4096)
+    ws = llm.engine.runner.attn.workspace
+    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    for p in prompts:
+        llm.engine.add_request(p, params)
+    outs: dict[str, list[int]] = {}
+    banded = []
+    while llm.engine.has_unfinished():
+        for o in llm.engine.step():
+            outs.setdefault(o.request_id, []).append(o.token_id)
+        banded += [len(g.bands) for g in ws.groups if len(g.lens) == len(prompts)]
+        for g in ws.groups:  # every row is in one band, which reaches its whole context
+            (a0, *_), (*_, b_end, _) = g.bands[0], g.bands[-1]
+            assert (a0, b_end) == (0, len(g.lens))
+            for a, b, n in g.bands:
+                assert int(g.lens[a:b].max()) == n
+    assert banded and min(banded) > 1  # one group of four rows, several bands
+    got = [outs[f"req-{i}"] for i in range(len(prompts))]
+    assert got == hf_greedy(path, prompts, 10)
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek-v3"])
 def test_fp8_block_scaled_checkpoints_load_dequantized_and_mtp_is_skipped(
     checkpoints, tmp_path, family
 ):

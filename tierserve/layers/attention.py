@@ -114,11 +114,15 @@ class TorchAttention(AttentionBackend):
         latent = self.pool.as_stored(latent)
         out = q_nope.new_empty(*q_nope.shape[:2], mla.cfg.v_head_dim)
         for g in self.workspace.groups if self.num_decode else ():
-            rows = slice(0, self.num_decode) if g.rows is None else g.rows
             # The absorbed form: the group's cached latents [B, capacity, dim] as they are.
-            context = self.workspace.context(g, layer, latent[rows].unsqueeze(1))[0, 0]
-            q = q_nope[rows].unsqueeze(1), q_rope[rows].unsqueeze(1)  # one query per row
-            out[rows] = mla.attend_absorbed(*q, context, g.bias == 0).squeeze(1)
+            context = self.workspace.context(g, layer, latent[g.rows].unsqueeze(1))[0, 0]
+            qn, qr = q_nope[g.rows].unsqueeze(1), q_rope[g.rows].unsqueeze(1)  # a query per row
+            visible = g.bias == 0
+            bands = [
+                mla.attend_absorbed(qn[a:b], qr[a:b], context[a:b, :n], visible[a:b, :, :n])
+                for a, b, n in g.bands
+            ]
+            out[g.rows] = torch.cat(bands).squeeze(1)
         for span, mask in zip(self.extend, self.extend_masks, strict=True):
             rows = slice(span.q_start, span.q_start + span.q_len)
             context = latent[rows]
@@ -130,11 +134,8 @@ class TorchAttention(AttentionBackend):
     def _decode(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
     ) -> torch.Tensor:
-        groups = self.workspace.groups
-        if len(groups) == 1:
-            return self._decode_group(groups[0], layer, q, k, v, window)
         out = torch.empty_like(q)
-        for g in groups:
+        for g in self.workspace.groups:
             rows = g.rows
             out[rows] = self._decode_group(g, layer, q[rows], k[rows], v[rows], window)
         return out
@@ -148,15 +149,21 @@ class TorchAttention(AttentionBackend):
         v: torch.Tensor,
         window: int | None,
     ) -> torch.Tensor:
-        """One query per sequence: the G query heads that share a KV head form one matmul
-        against it, so K/V are never repeated per query head."""
+        """One query per sequence: the G query heads that share a KV head are G queries of one
+        attention over it, so K/V are never repeated per query head. One fused SDPA call per
+        band, which never writes the scores out."""
         kc, vc = self.workspace.context(g, layer, k, v)  # [kv_heads, B, L, dim] each
         b, heads, dim = q.shape
-        kv_heads = kc.shape[0]
-        qg = (q * dim**-0.5).view(b, kv_heads, heads // kv_heads, dim).transpose(0, 1)
-        scores = (qg @ kc.transpose(-1, -2)).add_(g.bias_for(window))  # [kv_heads, B, G, L]
-        out = scores.softmax(-1).to(vc.dtype) @ vc  # [kv_heads, B, G, dim]
-        return out.transpose(0, 1).reshape(b, heads, dim)
+        qg = q.view(b, kc.shape[0], heads // kc.shape[0], dim)  # [B, kv_heads, G, dim]
+        kc, vc = kc.transpose(0, 1), vc.transpose(0, 1)
+        bias = g.bias_for(window)[:, None]  # [B, 1, 1, L]: the same for every head and query
+        bands = [
+            F.scaled_dot_product_attention(
+                qg[a:b], kc[a:b, :, :n], vc[a:b, :, :n], bias[a:b, ..., :n]
+            )
+            for a, b, n in g.bands
+        ]
+        return torch.cat(bands).reshape(b, heads, dim)
 
     def _extend(
         self,

@@ -15,7 +15,8 @@ class _Group:
     """Decode rows padded to one capacity; their context lives in `kv`, one
     [parts, heads, B, cap, dim] tensor per layer (K and V, or the MLA latent)."""
 
-    rows: torch.Tensor | None  # indices into the decode rows; None = all of them, in order
+    row_ids: list[int]  # indices into the decode rows, longest first
+    rows: torch.Tensor  # the same, on the device
     capacity: int
     pages: torch.Tensor  # [B, capacity / page_size] page table; padding reads page 0
     lens: torch.Tensor
@@ -25,6 +26,9 @@ class _Group:
     appending: bool = False
     # This step's bias for each sliding window, built by the first layer with that window.
     window_bias: dict[int, torch.Tensor] = field(default_factory=dict)
+    # (first row, end row, context length): row ranges attended over their own longest
+    # context only. Attention on CPU is bound by the bytes it reads, so padding costs time.
+    bands: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def tokens(self) -> int:
@@ -57,10 +61,17 @@ class DecodeWorkspace:
     length). So the workspace never holds more than `MAX_PADDING` × the batch's live KV, and
     the start-up plan counts it as that × the device pool (CPU only: on a GPU nothing is kept
     between steps).
+
+    Padding is memory, not time: a group's rows are kept longest first and attended in bands
+    of similar lengths, each over its own longest context (`_Group.bands`).
     """
 
     MAX_PADDING = 2
     MIN_ROOM = 64
+    # A band's shortest row is at least 7/8 of its longest; a group has at most MAX_BANDS, as
+    # each is one more attention call per layer.
+    BAND_SPREAD = 7 / 8
+    MAX_BANDS = 8
 
     def __init__(self, pool: PagedKV, num_layers: int) -> None:
         self.pool = pool
@@ -75,7 +86,7 @@ class DecodeWorkspace:
         lens = torch.tensor([s.kv_len for s in spans], device=device)
         if self.persist and key == self.key:
             for g in self.groups:
-                g.lens = lens if g.rows is None else lens[g.rows]
+                g.lens = lens[g.rows]
                 g.appending = int(g.lens.max()) <= g.capacity
                 if not g.appending:
                     self._reset_group(g, spans)
@@ -85,6 +96,7 @@ class DecodeWorkspace:
             self.groups = self._group(spans, lens)
         self.key = key
         for g in self.groups:
+            g.bands = self._bands([spans[i].kv_len for i in g.row_ids])
             g.arange = torch.arange(len(g.lens), device=device)
             pad = torch.arange(g.capacity, device=device)[None, :] >= g.lens[:, None]
             g.bias = torch.zeros(pad.shape, device=device).masked_fill_(pad, float("-inf"))[:, None]
@@ -112,16 +124,26 @@ class DecodeWorkspace:
             groups.append([i])
             capacities.append(self._capacity(spans[i].kv_len))
             live = pool_tokens
-        if len(groups) == 1:
-            groups[0] = list(range(len(spans)))  # batch order: no row shuffling needed
         out = []
         for rows, cap in zip(groups, capacities, strict=True):
-            whole = len(groups) == 1
-            index = None if whole else torch.tensor(rows, device=lens.device)
-            g = _Group(index, cap, torch.empty(0), lens if whole else lens[index])
+            index = torch.tensor(rows, device=lens.device)
+            g = _Group(rows, index, cap, torch.empty(0), lens[index])
             self._reset_group(g, spans, cap)
             out.append(g)
         return out
+
+    def _bands(self, lengths: list[int]) -> list[tuple[int, int, int]]:
+        """Split a group's rows (longest first) where a row falls below BAND_SPREAD x its
+        band's longest, so each band reads little padding."""
+        bands: list[tuple[int, int, int]] = []
+        start, longest = 0, lengths[0]
+        for i, n in enumerate(lengths[1:], 1):
+            if n < self.BAND_SPREAD * longest and len(bands) < self.MAX_BANDS - 1:
+                bands.append((start, i, longest))
+                start, longest = i, n
+            longest = max(longest, n)
+        bands.append((start, len(lengths), longest))
+        return bands
 
     def _capacity(self, length: int) -> int:
         ps = self.pool.page_size
@@ -131,9 +153,8 @@ class DecodeWorkspace:
         return -(-(length + room) // ps) * ps
 
     def _reset_group(self, g: _Group, spans: list[SeqSpan], capacity: int | None = None) -> None:
-        rows = range(len(spans)) if g.rows is None else g.rows.tolist()
         g.capacity = capacity or self._capacity(int(g.lens.max()))
-        g.pages = _page_table([spans[i] for i in rows], g.capacity // self.pool.page_size)
+        g.pages = _page_table([spans[i] for i in g.row_ids], g.capacity // self.pool.page_size)
         g.pages = g.pages.to(g.lens.device)
         g.kv = [None] * self.num_layers
         g.appending = False
