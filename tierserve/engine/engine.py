@@ -17,19 +17,12 @@ import msgspec
 import torch
 
 from tierserve.args import EngineArgs
-from tierserve.cache import (
-    HostShare,
-    HostTier,
-    KVCacheManager,
-    PagedKV,
-    TransferFactory,
-    default_transfer,
-    open_share,
-)
+from tierserve.cache import KVCacheManager, PagedKV, TransferFactory, default_transfer
 from tierserve.distributed import Ranks
 from tierserve.engine.dp_groups import AttentionGroups
-from tierserve.engine.hidden_states import HiddenStatesWriter, parse_layers
-from tierserve.engine.kv_plan import KVPlan, startup_table
+from tierserve.engine.hidden_states import HiddenStateCapture
+from tierserve.engine.kv_plan import startup_table
+from tierserve.engine.kv_tiers import host_tier, storage_tier
 from tierserve.engine.prepare import RequestPreparer
 from tierserve.engine.request import Request
 from tierserve.engine.runner import ChunkResult, ModelRunner
@@ -48,10 +41,9 @@ from tierserve.messages import (
     encode,
 )
 from tierserve.model_config import ModelConfig
-from tierserve.models import load_model, model_fingerprint
+from tierserve.models import load_model
 from tierserve.outputs import StepOutput, TokenLogprob
 from tierserve.sampling_params import SamplingParams
-from tierserve.storage import Namespace, PrefetchRates, RankRoles, StorageTier, shard_of
 
 logger = logging.getLogger("tierserve")
 
@@ -93,21 +85,22 @@ class Engine:
             if self.tokenizer.eos_token_id is not None:
                 self.eos_token_ids.add(self.tokenizer.eos_token_id)
             # Before the weights: a store that cannot be reached refuses the start at no cost.
-            self.storage = self._storage_tier(startup) if startup.storage else None
+            self.storage = storage_tier(startup, args, self.ranks) if startup.storage else None
             model = load_model(startup.model_path, cfg, self.dtype, self.device)
             pages = plan.device_tokens // plan.spec.page_size
             pool = PagedKV(plan.spec, pages, self.device, compute_dtype=self.dtype)
-            host = self._host_tier(pool, plan, transfer) if plan.host else None
+            host = None
+            if plan.host is not None:
+                host = host_tier(pool, plan, args, self.ranks, transfer, self.storage)
             self.kv = KVCacheManager(pool, not args.disable_radix_cache, host)
             # Under DP attention the running cap is the node's, split among the groups (SGLang).
             running = args.max_running_requests // args.dp_groups
             sched_cfg = SchedulerConfig(running, args.chunked_prefill_size, self.context_length)
             self.scheduler = Scheduler(sched_cfg, self.kv)
             attn = ATTENTION_BACKENDS[args.attention_backend](pool, cfg.num_layers)
-            self.hidden_states = self._hidden_states_writer()
-            capture = parse_layers(args.hidden_states_layers, cfg.num_layers)
-            capture = capture if args.hidden_states_dir else ()
-            self.runner = ModelRunner(model, attn, args.page_size, self.device, capture)
+            writes = self.ranks is None or self.ranks.group_leader
+            self.capture = HiddenStateCapture.of(args, cfg, self.dtype, writes)
+            self.runner = ModelRunner(model, attn, args.page_size, self.device, self.capture.layers)
             self._requests: dict[str, Request] = {}
             self._default_generator = torch.Generator().manual_seed(args.seed)
             # Data-parallel attention: this rank's attention group; rank 0 places requests
@@ -129,7 +122,7 @@ class Engine:
                 num_pages=self.kv.num_pages,
                 page_size=self.kv.page_size,
                 hidden_states_dir=args.hidden_states_dir,
-                hidden_state_bytes_per_token=_hidden_bytes(capture, cfg.hidden_size, self.dtype),
+                hidden_state_bytes_per_token=self.capture.bytes_per_token,
             )
             self.preparer = RequestPreparer(self.info, self.tokenizer)
             self.grammars = self.preparer.grammars
@@ -142,69 +135,9 @@ class Engine:
                 self.ranks.kill()
             raise
 
-    def _hidden_states_writer(self) -> HiddenStatesWriter | None:
-        """The writer of captured hidden states: on the first rank of each attention group
-        (every rank of a group holds the same states)."""
-        if self.args.hidden_states_dir is None:
-            return None
-        if self.ranks is not None and not self.ranks.group_leader:
-            return None
-        return HiddenStatesWriter(self.args.hidden_states_dir)
-
     @staticmethod
     def vocab_size_of(model_path: str) -> int:
         return ModelConfig.from_dir(model_path).vocab_size
-
-    def _host_tier(self, pool: PagedKV, plan: KVPlan, transfer: TransferFactory) -> HostTier:
-        pages = plan.host.tokens_per_rank // plan.spec.page_size
-        share = self._host_share(plan, pages)
-        host_pool = PagedKV(
-            plan.spec,
-            pages,
-            torch.device("cpu"),
-            host_tier=True,
-            pin_memory=self.device.type == "cuda",
-            buffer=share.buffer() if share is not None else None,
-        )
-        backend = transfer(pool, host_pool)
-        if self.ranks is not None:
-            backend.writes_host = share is None or share.writer
-            if self.device.type == "cuda":  # copies land at times that differ between ranks
-                backend.agree = self.ranks.bus.all_true
-        policy = self.args.hicache_write_policy
-        return HostTier(host_pool, policy, backend, storage=self.storage, share=share)
-
-    def _host_share(self, plan: KVPlan, pages: int) -> HostShare | None:
-        """The node's one copy of KV that this rank's group of ranks holds identically."""
-        if self.ranks is None or plan.host is None or plan.host.sharing == 1:
-            return None
-        rank, bus = self.ranks.rank, self.ranks.bus
-        group, writer = plan.spec.share_group(rank, self.args.local_ranks)
-        name = f"tierserve-{self.ranks.session}-{group}"
-        nbytes = pages * plan.spec.bytes_per_page
-        return open_share(name, nbytes, rank == writer, bus.group_barrier)
-
-    def _storage_tier(self, startup: Startup) -> StorageTier:
-        assert startup.storage is not None
-        cfg, plan = startup.storage, startup.plan
-        rank = self.ranks.rank if self.ranks is not None else 0
-        attention_rank = rank % self.args.attention_tp_size
-        fingerprint = model_fingerprint(startup.model_path, cfg.namespace)
-        namespace = Namespace(fingerprint, plan.spec, shard_of(plan.spec, attention_rank))
-        rates = PrefetchRates.make(
-            cfg.prefetch_read_bytes_per_s,
-            cfg.prefetch_recompute_tokens_per_s,
-            startup.flops_per_token,
-            startup.device.type,
-        )
-        return StorageTier(cfg, namespace, rates, self._storage_roles(plan, rank))
-
-    def _storage_roles(self, plan: KVPlan, rank: int) -> RankRoles:
-        if self.ranks is None:
-            return RankRoles()
-        sharing = plan.host.sharing if plan.host is not None else 1
-        tp, local = self.args.attention_tp_size, self.args.local_ranks
-        return RankRoles.of(plan.spec, rank, tp, local, sharing, self.ranks.bus.all_min)
 
     # --- requests --------------------------------------------------------------------------
 
@@ -341,7 +274,7 @@ class Engine:
         self.scheduler.record_computed(req, chunk.num_tokens)
         req.prompt_logprobs += result.prompt_logprobs
         if result.hidden is not None:
-            self._keep_hidden(req, result.hidden)
+            self.capture.keep(req, result.hidden)
         if chunk.num_tokens > 1:  # share the prompt with requests that arrive meanwhile
             self.kv.cache_prefix(req.kv, req.all_ids)
         token = result.token
@@ -366,19 +299,6 @@ class Engine:
             prompt_logprobs=self._prompt_logprobs(req),
             hidden_states_path=req.hidden_states_path if len(req.output_ids) == 1 else None,
         )
-
-    def _keep_hidden(self, req: Request, rows: torch.Tensor) -> None:
-        """Captured rows of the prompt; once all are in, the file is queued for writing. Every
-        rank counts them (its scheduler's cache matches depend on it); only the writer keeps
-        them."""
-        req.num_captured += len(rows)
-        writer = self.hidden_states
-        if writer is None:
-            return
-        req.hidden.append(rows)
-        if req.num_captured == len(req.prompt_ids):
-            hidden, req.hidden = torch.cat(req.hidden), []
-            req.hidden_states_path = writer.submit(req.rid, req.prompt_ids, hidden)
 
     @staticmethod
     def _prompt_logprobs(req: Request) -> tuple[TokenLogprob, ...] | None:
@@ -405,8 +325,7 @@ class Engine:
         self._closed = True
         ranks, self.ranks = self.ranks, None
         try:
-            if self.hidden_states is not None:
-                self.hidden_states.close(write_timeout_s)
+            self.capture.close(write_timeout_s)
             if self.storage is not None:
                 self._land_host_copies(tp=ranks is not None)
                 self.storage.flush_writes(write_timeout_s)
@@ -501,8 +420,3 @@ class Engine:
                 if dp:
                     self._collect(outputs, self._scheduled)
         self.close()
-
-
-def _hidden_bytes(capture: tuple[int, ...], hidden_size: int, dtype: torch.dtype) -> int:
-    """Bytes a captured prompt token takes on disk: its id and its layers' states."""
-    return 8 + (len(capture) + 1) * hidden_size * dtype.itemsize if capture else 0

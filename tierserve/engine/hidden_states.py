@@ -25,10 +25,16 @@ import queue
 import re
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from tierserve.errors import TierserveError
+
+if TYPE_CHECKING:
+    from tierserve.args import EngineArgs
+    from tierserve.engine.request import Request
+    from tierserve.model_config import ModelConfig
 
 logger = logging.getLogger("tierserve")
 
@@ -113,3 +119,43 @@ class HiddenStatesWriter:
                     leftover.unlink(missing_ok=True)
             finally:
                 lock.close()  # releases the flock: the reader may go on
+
+
+class HiddenStateCapture:
+    """What the engine captures of prompts: the layer ids the runner keeps, and each request's
+    rows until its prompt is whole, then queued as one file. Every rank counts the rows (its
+    scheduler's cache matches depend on them); only a rank with a writer keeps them."""
+
+    def __init__(self, layers: tuple[int, ...], hidden_size: int, dtype: torch.dtype) -> None:
+        self.layers = layers
+        # On disk per prompt token: its id and its layers' states (with the final norm's input).
+        self.bytes_per_token = 8 + (len(layers) + 1) * hidden_size * dtype.itemsize if layers else 0
+        self.writer: HiddenStatesWriter | None = None
+
+    @classmethod
+    def of(
+        cls, args: EngineArgs, cfg: ModelConfig, dtype: torch.dtype, writes: bool
+    ) -> HiddenStateCapture:
+        """What `--hidden-states-dir` and `--hidden-states-layers` ask for; `writes`: this rank
+        writes the files (the first of its attention group, whose ranks hold the same states)."""
+        layers = parse_layers(args.hidden_states_layers, cfg.num_layers)  # checked even unused
+        if args.hidden_states_dir is None:
+            return cls((), cfg.hidden_size, dtype)
+        capture = cls(layers, cfg.hidden_size, dtype)
+        if writes:
+            capture.writer = HiddenStatesWriter(args.hidden_states_dir)
+        return capture
+
+    def keep(self, req: Request, rows: torch.Tensor) -> None:
+        """Rows of `req`'s prompt as the runner captured them; the last ones queue its file."""
+        req.num_captured += len(rows)
+        if self.writer is None:
+            return
+        req.hidden.append(rows)
+        if req.num_captured == len(req.prompt_ids):
+            hidden, req.hidden = torch.cat(req.hidden), []
+            req.hidden_states_path = self.writer.submit(req.rid, req.prompt_ids, hidden)
+
+    def close(self, timeout_s: float) -> None:
+        if self.writer is not None:
+            self.writer.close(timeout_s)

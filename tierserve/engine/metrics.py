@@ -58,7 +58,7 @@ def engine_metrics(engine: Engine) -> list[MetricFamily]:
     families += _memory(engine)
     if engine.groups is not None:
         families += _groups(engine.groups)
-    writer = engine.hidden_states
+    writer = engine.capture.writer
     if writer is not None:
         outcomes = {"written": writer.written, "failed": writer.failed}
         doc = "hidden-state files by outcome"
