@@ -11,7 +11,7 @@ EXPORTS = {
     "shard_of": "keys",
     "PrefetchRates": "prefetch_policy",
     "RankRoles": "prefetch",
-    "StorageConfig": "tier",
+    "StorageConfig": "config",
     "StorageTier": "tier",
     "backend_class": "registry",
 }

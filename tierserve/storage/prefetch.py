@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from tierserve.sizing import KVSpec
 from tierserve.storage.backend import StorageBackend
 from tierserve.storage.client import GuardedStore, StorageStats, StorageUnavailable
+from tierserve.storage.config import FETCH_AHEAD, FETCHERS, StorageConfig
 from tierserve.storage.keys import Namespace
 from tierserve.storage.objects import unpack
 from tierserve.storage.prefetch_policy import PrefetchRates, should_wait
@@ -34,8 +35,6 @@ from tierserve.storage.prefetch_policy import PrefetchRates, should_wait
 logger = logging.getLogger("tierserve")
 
 MAX_STOPPED = 1024  # pages where prefetches stopped, remembered for miss_ttl_s
-FETCHERS = 2  # prefetches that run at once
-FETCH_AHEAD = 2  # batches a prefetch fetches before the engine has placed the earlier ones
 NEVER = 2**62  # what a rank contributes to a MIN it has no say in
 
 
@@ -90,22 +89,19 @@ class Prefetch:
 class Prefetcher:
     def __init__(
         self,
-        policy: str,
+        cfg: StorageConfig,
         namespace: Namespace,
         store: GuardedStore,
         backend: StorageBackend,
         stats: StorageStats,
         rates: PrefetchRates,
         roles: RankRoles,
-        limits: Callable[[int], float],  # timeout policy: seconds waited for so many tokens
-        threshold: int,
-        batch_pages: int,
-        miss_ttl_s: float,
     ) -> None:
-        self.policy, self.namespace, self.spec = policy, namespace, namespace.spec
+        self.cfg, self.policy = cfg, cfg.prefetch_policy
+        self.namespace, self.spec = namespace, namespace.spec
         self.store, self.backend, self.stats, self.rates = store, backend, stats, rates
-        self.roles, self.limits = roles, limits
-        self.threshold, self.batch_pages, self.miss_ttl_s = threshold, batch_pages, miss_ttl_s
+        self.roles = roles
+        self.threshold, self.batch_pages = cfg.prefetch_threshold, cfg.batch_pages
         # Prefetches not ended, by every key they cover: a request whose missing part starts
         # anywhere in one joins it instead of fetching the same pages again.
         self.by_key: dict[str, Prefetch] = {}
@@ -151,7 +147,7 @@ class Prefetcher:
     def _wait_limit(self, keys: list[str]) -> float:
         tokens = len(keys) * self.spec.page_size
         if self.policy != "auto":
-            return self.limits(tokens)
+            return self.cfg.wait_limit(tokens)
         limit = self.rates.wait_limit(tokens, len(keys) * self.spec.bytes_per_page)
         if self.roles.all_min is None:
             return limit
@@ -177,7 +173,7 @@ class Prefetcher:
         if self.roles.leads:
             expired = [int(pf.expired or now >= pf.deadline) for pf in running]
             with self._lock:
-                stale = [sum(now - at >= self.miss_ttl_s for at in self.stops.values())]
+                stale = [sum(now - at >= self.cfg.miss_ttl_s for at in self.stops.values())]
         else:
             expired, stale = [NEVER] * len(running), [NEVER]
         agreed = ready + done + expired + stale
