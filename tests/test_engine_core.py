@@ -156,16 +156,24 @@ def test_a_core_that_fails_answers_503_and_the_server_exits_1(llama_dir, tmp_pat
     assert "engine loop failed" in server.log_path.read_text()
 
 
-def test_a_refused_start_exits_2_and_leaves_no_core(llama_dir):
-    """The core refuses the flags (a pool too small for one page of context) and says why; the
-    server exits 2 before listening, and waits for its core first."""
-    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(llama_dir)]
-    proc = subprocess.Popen(
-        cmd + ["--max-total-tokens", "8", "--port", "1"], stderr=subprocess.PIPE, text=True
-    )
+@pytest.mark.parametrize("case", ["tiny-pool", "no-model", "no-tokenizer"])
+def test_a_refused_start_exits_2_and_leaves_no_core(llama_dir, tmp_path, case):
+    """The core refuses the flags and says why; the server exits 2 before listening, and waits
+    for its core first. The API process loads its tokenizer while the core starts, yet the
+    core's verdict is the one reported (a missing model is not a tokenizer error), and a
+    checkpoint without tokenizer files is one line naming --tokenizer."""
+    model, flags, says = llama_dir, ["--max-total-tokens", "8"], "max_total_tokens"
+    if case == "no-model":
+        model, flags, says = tmp_path / "absent", [], "model directory not found"
+    elif case == "no-tokenizer":
+        for name in ("config.json", "model.safetensors"):
+            (tmp_path / name).write_bytes((llama_dir / name).read_bytes())
+        model, flags, says = tmp_path, [], "--tokenizer"
+    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(model), *flags]
+    proc = subprocess.Popen(cmd + ["--port", "1"], stderr=subprocess.PIPE, text=True)
     _, stderr = proc.communicate(timeout=180)
     assert proc.returncode == 2, stderr
-    assert "Traceback" not in stderr and "max_total_tokens" in stderr, stderr
+    assert "Traceback" not in stderr and says in stderr.strip().splitlines()[-1], stderr
     assert not [p for p in psutil.process_iter() if _core_of(p, proc.pid)]
 
 

@@ -11,6 +11,7 @@ its own queue, so a slow client never stalls the others. Why a process: docs/ser
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import threading
@@ -20,7 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from tierserve.args import EngineArgs
+from tierserve.args import EngineArgs, default_model
 from tierserve.engine import OutputBuilder, RequestPreparer, load_tokenizer
 from tierserve.errors import TierserveError
 from tierserve.messages import (
@@ -38,7 +39,8 @@ from tierserve.messages import (
 from tierserve.outputs import RequestOutput, StepOutput
 from tierserve.sampling_params import SamplingParams
 from tierserve.server.core_client import CoreClient
-from tierserve.server.grammar_pool import DEFAULT_COMPILE_TIMEOUT_S, GrammarCompilePool
+from tierserve.server.grammar_pool import GrammarCompilePool
+from tierserve.server.grammar_worker import DEFAULT_COMPILE_TIMEOUT_S
 from tierserve.server.watchdog import StepWatchdog
 
 logger = logging.getLogger("tierserve")
@@ -95,12 +97,19 @@ class AsyncEngine:
         self.error: BaseException | None = None
 
     @classmethod
-    def launch(cls, args: EngineArgs, log_level: str = "info", **kwargs: Any) -> AsyncEngine:
-        """Start the engine core for `args` and load the tokenizer it names; raises
-        TierserveError (exit 2) before anything listens if the start-up is refused."""
-        core = CoreClient.start(args, log_level)
+    def launch(
+        cls,
+        args: EngineArgs,
+        log_level: str = "info",
+        core: CoreClient | None = None,
+        **kwargs: Any,
+    ) -> AsyncEngine:
+        """The engine core for `args` (started here unless the caller spawned it) once it is
+        ready, with the tokenizer it names; raises TierserveError (exit 2) before anything
+        listens if the start-up is refused. The tokenizer loads while the core starts."""
+        core = core or CoreClient.spawn(args, log_level)
         try:
-            tokenizer = load_tokenizer(core.info.tokenizer_path)
+            tokenizer = _beside(core, args.tokenizer or args.model or default_model())
         except BaseException:
             core.kill()
             raise
@@ -311,3 +320,23 @@ class Stream:
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue
     builder: OutputBuilder
+
+
+def _beside(core: CoreClient, path: str | None) -> Any:
+    """The tokenizer at `path`, loaded on a thread while `core` starts. The core's verdict on
+    the flags comes first (a missing model is its refusal, not a tokenizer error); then the
+    tokenizer, loaded again should the core name another one."""
+    loaded: list[Any] = []
+
+    def load() -> None:
+        # A failure here is raised again below by the same load, after the core's verdict.
+        with contextlib.suppress(Exception):
+            loaded.append(load_tokenizer(path))
+
+    loader = threading.Thread(target=load, name="tierserve-tokenizer", daemon=True)
+    loader.start()
+    info = core.ready()
+    loader.join()
+    if info.tokenizer_path != path or not loaded:
+        return load_tokenizer(info.tokenizer_path)
+    return loaded[0]

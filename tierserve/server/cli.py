@@ -15,7 +15,7 @@ from types import FrameType
 
 from tierserve.args import EngineArgs, default_model
 from tierserve.errors import TierserveError
-from tierserve.server.grammar_pool import DEFAULT_COMPILE_TIMEOUT_S
+from tierserve.server.grammar_worker import DEFAULT_COMPILE_TIMEOUT_S
 from tierserve.server.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
 
 
@@ -94,12 +94,7 @@ def dry_run(args: EngineArgs) -> int:
 
 
 def run(ns: argparse.Namespace) -> int:
-    import uvicorn
-
-    from tierserve.distributed import global_rank
-    from tierserve.server.api import ServerLimits, create_app
-    from tierserve.server.async_engine import AsyncEngine
-    from tierserve.server.core_client import CoreStartError
+    from tierserve.server.core_client import CoreClient, CoreStartError
 
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     args = EngineArgs.from_cli(ns)
@@ -114,14 +109,28 @@ def run(ns: argparse.Namespace) -> int:
             raise TierserveError(message, field=name)
     if ns.dry_run:
         return dry_run(args)
-    if args.tp_size > 1 and global_rank(args) != 0:
-        return follow(args)
+    if args.tp_size > 1:
+        from tierserve.distributed import global_rank
+
+        if global_rank(args) != 0:
+            return follow(args)
     # The engine core starts, and every flag is checked, before anything listens: a refusal
-    # raises TierserveError (exit 2) here, a core that dies on the way exits 1.
+    # raises TierserveError (exit 2) here, a core that dies on the way exits 1. It starts
+    # first, so that its imports, weights and pools take their time beside this process's.
+    core = CoreClient.spawn(args, ns.log_level)
+    try:
+        import uvicorn
+
+        from tierserve.server.api import ServerLimits, create_app
+        from tierserve.server.async_engine import AsyncEngine
+    except BaseException:
+        core.kill()
+        raise
     try:
         async_engine = AsyncEngine.launch(
             args,
             ns.log_level,
+            core,
             watchdog_timeout_s=ns.watchdog_timeout,
             grammar_compile_timeout_s=ns.grammar_compile_timeout,
         )

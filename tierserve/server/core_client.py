@@ -48,12 +48,34 @@ class CoreClient:
         self.clock = clock
         self._conn = conn
         self._send_lock = threading.Lock()
-        self.info: CoreInfo = self._ready()
+        self._info: CoreInfo | None = None
 
     @classmethod
     def start(cls, args: EngineArgs, log_level: str = "info") -> CoreClient:
         """The core process, started and ready; raises TierserveError if it refused the
         start-up and CoreStartError if it died on the way."""
+        core = cls.spawn(args, log_level)
+        core.ready()
+        return core
+
+    @property
+    def info(self) -> CoreInfo:
+        assert self._info is not None, "ready() first"
+        return self._info
+
+    def ready(self) -> CoreInfo:
+        """Wait until the core has built its engine; raises as `start` does, leaving no core."""
+        try:
+            self._info = self._ready()
+        except BaseException:  # refused, failed, or interrupted while waiting
+            self.kill()
+            raise
+        return self._info
+
+    @classmethod
+    def spawn(cls, args: EngineArgs, log_level: str = "info") -> CoreClient:
+        """The core process, started; `ready()` waits for it. Its start-up (imports, weights,
+        pools) then runs while the caller does its own."""
         ours, theirs = socket.socketpair()
         clock_file = tempfile.TemporaryFile()  # noqa: SIM115 (closed below: the map keeps it)
         env = {
@@ -71,12 +93,7 @@ class CoreClient:
         finally:
             theirs.close()
             clock_file.close()  # the map and the core keep the file
-        try:
-            return cls(proc, Connection(ours.detach()), clock)
-        except BaseException:  # refused, failed, or interrupted while waiting: leave no core
-            proc.kill()
-            proc.wait()
-            raise
+        return cls(proc, Connection(ours.detach()), clock)
 
     def _ready(self) -> CoreInfo:
         try:

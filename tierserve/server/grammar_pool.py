@@ -21,11 +21,15 @@ from collections import Counter, OrderedDict
 from tierserve.engine import CACHE_BYTES, Grammars, check_size
 from tierserve.errors import TierserveError
 from tierserve.sampling_params import StructuredOutput
-from tierserve.server.grammar_worker import READY, CompileJob, CompileResult
+from tierserve.server.grammar_worker import (
+    DEFAULT_COMPILE_TIMEOUT_S,
+    READY,
+    CompileJob,
+    CompileResult,
+)
 
 logger = logging.getLogger("tierserve")
 
-DEFAULT_COMPILE_TIMEOUT_S = 30.0
 # A compiled grammar's serialised form of a large enum runs to many megabytes on one line.
 LINE_LIMIT = 1 << 30
 WORKER = [sys.executable, "-m", "tierserve.server.grammar_worker"]

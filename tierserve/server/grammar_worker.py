@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass
 from typing import BinaryIO
 
 READY = b"ready\n"
+# Seconds one compile may take before the pool ends its process (`--grammar-compile-timeout`).
+DEFAULT_COMPILE_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
