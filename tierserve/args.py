@@ -3,7 +3,8 @@
 Every field of `EngineArgs` is a command-line flag (`page_size` <-> `--page-size`) and a keyword
 argument of `LLM`; `add_cli_args` and `from_cli` derive the parser from the fields, so the two
 cannot drift apart. `EngineArgs` is what the user said; `ModelConfig` (model_config.py) is what
-the checkpoint says.
+the checkpoint says. One thing at some length: the one dataclass, each flag with its help text
+and its check.
 """
 
 from __future__ import annotations
@@ -348,6 +349,16 @@ class EngineArgs:
     def dp_groups(self) -> int:
         """Attention groups: each its own scheduler, radix tree and KV pools."""
         return self.dp_size if self.enable_dp_attention else 1
+
+    @property
+    def model_dir(self) -> str | None:
+        """The checkpoint directory: `--model`, else the bundled demo model."""
+        return self.model or default_model()
+
+    @property
+    def tokenizer_dir(self) -> str | None:
+        """Where the tokenizer is read: `--tokenizer`, else the checkpoint's directory."""
+        return self.tokenizer or self.model_dir
 
     @property
     def local_ranks(self) -> int:

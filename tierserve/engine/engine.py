@@ -80,7 +80,7 @@ class Engine:
             self.model_config, self.context_length = cfg, startup.context_length
             self.kv_plan = plan = startup.plan
             logger.info("KV cache plan:\n%s", startup_table(plan, args.dp_groups))
-            self.tokenizer = load_tokenizer(args.tokenizer or startup.model_path)
+            self.tokenizer = load_tokenizer(args.tokenizer_dir)
             self.eos_token_ids = set(cfg.eos_token_ids)
             if self.tokenizer.eos_token_id is not None:
                 self.eos_token_ids.add(self.tokenizer.eos_token_id)
@@ -115,7 +115,7 @@ class Engine:
             self.info = CoreInfo(
                 pid=os.getpid(),
                 model_path=startup.model_path,
-                tokenizer_path=args.tokenizer or startup.model_path,
+                tokenizer_path=args.tokenizer_dir or startup.model_path,
                 context_length=self.context_length,
                 vocab_size=cfg.vocab_size,
                 eos_token_ids=sorted(self.eos_token_ids),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from tierserve.args import EngineArgs, default_model
+from tierserve.args import EngineArgs
 from tierserve.cache import check_pool_size
 from tierserve.dtypes import COMPUTE_DTYPES, torch_dtype
 from tierserve.engine.kv_plan import KVPlan, check_cpu_ram, size_host_tier
@@ -60,7 +60,7 @@ class Startup:
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> Startup:
-        model_path = args.model or default_model()
+        model_path = args.model_dir
         if model_path is None or not Path(model_path).is_dir():
             raise TierserveError(f"model directory not found: {model_path}", field="model")
         cfg = ModelConfig.from_dir(model_path)

@@ -21,7 +21,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from tierserve.args import EngineArgs, default_model
+from tierserve.args import EngineArgs
 from tierserve.engine import OutputBuilder, RequestPreparer, load_tokenizer
 from tierserve.errors import TierserveError
 from tierserve.messages import (
@@ -109,7 +109,7 @@ class AsyncEngine:
         listens if the start-up is refused. The tokenizer loads while the core starts."""
         core = core or CoreClient.spawn(args, log_level)
         try:
-            tokenizer = _beside(core, args.tokenizer or args.model or default_model())
+            tokenizer = _beside(core, args.tokenizer_dir)
         except BaseException:
             core.kill()
             raise

@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 from types import FrameType
 
-from tierserve.args import EngineArgs, default_model
+from tierserve.args import EngineArgs
 from tierserve.errors import TierserveError
 from tierserve.server.grammar_worker import DEFAULT_COMPILE_TIMEOUT_S
 from tierserve.server.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
@@ -80,14 +80,14 @@ def _later(delay_s: float, server: object) -> None:
 
 
 def served_model_name(args: EngineArgs, override: str | None = None) -> str:
-    return override or Path(args.model or default_model() or "model").name
+    return override or Path(args.model_dir or "model").name
 
 
 def dry_run(args: EngineArgs) -> int:
     from tierserve.engine import Startup, load_tokenizer, startup_table
 
     startup = Startup.from_args(args)
-    load_tokenizer(args.tokenizer or startup.model_path)
+    load_tokenizer(args.tokenizer_dir)
     print(f"tierserve serve --dry-run: {startup.model_path} would start", flush=True)
     print(startup_table(startup.plan, args.dp_groups), flush=True)
     return 0
