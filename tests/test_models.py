@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +14,7 @@ from tests.conftest import DEEPSEEK_FAMILIES, random_prompts
 from tierserve import LLM, SamplingParams
 from tierserve.cache.pool import PagedKV
 from tierserve.layers.attention import ForwardBatch, SeqSpan, TorchAttention
+from tierserve.layers.decode_workspace import DecodeWorkspace
 from tierserve.model_config import ModelConfig
 from tierserve.models.loader import load_model
 from tierserve.sizing.kv import KVSpec
@@ -119,30 +122,41 @@ def test_long_decode_matches_transformers(checkpoints):
     assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 150)
 
 
+def _decode_watching_the_workspace(
+    path: Path, prompts: list[list[int]], max_tokens: int, watch: Callable[[DecodeWorkspace], None]
+) -> list[list[int]]:
+    """Greedy outputs of `prompts` decoded together, with `watch(workspace)` after each step."""
+    llm = LLM(str(path), page_size=16, max_total_tokens=4096)
+    ws = llm.engine.runner.attn.workspace
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    for p in prompts:
+        llm.engine.add_request(p, params)
+    outs: dict[str, list[int]] = {}
+    while llm.engine.has_unfinished():
+        for o in llm.engine.step():
+            outs.setdefault(o.request_id, []).append(o.token_id)
+        watch(ws)
+    return [outs[f"req-{i}"] for i in range(len(prompts))]
+
+
 def test_decode_workspace_stays_within_twice_the_live_kv(checkpoints):
     """One long and several short sequences decode together: padding every row to the longest
     would hold ~5x their KV; the workspace groups rows and stays within 2x, with equal output."""
     path = checkpoints["llama"]
     prompts = random_prompts(6, [600, 4, 9, 30, 3, 12], seed=13)
-    llm = LLM(str(path), page_size=16, max_total_tokens=4096)
-    ws = llm.engine.runner.attn.workspace
-    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    for p in prompts:
-        llm.engine.add_request(p, params)
-    outs: dict[str, list[int]] = {}
     ratios, padded_to_longest = [], []
-    while llm.engine.has_unfinished():
-        for o in llm.engine.step():
-            outs.setdefault(o.request_id, []).append(o.token_id)
+
+    def watch(ws: DecodeWorkspace) -> None:
         lens = torch.cat([g.lens for g in ws.groups]) if ws.groups else torch.zeros(0)
         if len(lens) < 2:
-            continue
+            return
         live = int(sum(-(-int(n) // 16) * 16 for n in lens))
         ratios.append(ws.tokens / live)
         padded_to_longest.append(len(lens) * int(lens.max()) / live)
-    assert ratios and max(ratios) <= ws.MAX_PADDING, max(ratios)
+
+    got = _decode_watching_the_workspace(path, prompts, 40, watch)
+    assert ratios and max(ratios) <= DecodeWorkspace.MAX_PADDING, max(ratios)
     assert max(padded_to_longest) > 3  # the case the bound is for did occur
-    got = [outs[f"req-{i}"] for i in range(len(prompts))]
     assert got == hf_greedy(path, prompts, 40)
 
 
@@ -153,24 +167,18 @@ def test_decode_bands_attend_each_row_over_its_own_length(checkpoints, family):
     outputs are transformers'."""
     path = checkpoints[family]
     prompts = random_prompts(4, [200, 160, 120, 100], seed=14)
-    llm = LLM(str(path), page_size=16, max_total_tokens=4096)
-    ws = llm.engine.runner.attn.workspace
-    params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
-    for p in prompts:
-        llm.engine.add_request(p, params)
-    outs: dict[str, list[int]] = {}
     banded = []
-    while llm.engine.has_unfinished():
-        for o in llm.engine.step():
-            outs.setdefault(o.request_id, []).append(o.token_id)
-        banded += [len(g.bands) for g in ws.groups if len(g.lens) == len(prompts)]
+
+    def watch(ws: DecodeWorkspace) -> None:
+        banded.extend(len(g.bands) for g in ws.groups if len(g.lens) == len(prompts))
         for g in ws.groups:  # every row is in one band, which reaches its whole context
             (a0, *_), (*_, b_end, _) = g.bands[0], g.bands[-1]
             assert (a0, b_end) == (0, len(g.lens))
             for a, b, n in g.bands:
                 assert int(g.lens[a:b].max()) == n
+
+    got = _decode_watching_the_workspace(path, prompts, 10, watch)
     assert banded and min(banded) > 1  # one group of four rows, several bands
-    got = [outs[f"req-{i}"] for i in range(len(prompts))]
     assert got == hf_greedy(path, prompts, 10)
 
 
