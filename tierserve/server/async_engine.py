@@ -323,9 +323,9 @@ class Stream:
 
 
 def _beside(core: CoreClient, path: str | None) -> Any:
-    """The tokenizer at `path`, loaded on a thread while `core` starts. The core's verdict on
-    the flags comes first (a missing model is its refusal, not a tokenizer error); then the
-    tokenizer, loaded again should the core name another one."""
+    """The tokenizer at `path` (`EngineArgs.tokenizer_dir`, what the core reads too), loaded on
+    a thread while `core` starts. The core's verdict on the flags comes first: a missing model
+    is its refusal, not a tokenizer error."""
     loaded: list[Any] = []
 
     def load() -> None:
@@ -335,8 +335,6 @@ def _beside(core: CoreClient, path: str | None) -> Any:
 
     loader = threading.Thread(target=load, name="tierserve-tokenizer", daemon=True)
     loader.start()
-    info = core.ready()
+    core.ready()
     loader.join()
-    if info.tokenizer_path != path or not loaded:
-        return load_tokenizer(info.tokenizer_path)
-    return loaded[0]
+    return loaded[0] if loaded else load_tokenizer(path)
