@@ -12,18 +12,26 @@ Files are written by one thread behind a bounded queue, so the engine never wait
 unless that many files are already waiting (then it does: memory stays bounded). `PATH.lock`
 exists, held with an exclusive flock, from before the request's first token is reported until
 the file is whole. As with vLLM's connector, the reader takes the lock once it is free and
-removes the lock file itself (speculators does). A write that fails removes the file and its
-lock and is counted.
+removes the lock file itself (speculators does).
+
+Capture never endangers the server: a file that cannot be opened, locked or written (a full,
+vanished or replaced directory) is that request's file lost, logged and counted, and the request
+is answered without a path. Locks that no reader takes are bounded: once a file is whole its
+lock only tells a reader so, and the writer removes locks left more than LOCK_TTL_S seconds, or
+beyond the newest UNREAD_LOCKS (a whole file needs no lock: it is renamed into place whole).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import fcntl
 import logging
 import os
 import queue
 import re
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -39,6 +47,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tierserve")
 
 QUEUED_FILES = 8  # files waiting for the writer before the engine waits for it
+LOCK_TTL_S = 600.0  # a whole file's lock left by no reader is removed after this long
+UNREAD_LOCKS = 1024  # and beyond this many such locks, the oldest go first
 
 
 def default_layers(num_layers: int) -> tuple[int, ...]:
@@ -78,6 +88,9 @@ class HiddenStatesWriter:
             raise TierserveError(message, "hidden_states_dir") from None
         self.failed = 0
         self.written = 0
+        self.locks_expired = 0
+        # Locks of whole files, oldest first, that a reader may still take (and remove).
+        self._unread: collections.deque[tuple[float, Path]] = collections.deque()
         self._queue: queue.Queue = queue.Queue(maxsize=QUEUED_FILES)
         self._thread = threading.Thread(target=self._run, name="tierserve-hidden-states")
         self._thread.daemon = True
@@ -87,11 +100,24 @@ class HiddenStatesWriter:
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", request_id)
         return self.directory / f"{safe}.safetensors"
 
-    def submit(self, request_id: str, token_ids: list[int], hidden: torch.Tensor) -> str:
-        """Queue the file of one request; its lock is held from now until it is written."""
+    def submit(self, request_id: str, token_ids: list[int], hidden: torch.Tensor) -> str | None:
+        """Queue the file of one request; its lock is held from now until it is written. None:
+        the lock could not be taken (the directory is gone, full or not a directory), so this
+        file is lost and the request goes on without one."""
         path = self.path_for(request_id)
-        lock = open(path.with_name(path.name + ".lock"), "w")  # noqa: SIM115 (held until written)
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        lock_path = path.with_name(path.name + ".lock")
+        try:
+            lock = open(lock_path, "w")  # noqa: SIM115 (held until written)
+        except OSError as err:
+            self._lost(path, err)
+            return None
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as err:
+            lock.close()
+            lock_path.unlink(missing_ok=True)
+            self._lost(path, err)
+            return None
         ids = torch.tensor(token_ids, dtype=torch.long)
         self._queue.put((path, lock, ids, hidden))
         return str(path)
@@ -101,24 +127,41 @@ class HiddenStatesWriter:
         self._queue.put(None)
         self._thread.join(timeout_s)
 
+    def _lost(self, path: Path, err: OSError) -> None:
+        logger.error("hidden states of %s not captured: %s", path.name, err.strerror or err)
+        self.failed += 1
+
     def _run(self) -> None:
         from safetensors.torch import save_file
 
         while (item := self._queue.get()) is not None:
             path, lock, ids, hidden = item
             tmp = path.with_name(path.name + ".tmp")
+            lock_path = Path(lock.name)
             try:
                 tensors = {"token_ids": ids, "hidden_states": hidden.contiguous()}
                 save_file(tensors, str(tmp))
                 os.replace(tmp, path)
                 self.written += 1
-            except Exception:  # a full or vanished disk: this file is lost, the server goes on
-                logger.exception("writing the hidden states of %s failed", path.name)
+                self._unread.append((time.monotonic(), lock_path))
+            except Exception as err:  # a full or vanished disk: this file is lost, not the server
+                logger.error("writing the hidden states of %s failed: %s", path.name, err)
                 self.failed += 1
-                for leftover in (tmp, path, Path(lock.name)):
-                    leftover.unlink(missing_ok=True)
+                for leftover in (tmp, path, lock_path):
+                    with contextlib.suppress(OSError):
+                        leftover.unlink(missing_ok=True)
             finally:
                 lock.close()  # releases the flock: the reader may go on
+            self._expire_locks()
+
+    def _expire_locks(self) -> None:
+        """Remove the locks of whole files that no reader took in time (or too many of them)."""
+        deadline = time.monotonic() - LOCK_TTL_S
+        while self._unread and (self._unread[0][0] < deadline or len(self._unread) > UNREAD_LOCKS):
+            _, lock_path = self._unread.popleft()
+            with contextlib.suppress(OSError):
+                lock_path.unlink()  # FileNotFoundError: a reader took it, as it should
+                self.locks_expired += 1
 
 
 class HiddenStateCapture:

@@ -65,6 +65,9 @@ def engine_metrics(engine: Engine) -> list[MetricFamily]:
         families.append(
             _labelled("tierserve_hidden_states_files", "counter", doc, "outcome", outcomes)
         )
+        doc = "locks of whole hidden-state files that no reader took, removed (hidden_states.py)"
+        expired = writer.locks_expired
+        families.append(_counter("tierserve_hidden_states_locks_expired", doc, expired))
     if engine.storage is not None:
         families += _storage(engine.storage)
     return families

@@ -53,7 +53,8 @@ class RequestPreparer:
         if params.max_tokens is None:
             params = dataclasses.replace(params, max_tokens=self._room_after(prompt_ids))
         self._validate(prompt_ids, params)
-        self._check_hidden_states_room(len(prompt_ids))
+        if params.return_hidden_states is not False:  # a request that writes no file needs no room
+            self._check_hidden_states_room(len(prompt_ids))
         if params.structured_output is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_output)
         rid = request_id or f"req-{next(self._ids)}"
@@ -109,10 +110,15 @@ class RequestPreparer:
         try:
             writable = os.path.isdir(directory) and os.access(directory, os.W_OK)
             free = shutil.disk_usage(directory).free if writable else 0
+            inodes = os.statvfs(directory) if writable else None
         except OSError:
-            writable, free = False, 0
+            writable, free, inodes = False, 0, None
         if not writable:
             message = f"the hidden-states directory {directory} is not a writable directory"
+            raise StorageFull(message, "hidden_states_dir")
+        # A file, its lock and its temporary name; f_files 0: the filesystem counts no inodes.
+        if inodes is not None and inodes.f_files and inodes.f_favail < 3:
+            message = f"the hidden-states directory {directory} has no free inodes left"
             raise StorageFull(message, "hidden_states_dir")
         if free < need:
             message = (
