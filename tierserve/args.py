@@ -273,17 +273,26 @@ class EngineArgs:
             ),
             "hicache_storage_backend": self.hicache_storage_backend,
             "hicache_storage_backend_extra_config": self.hicache_storage_backend_extra_config,
+            "hicache_storage_prefetch_policy": (
+                None
+                if self.hicache_storage_prefetch_policy == "auto"
+                else self.hicache_storage_prefetch_policy
+            ),
         }
         given = [name for name, value in host_flags.items() if value is not None]
         if given and not self.enable_hierarchical_cache:
             # Refused rather than ignored: a user who sized a host tier believes they have one.
             flag = "--" + given[0].replace("_", "-")
             raise TierserveError(
-                f"{flag} sizes the host tier, which is off: add --enable-hierarchical-cache",
+                f"{flag} configures the host tier, which is off: add --enable-hierarchical-cache",
                 field=given[0],
             )
         self._check_distributed()
         check_mem_fraction(self.mem_fraction_static)
+        if self.hidden_states_dir is not None and not self.hidden_states_dir.strip():
+            # An empty path would resolve to the working directory only at the first write.
+            message = "--hidden-states-dir needs a directory, got an empty path"
+            raise TierserveError(message, "hidden_states_dir")
         if self.hidden_states_layers is not None and self.hidden_states_dir is None:
             message = "--hidden-states-layers chooses what --hidden-states-dir captures: give both"
             raise TierserveError(message, "hidden_states_layers")
