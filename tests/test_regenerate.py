@@ -63,7 +63,8 @@ def test_regenerated_rows_replace_every_assistant_turn(server, tmp_path):
     proc = regenerate(server.url, src, out, "--concurrency", "4")
     assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()
     rows = {r["id"]: r for r in rows_in(out)}
-    assert sorted(rows) == sorted([f"row-{i}" for i in range(8)] + ["8", "9"])
+    # Rows without an id take their index, written back as the number it is.
+    assert sorted(rows, key=str) == sorted([f"row-{i}" for i in range(8)] + [8, 9], key=str)
     for row in rows.values():
         assert row["status"] == "success"
         turns = row.get("conversations") or row["messages"]
@@ -94,7 +95,7 @@ def test_a_killed_run_resumes_by_row_id_exactly_once(server, tmp_path):
         proc.wait()
     assert regenerate(server.url, src, out).wait(timeout=300) == 0
     got = rows_in(out)
-    assert sorted(r["id"] for r in got) == sorted(want)  # every row, none twice
+    assert sorted((r["id"] for r in got), key=str) == sorted(want, key=str)  # each row once
     assert {r["id"]: r for r in got} == want  # greedy: the same answers as without crashes
 
 
@@ -103,7 +104,7 @@ def test_resume_drops_a_torn_line_and_failed_rows(tmp_path):
     ok = {"id": "a", "status": "success", "messages": []}
     failed = {"id": "b", "status": "error", "error": "x"}
     out.write_text(json.dumps(ok) + "\n" + json.dumps(failed) + "\n" + '{"id": "c", "sta')
-    assert read_done(out) == {"a"}
+    assert read_done(out) == {'"a"'}  # ids as JSON: "1" and 1 are two rows
     assert rows_in(out) == [ok]  # b is done again, c's torn line is gone
 
 
@@ -126,6 +127,33 @@ def test_bad_rows_are_refused_with_their_line(tmp_path, line, needle):
     src = tmp_path / "in.jsonl"
     src.write_text(line + "\n")
     with pytest.raises(TierserveError, match=needle):
+        read_rows(src)
+
+
+def test_a_line_that_is_not_utf8_is_refused_with_its_line_and_status_2(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'{"messages": []}\n{"messages": [], "id": "\xff\xfe"}\n')
+    cmd = [sys.executable, "-m", "tierserve.cli", "batch", str(src), "-o", str(tmp_path / "o")]
+    done = subprocess.run([*cmd, "--regenerate", "--url", "http://127.0.0.1:9"], text=True,
+                          capture_output=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert f"{src}:2: not UTF-8" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_ids_are_written_back_as_they_came_and_a_clash_names_the_row_that_repeats(tmp_path):
+    turns = [{"role": "user", "content": "hi"}]
+    ids = [None, {"a": [1]}, 7, "7"]  # each its own row: JSON values, not their str()
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": i, "messages": turns}) + "\n" for i in ids))
+    rows = read_rows(src)
+    assert [r.id for r in rows] == ids
+    record = {**rows[1].raw, "id": rows[1].id, "status": "success"}
+    (tmp_path / "out.jsonl").write_text(json.dumps(record) + "\n")
+    assert read_done(tmp_path / "out.jsonl") == {rows[1].key}  # resumes that row, no other
+    # A row without an id takes its index; the explicit id 1 after it is the one that repeats.
+    clash = [{"messages": turns}, {"messages": turns}, {"id": 1, "messages": turns}]
+    src.write_text("".join(json.dumps(line) + "\n" for line in clash))
+    with pytest.raises(TierserveError, match=rf"{src}:3: id 1 repeats the one at {src}:2"):
         read_rows(src)
 
 

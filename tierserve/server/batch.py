@@ -29,6 +29,7 @@ import httpx
 from tierserve.args import EngineArgs
 from tierserve.errors import TierserveError
 from tierserve.server.job_usage import JobUsage
+from tierserve.server.jsonl import read_json_lines
 
 RETRYABLE = {408, 429, 500, 502, 503, 504}
 
@@ -65,26 +66,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def read_input(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        raise TierserveError(f"input file not found: {path}", field="input")
     lines, seen = [], set()
-    for number, raw in enumerate(path.read_text().splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            line = json.loads(raw)
-        except json.JSONDecodeError as err:
-            raise TierserveError(f"{path}:{number}: not JSON ({err.msg})", "input") from None
+    for where, line in read_json_lines(path):
         if not isinstance(line, dict):
-            raise TierserveError(f"{path}:{number}: not a JSON object", "input")
+            raise TierserveError(f"{where}: not a JSON object", "input")
         missing = [k for k in ("custom_id", "url", "body") if k not in line]
         if missing:
-            raise TierserveError(f"{path}:{number}: missing {missing}", "input")
+            raise TierserveError(f"{where}: missing {missing}", "input")
         if not isinstance(line["custom_id"], str) or not isinstance(line["body"], dict):
-            message = f"{path}:{number}: custom_id must be a string and body an object"
+            message = f"{where}: custom_id must be a string and body an object"
             raise TierserveError(message, "input")
         if line["custom_id"] in seen:
-            raise TierserveError(f"{path}:{number}: duplicate custom_id {line['custom_id']!r}")
+            raise TierserveError(f"{where}: duplicate custom_id {line['custom_id']!r}", "input")
         seen.add(line["custom_id"])
         lines.append(line)
     return lines
@@ -251,7 +244,7 @@ def _regenerate(ns: argparse.Namespace) -> int:
     rows = read_rows(Path(ns.input))
     out = Path(ns.output)
     done = read_done(out)
-    pending = [row for row in rows if row.id not in done]
+    pending = [row for row in rows if row.key not in done]
     pending = pending if ns.no_prefix_order else prefix_order(pending)
 
     async def go() -> Regenerator:

@@ -36,16 +36,22 @@ import httpx
 
 from tierserve.errors import TierserveError
 from tierserve.server.job_usage import JobUsage
+from tierserve.server.jsonl import read_json_lines
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
 
 
 @dataclass
 class Row:
-    id: str
+    id: Any  # as the input gave it (any JSON value), else the row's index
     index: int  # its place among the input's rows
     raw: dict[str, Any]
     sharegpt: bool  # `conversations` with from/value, else OpenAI `messages`
+
+    @property
+    def key(self) -> str:
+        """What identifies the row on resume: its id as JSON, so 1, "1" and null differ."""
+        return id_key(self.id)
 
     @property
     def turns(self) -> list[dict[str, Any]]:
@@ -64,26 +70,25 @@ class Row:
         return {**turn, "value" if self.sharegpt else "content": text}
 
 
+def id_key(row_id: Any) -> str:
+    return json.dumps(row_id, sort_keys=True)
+
+
 def read_rows(path: Path) -> list[Row]:
-    if not path.exists():
-        raise TierserveError(f"input file not found: {path}", field="input")
-    rows, seen = [], set()
-    for number, raw in enumerate(path.read_text().splitlines(), 1):
-        if not raw.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            line = json.loads(raw)
-        except json.JSONDecodeError as err:
-            raise TierserveError(f"{where}: not JSON ({err.msg})", "input") from None
+    """The input's rows; a row without an `id` takes its index (an int) as its id."""
+    rows: list[Row] = []
+    seen: dict[str, str] = {}  # id key -> where it first came
+    for where, line in read_json_lines(path):
         sharegpt = isinstance(line, dict) and isinstance(line.get("conversations"), list)
         if not sharegpt and not (isinstance(line, dict) and isinstance(line.get("messages"), list)):
             raise TierserveError(f"{where}: needs `conversations` or `messages` (a list)", "input")
-        row = Row(str(line.get("id", len(rows))), len(rows), line, sharegpt)
+        row = Row(line["id"] if "id" in line else len(rows), len(rows), line, sharegpt)
         _check_turns(row, where)
-        if row.id in seen:
-            raise TierserveError(f"{where}: duplicate id {row.id!r}", "input")
-        seen.add(row.id)
+        if row.key in seen:
+            implicit = "" if "id" in line else " (a row without an id takes its index)"
+            message = f"{where}: id {row.key} repeats the one at {seen[row.key]}{implicit}"
+            raise TierserveError(message, "input")
+        seen[row.key] = where
         rows.append(row)
     return rows
 
@@ -96,8 +101,8 @@ def _check_turns(row: Row, where: str) -> None:
 
 
 def read_done(path: Path) -> set[str]:
-    """Ids of the rows already regenerated; a torn last line (a killed run) is cut off and
-    rows that failed are dropped, so that a rerun does them again."""
+    """Id keys (Row.key) of the rows already regenerated; a torn last line (a killed run) is
+    cut off and rows that failed are dropped, so that a rerun does them again."""
     if not path.exists():
         return set()
     data = path.read_bytes()
@@ -107,7 +112,7 @@ def read_done(path: Path) -> set[str]:
     for number, raw in enumerate(lines, 1):
         try:
             record = json.loads(raw)
-            status, row_id = record["status"], str(record["id"])
+            status, row_id = record["status"], id_key(record["id"])
         except (ValueError, KeyError, TypeError):
             message = f"{path}:{number}: not a regenerated row; fix or remove it, then rerun"
             raise TierserveError(message, "output") from None

@@ -1,0 +1,31 @@
+"""Input files of one JSON value a line (`tierserve batch` and `--regenerate`): each line read
+on its own, so that a bad one is reported as `FILE:N`, whatever is wrong with it (not UTF-8,
+not JSON), before anything is sent."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from tierserve.errors import TierserveError
+
+
+def read_json_lines(path: Path) -> Iterator[tuple[str, Any]]:
+    """(`FILE:N`, value) for every line that is not blank."""
+    if not path.exists():
+        raise TierserveError(f"input file not found: {path}", field="input")
+    for number, raw in enumerate(path.read_bytes().splitlines(), 1):
+        where = f"{path}:{number}"
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            message = f"{where}: not UTF-8 text (byte {err.start + 1} of the line)"
+            raise TierserveError(message, "input") from None
+        if not text.strip():
+            continue
+        try:
+            yield where, json.loads(text)
+        except json.JSONDecodeError as err:
+            raise TierserveError(f"{where}: not JSON ({err.msg})", "input") from None
