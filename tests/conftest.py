@@ -195,6 +195,32 @@ def random_prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]
     ]
 
 
+# --- how the suite runs on two workers (`make test`: pytest-xdist, --dist loadgroup) ----------
+
+# Files whose servers run with short timeouts (a 2 s body or watchdog timeout, a 0.1 s store
+# call, a router's 1 s health checks): they run one after another on one worker, never beside
+# each other. A test marks itself with `@pytest.mark.xdist_group("timeouts")` where the rest of
+# its file has none.
+TIMEOUT_FILES = {
+    "test_server.py", "test_engine_core.py", "test_tp_server.py", "test_storage.py",
+    "test_router.py",
+}  # fmt: skip
+# The longest files first, so that neither worker is left with one of them at the end.
+LONGEST_FIRST = ("test_tp.py", "test_sliding_window.py", "test_dp_attention.py")
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Each file is one group (its module-scoped servers start once), the TIMEOUT_FILES one
+    group together; the order is the same on every worker, as xdist needs."""
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            name = item.path.name
+            item.add_marker(pytest.mark.xdist_group("timeouts" if name in TIMEOUT_FILES else name))
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: files stay whole
+
+
 # --- a real server, for the tests that speak HTTP -------------------------------------------
 
 
@@ -267,7 +293,10 @@ def eventually(check: Callable[[], bool], within_s: float) -> bool:
 
 @pytest.fixture(scope="module")
 def server(llama_dir) -> Iterator[Server]:
-    s = Server(llama_dir, "--max-total-tokens", "4096", "--body-timeout", "2")
+    s = Server(
+        llama_dir, "--max-total-tokens", "4096", "--body-timeout", "2",
+        "--trust-request-chat-template",
+    )  # fmt: skip
     yield s
     s.stop()
 

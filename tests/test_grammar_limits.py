@@ -6,6 +6,8 @@ them. Ordered by the server's own counters, never by how long a compile takes he
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import os
 import signal
 from collections.abc import Iterator
 
@@ -17,6 +19,7 @@ from tests.conftest import Server, eventually
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.engine.grammar import MAX_GRAMMAR_CHARS, MAX_SCHEMA_ENUM_VALUES
 from tierserve.sampling_params import StructuredOutput
+from tierserve.server.grammar_worker import COMPILE_HOLD_ENV
 
 ENDED = "tierserve_grammar_compiles_ended_total{reason=%s}"
 
@@ -47,9 +50,15 @@ def compile_workers(server: Server) -> list[psutil.Process]:
 
 
 @pytest.fixture(scope="module")
-def patient(llama_dir) -> Iterator[Server]:
-    """A server whose compile time limit no test reaches: compiles end only when clients leave."""
-    s = Server(llama_dir, "--max-total-tokens", "2048", "--grammar-compile-timeout", "600")
+def patient(llama_dir, tmp_path_factory) -> Iterator[Server]:
+    """A server whose compile time limit no test reaches: compiles end only when clients leave.
+    Its compile workers wait before compiling while `s.compile_hold` exists."""
+    hold = tmp_path_factory.mktemp("compile") / "hold"
+    s = Server(
+        llama_dir, "--max-total-tokens", "2048", "--grammar-compile-timeout", "600",
+        env={COMPILE_HOLD_ENV: str(hold)},
+    )  # fmt: skip
+    s.compile_hold = hold
     yield s
     s.stop()
 
@@ -147,3 +156,58 @@ def test_sigterm_ends_compiles_in_flight_with_a_503_and_exits_cleanly(llama_dir)
         assert "Traceback" not in log and "CancelledError" not in log
     finally:
         s.stop()
+
+
+# --- workers that die -------------------------------------------------------------------------
+
+
+def _held_worker(server: Server, not_pids: set[int]) -> int:
+    """The pid of a compile worker now held before its compile (not one of `not_pids`)."""
+    found: list[int] = []
+
+    def held() -> bool:
+        pids = {int(p.name.rsplit(".", 1)[1]) for p in server.compile_hold.parent.glob("*.held.*")}
+        found[:] = sorted(pids - not_pids)
+        return bool(found)
+
+    assert eventually(held, 120), "no compile worker took the job"
+    return found[0]
+
+
+def _regex_request(server: Server, regex: str) -> httpx.Response:
+    body = {"prompt": "A", "max_tokens": 3, "regex": regex}
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+
+
+@pytest.mark.parametrize("deaths", [1, 2])
+def test_a_worker_killed_during_a_compile_is_retried_once_then_a_503(patient, deaths):
+    """Held in its worker (the test's hold), the compile's process is killed: once, the request
+    is compiled again on a fresh worker and answered; twice, it is a 503 that says the server
+    failed. Never a 500 or a 400; the pool serves the next compile."""
+    patient.compile_hold.touch()
+    killed: set[int] = set()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        reply = pool.submit(_regex_request, patient, f"[a-c]{{{deaths + 3}}}")
+        try:
+            for _ in range(deaths):
+                pid = _held_worker(patient, killed)
+                os.kill(pid, signal.SIGKILL)
+                killed.add(pid)
+            if deaths == 1:
+                _held_worker(patient, killed)  # the retry's worker took the job
+        finally:
+            patient.compile_hold.unlink()
+        status = reply.result(timeout=120).status_code
+    for held in patient.compile_hold.parent.glob("*.held.*"):
+        held.unlink()
+    assert status == (200 if deaths == 1 else 503)
+    assert _regex_request(patient, f"[x-z]{{{deaths}}}").status_code == 200
+
+
+def test_a_worker_killed_between_compiles_costs_the_next_request_nothing(patient):
+    assert _regex_request(patient, "[a-b]{2}").status_code == 200  # a worker, now idle
+    for worker in compile_workers(patient):
+        worker.send_signal(signal.SIGKILL)
+    assert eventually(lambda: not compile_workers(patient), 30)
+    reply = _regex_request(patient, "[d-f]{3}")
+    assert reply.status_code == 200, reply.text

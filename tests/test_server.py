@@ -522,7 +522,8 @@ def test_api_key_and_a_bounded_waiting_queue(llama_dir):
 
         async def burst() -> list[int]:
             headers = {"authorization": "Bearer sesame"}
-            body = {"prompt": [5] * 20, "max_tokens": 600, "ignore_eos": True}
+            # Two tokens or more: the first is still running after the one step it is let run.
+            body = {"prompt": [5] * 20, "max_tokens": 8, "ignore_eos": True}
             async with httpx.AsyncClient(base_url=s.url, headers=headers, timeout=120) as h:
 
                 def send() -> asyncio.Future:
@@ -561,6 +562,20 @@ def test_text_no_context_could_hold_is_refused_before_tokenizing(server):
         assert reply.status_code == 400, reply.text
         # This message comes from the length check that runs before the tokenizer.
         assert "cannot fit in the context" in reply.json()["error"]["message"]
+
+
+def test_a_trusted_request_template_runs_and_its_render_is_held_to_the_context(server):
+    """The shared server runs with --trust-request-chat-template: a request's own template
+    renders; one whose text passes the context × 32 characters is a 400 before tokenizing (the
+    reported 130-byte body rendered 8 MB and 4 M token ids)."""
+    messages = [{"role": "user", "content": "hi"}]
+    url = f"{server.url}/v1/chat/completions/render"
+    own = httpx.post(url, json={"messages": messages, "chat_template": "{{ 'a b ' * 3 }}"})
+    assert own.status_code == 200 and own.json()["token_ids"]
+    huge = {"messages": messages, "chat_template": "{{ 'a b ' * 2000000 }}"}
+    reply = httpx.post(url, json=huge, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert "8,000,000 characters cannot fit in the context" in reply.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(
@@ -605,7 +620,7 @@ def test_rejected_requests_are_not_counted_as_aborts(server):
     assert after.get(aborts, 0) == before.get(aborts, 0)
 
 
-def test_batch_rerun_retries_failed_lines_and_names_a_corrupt_one(llama_dir, tmp_path):
+def test_batch_rerun_retries_failed_lines_and_names_a_corrupt_one(server, tmp_path):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_batch_input(src, 6)
     down = batch_command(src, out, "--url", f"http://127.0.0.1:{free_port()}", "--max-retries", "0")
@@ -624,7 +639,7 @@ def test_batch_rerun_retries_failed_lines_and_names_a_corrupt_one(llama_dir, tmp
     assert kept.returncode == 1 and "6 failed earlier and kept" in kept.stderr
     assert len(out.read_text().splitlines()) == 6
 
-    retried = batch_command(src, out, "--model", str(llama_dir))
+    retried = batch_command(src, out, "--url", server.url)  # the in-process engine: above
     done = subprocess.run(retried, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert statuses() == {f"req-{i}": [200] for i in range(6)}  # replaced, not appended to

@@ -81,12 +81,17 @@ class Router(LoggedProcess):
         log_path: Path,
         flags: Sequence[str] = (),
         startup_timeout_s: float = 120,
+        api_key: str | None = None,
     ) -> None:
+        """`api_key`: the workers' --api-key; the router sends it to them and asks it of its
+        own clients (smg's --api-key)."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         cmd = [router_binary(), "launch", "--host", "127.0.0.1", "--port", str(self.port)]
         cmd += ["--worker-urls", *workers, "--policy", policy]
         cmd += ["--prometheus-port", str(free_port()), *flags]
+        cmd += ["--api-key", api_key] if api_key else []
         self._launch(cmd, log_path, None)
         try:
             self._wait_ready(len(workers), startup_timeout_s)
@@ -96,7 +101,8 @@ class Router(LoggedProcess):
 
     def workers(self) -> list[dict]:
         """The router's registry (`GET /workers`)."""
-        return httpx.get(f"{self.url}/workers", timeout=5).json().get("workers", [])
+        reply = httpx.get(f"{self.url}/workers", headers=self.headers, timeout=5)
+        return reply.json().get("workers", [])
 
     def _wait_ready(self, count: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -13,16 +13,16 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from jinja2 import TemplateError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierserve.args import EngineArgs
 from tierserve.errors import StorageFull, TierserveError
 from tierserve.sampling_params import SamplingParams
-from tierserve.server import choices
+from tierserve.server import chat_template, choices
 from tierserve.server.async_engine import AsyncEngine, EngineDeadError
 from tierserve.server.completion import Completion
-from tierserve.server.grammar_pool import ShuttingDown
+from tierserve.server.generate_protocol import GenerateRequest
+from tierserve.server.grammar_pool import CompilerFailed, ShuttingDown
 from tierserve.server.guards import ApiKey, BodyLimit
 from tierserve.server.metrics import ServerMetrics
 from tierserve.server.protocol import (
@@ -30,7 +30,6 @@ from tierserve.server.protocol import (
     ChatRenderRequest,
     ChatTemplateFields,
     CompletionRequest,
-    GenerateRequest,
     error_body,
     now,
 )
@@ -52,6 +51,7 @@ class ServerLimits:
     api_key: str | None = None
     max_queued_requests: int | None = None
     body_timeout_s: float = 30.0  # to receive a whole request body
+    trust_request_chat_template: bool = False  # vLLM's flag: a request may bring its template
 
 
 class QueueFull(Exception):
@@ -120,7 +120,8 @@ def _add_error_handlers(app: FastAPI) -> None:
         return _error(503, str(err), "service_unavailable")
 
     @app.exception_handler(ShuttingDown)
-    async def shutting_down(_: Request, err: ShuttingDown) -> JSONResponse:
+    @app.exception_handler(CompilerFailed)
+    async def unavailable(_: Request, err: Exception) -> JSONResponse:
         return _error(503, str(err), "service_unavailable")
 
     @app.exception_handler(EngineDeadError)
@@ -151,21 +152,34 @@ def _add_routes(
             raise EngineDeadError(str(engine.error))
         return {"status": "ok"}
 
+    probe: asyncio.Future | None = None
+
+    async def generate_one_token() -> None:
+        # Never a hidden-states file: probes are open without the key on a capturing server.
+        params = SamplingParams(max_tokens=1, temperature=0, return_hidden_states=False)
+        async for _ in engine.generate([0], params, f"health-generate-{uuid.uuid4().hex}"):
+            pass
+
     @app.get("/health_generate")
     async def health_generate() -> dict[str, str]:
         """SGLang's: healthy only when the engine generates a token (a core that is up but
-        stuck fails here, and past --watchdog-timeout everywhere)."""
+        stuck fails here, and past --watchdog-timeout everywhere). One probe runs at a time:
+        callers that come while it runs share its verdict."""
+        nonlocal probe
         if engine.error is not None:
             raise EngineDeadError(str(engine.error))
-        params = SamplingParams(max_tokens=1, temperature=0)
-        async for _ in engine.generate([0], params, f"health-generate-{uuid.uuid4().hex}"):
-            pass
+        if probe is None or probe.done():
+            probe = asyncio.ensure_future(generate_one_token())
+        await asyncio.shield(probe)  # a caller that leaves does not end the others' probe
         return {"status": "ok"}
 
     @app.get("/get_load")
     @app.get("/get_loads")
     async def get_load() -> list[dict[str, int]]:
-        return loads(await engine.metrics(), engine.info.page_size)
+        """Within STATE_WAIT_S: the last known load when the core does not answer in time (a
+        503 here makes sglang-router drop the worker)."""
+        families, _ = await engine.recent_metrics()
+        return loads(families, engine.info.page_size)
 
     @app.get("/server_info")
     @app.get("/get_server_info")  # SGLang's older name; sglang-router tries both
@@ -185,7 +199,7 @@ def _add_routes(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        body = metrics.render(await engine.metrics())
+        body = metrics.render(*await engine.recent_metrics())
         return Response(body, media_type="text/plain; version=0.0.4")
 
     @app.post("/flush_cache")
@@ -210,7 +224,8 @@ def _add_routes(
         admit(request)
         check_model(body.model)
         params = body.sampling_params()
-        prompt_ids = await asyncio.to_thread(_apply_chat_template, engine, body)
+        trusted = limits.trust_request_chat_template
+        prompt_ids = await asyncio.to_thread(_apply_chat_template, engine, body, trusted)
         stream = Completion(engine, metrics, model, body, "chat.completion", params)
         if body.n == 1:
             return await stream.respond(prompt_ids, params, request)
@@ -220,28 +235,23 @@ def _add_routes(
     @app.post("/v1/chat/completions/render")
     async def render(body: ChatRenderRequest) -> dict[str, Any]:
         check_model(body.model)
-        ids = await asyncio.to_thread(_apply_chat_template, engine, body)
+        trusted = limits.trust_request_chat_template
+        ids = await asyncio.to_thread(_apply_chat_template, engine, body, trusted)
         return {"token_ids": body.truncated(ids)}
 
     @app.post("/generate")
     async def generate(body: GenerateRequest, request: Request) -> Response:
         admit(request)
-        stream = Completion(engine, metrics, model, None, "generate")
+        stream = Completion(engine, metrics, model, None, "generate", request_id=body.rid)
         return await stream.respond(body.prompt(), body.params(), request, stream=body.stream)
 
 
-def _apply_chat_template(engine: AsyncEngine, body: ChatTemplateFields) -> list[int]:
-    tok = engine.tokenizer
-    if not getattr(tok, "chat_template", None):
-        raise TierserveError("this model has no chat template; use /v1/completions", "messages")
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    engine.preparer.check_text_length(sum(len(m["content"]) for m in messages), "messages")
-    try:
-        text = tok.apply_chat_template(messages, tokenize=False, **body.template_switches())
-    except (TemplateError, ValueError) as err:  # alternating roles; nothing to continue
-        message = f"the chat template rejected the messages: {err}"
-        raise TierserveError(message, "messages") from None
-    ids = tok(text, add_special_tokens=False).input_ids
+def _apply_chat_template(engine: AsyncEngine, body: ChatTemplateFields, trusted: bool) -> list[int]:
+    preparer = engine.preparer
+    preparer.check_text_length(sum(len(m.text()) for m in body.messages), "messages")
+    text = chat_template.render(engine.tokenizer, body, trusted)
+    preparer.check_text_length(len(text), "messages")  # as rendered, before tokenizing it
+    ids = engine.tokenizer(text, add_special_tokens=False).input_ids
     if not ids:
         raise TierserveError("messages are empty", "messages")
     return ids

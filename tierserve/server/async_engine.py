@@ -46,13 +46,20 @@ from tierserve.server.watchdog import StepWatchdog
 logger = logging.getLogger("tierserve")
 
 
+# The most a route that reports the core's state (/metrics, /get_load) waits for it: a core
+# that is stopped or deep in a long step is answered for with its last values, marked stale.
+STATE_WAIT_S = 1.0
+
+
 class EngineDeadError(RuntimeError):
     pass
 
 
 def _dead(err: BaseException) -> EngineDeadError:
-    """What a request or a question gets once the core has failed with `err`: a 503."""
-    return EngineDeadError(f"engine loop failed: {err}")
+    """What a request or a question gets once the core has failed with `err`: a 503 whose
+    message is one sentence for a client (the details, which may hold paths and peers'
+    addresses, went to the log)."""
+    return err if isinstance(err, EngineDeadError) else EngineDeadError(f"the engine failed: {err}")
 
 
 class EngineHungError(EngineDeadError):
@@ -92,6 +99,10 @@ class AsyncEngine:
         # Admission: the queue as the core last saw it, plus adds it has not read yet.
         self._adds_sent = 0
         self._seen = StepOutputs([], 0, 0)
+        # The core's last metrics, when they came, and the one question for fresh ones in flight.
+        self._last_metrics: list[MetricFamily] = []
+        self._last_metrics_at: float | None = None
+        self._metrics_ask: asyncio.Future | None = None
         self._reader = threading.Thread(target=self._read, name="tierserve-core-io", daemon=True)
         self._stopping = False
         self.error: BaseException | None = None
@@ -200,6 +211,27 @@ class AsyncEngine:
         assert answer.metrics is not None
         return answer.metrics
 
+    async def recent_metrics(self) -> tuple[list[MetricFamily], float | None]:
+        """The engine's families within STATE_WAIT_S, and how old they are: 0 when the core
+        answered in time, else its last answer's age (None: it never answered). One question
+        is in flight at a time, however many scrapers wait on it."""
+        ask = self._metrics_ask
+        if ask is None or ask.done():
+            ask = self._metrics_ask = asyncio.ensure_future(self.metrics())
+            ask.add_done_callback(self._kept_metrics)
+        try:
+            families = await asyncio.wait_for(asyncio.shield(ask), STATE_WAIT_S)
+        except (TimeoutError, asyncio.TimeoutError):
+            self._check_alive()
+            at = self._last_metrics_at
+            return self._last_metrics, None if at is None else time.monotonic() - at
+        return families, 0.0
+
+    def _kept_metrics(self, ask: asyncio.Future) -> None:
+        if ask.cancelled() or ask.exception() is not None:  # a dead core: the routes say so
+            return
+        self._last_metrics, self._last_metrics_at = ask.result(), time.monotonic()
+
     async def _ask(self, query: FlushCache | GetMetrics) -> Answer:
         future: Future = Future()
         with self._lock:
@@ -242,10 +274,11 @@ class AsyncEngine:
             elif isinstance(message, RequestFailed):
                 self._deliver(message.rid, TierserveError(message.message, message.field))
             elif isinstance(message, CoreFailed):
-                self._fail(RuntimeError(message.message))
+                logger.error("the engine core failed: %s", message.message)
+                self._fail(EngineDeadError("the engine core failed in a step; see the server log"))
         if not self._stopping:
             code = self.core.proc.wait()
-            self._fail(RuntimeError(f"the engine core (pid {self.pid}) exited with status {code}"))
+            self._fail(EngineDeadError(f"the engine core exited with status {code}"))
 
     def _hung(self, timeout_s: float) -> None:
         """On the watchdog's thread: the core is stuck in a step. It is killed (its ranks die

@@ -30,8 +30,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--api-key",
         default=os.environ.get("TIERSERVE_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1/*, /generate and /flush_cache "
-        "(default: $TIERSERVE_API_KEY; /health and /metrics stay open)",
+        help="require 'Authorization: Bearer KEY' on every route but /health, /health_generate "
+        "and /metrics, as SGLang (default: $TIERSERVE_API_KEY)",
+    )
+    parser.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="let a chat request bring its own chat_template (vLLM's flag; a template is a "
+        "program whose work nothing bounds: only for clients you trust)",
     )
     parser.add_argument(
         "--dry-run",
@@ -138,7 +144,12 @@ def run(ns: argparse.Namespace) -> int:
         logging.getLogger("tierserve").error("tierserve serve: %s", err)
         return 1
     name = served_model_name(args, ns.served_model_name)
-    limits = ServerLimits(ns.api_key or None, ns.max_queued_requests, ns.body_timeout)
+    limits = ServerLimits(
+        ns.api_key or None,
+        ns.max_queued_requests,
+        ns.body_timeout,
+        ns.trust_request_chat_template,
+    )
     app = create_app(async_engine, name, limits)
     logger = logging.getLogger("tierserve")
     logger.info(

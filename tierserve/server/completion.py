@@ -34,7 +34,9 @@ class Completion:
         body: SamplingFields | None,
         kind: str,
         params: SamplingParams | None = None,
+        request_id: str | None = None,
     ) -> None:
+        """`request_id`: the client's own (SGLang's `rid`), else one made here."""
         self.engine, self.metrics, self.model, self.kind = engine, metrics, model, kind
         self.include_usage = bool(body and body.include_usage)
         self.stream = bool(body and body.stream)
@@ -42,7 +44,7 @@ class Completion:
         self.prompt_only = bool(getattr(body, "prompt_only", False))
         self.return_token_ids = bool(getattr(body, "return_token_ids", False))  # vLLM's
         prefix = {"text_completion": "cmpl", "chat.completion": "chatcmpl"}.get(kind, "gen")
-        self.id = new_id(prefix)
+        self.id = request_id or new_id(prefix)
         self.created = now()
         self._text, self._ids = "", []  # a /generate stream's output so far
         self.logprobs = params is not None and params.logprobs is not None
@@ -210,17 +212,16 @@ def _without_output(out: RequestOutput) -> RequestOutput:
 
 
 def _native(out: RequestOutput, text: str, ids: list[int]) -> dict[str, Any]:
-    return {
-        "text": text,
-        "output_ids": ids,
-        "meta_info": {
-            "id": out.request_id,
-            "prompt_tokens": out.prompt_tokens,
-            "completion_tokens": out.num_output_tokens,
-            "cached_tokens": out.cached_tokens,
-            "finish_reason": out.finish_reason,
-        },
+    meta = {
+        "id": out.request_id,
+        "prompt_tokens": out.prompt_tokens,
+        "completion_tokens": out.num_output_tokens,
+        "cached_tokens": out.cached_tokens,
+        "finish_reason": out.finish_reason,
     }
+    if out.hidden_states_path is not None:  # the file, where SGLang puts the states inline
+        meta["hidden_states_path"] = out.hidden_states_path
+    return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
 async def _until_done(

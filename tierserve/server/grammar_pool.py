@@ -39,6 +39,15 @@ class ShuttingDown(Exception):
     """The server is stopping: compiles in flight were ended (a 503, not a wait)."""
 
 
+class CompilerFailed(Exception):
+    """The server's compile worker died under this request twice (a 503: the server failed,
+    not the request)."""
+
+
+class WorkerDied(RuntimeError):
+    """A compile worker exited, or its pipe broke, before it answered."""
+
+
 def default_workers() -> int:
     """Half the cores, at least one: compiles must not take the engine's cores."""
     return max(1, min(4, (os.cpu_count() or 2) // 2))
@@ -62,7 +71,7 @@ class CompileWorker:
         try:
             await worker._send(tokenizer_info.encode() + b"\n")
             if await proc.stdout.readline() != READY:  # type: ignore[union-attr]
-                raise RuntimeError(f"grammar compile worker exited with {await proc.wait()}")
+                raise WorkerDied(f"grammar compile worker exited with {await proc.wait()}")
         except BaseException:
             worker.kill()
             raise
@@ -72,13 +81,20 @@ class CompileWorker:
         await self._send(job.encode())
         line = await self.proc.stdout.readline()  # type: ignore[union-attr]
         if not line:
-            raise RuntimeError(f"grammar compile worker exited with {await self.proc.wait()}")
+            raise WorkerDied(f"grammar compile worker exited with {await self.proc.wait()}")
         return CompileResult.decode(line)
 
     async def _send(self, data: bytes) -> None:
         assert self.proc.stdin is not None
-        self.proc.stdin.write(data)
-        await self.proc.stdin.drain()
+        try:
+            if self.proc.returncode is not None:
+                raise BrokenPipeError
+            self.proc.stdin.write(data)
+            await self.proc.stdin.drain()
+        # It died while idle: its pipe is broken, or asyncio has closed its transport already.
+        except (BrokenPipeError, ConnectionResetError, RuntimeError):
+            code = await self.proc.wait()
+            raise WorkerDied(f"grammar compile worker exited with {code}") from None
 
     def kill(self) -> None:
         if self.proc.returncode is None:
@@ -128,6 +144,22 @@ class GrammarCompilePool:
         return serialised
 
     async def _compile_in_worker(self, spec: StructuredOutput) -> str:
+        """A worker that dies (killed, out of memory, a crash of the compiler) costs the
+        request one retry on a fresh worker; a second death is the server's failure, a 503."""
+        try:
+            return await self._compile_once(spec)
+        except WorkerDied as err:
+            self.ended["crashed"] += 1
+            logger.warning("a grammar compile worker died (%s); retrying on a fresh one", err)
+        try:
+            return await self._compile_once(spec)
+        except WorkerDied as err:
+            self.ended["crashed"] += 1
+            logger.error("a grammar compile worker died again (%s)", err)
+            message = "the server's grammar compiler failed twice on this request; try again"
+            raise CompilerFailed(message) from None
+
+    async def _compile_once(self, spec: StructuredOutput) -> str:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.size)
         async with self._slots:
@@ -149,7 +181,7 @@ class GrammarCompilePool:
         worker = None
         try:
             worker = self._free.pop() if self._free else await self._start_worker()
-        except RuntimeError:  # it was ended while starting: the server stops
+        except WorkerDied:  # it was ended while starting: the server stops, or it died
             if not self._closed:
                 raise
         if self._closed:  # close() may have come during any await above
@@ -174,10 +206,7 @@ class GrammarCompilePool:
                 f"{kind} did not compile within {self.timeout_s:g} s (--grammar-compile-timeout)"
             )
             return TierserveError(message, kind)
-        if isinstance(err, RuntimeError):  # the compiler itself died on this grammar
-            self.ended["crashed"] += 1
-            return TierserveError(f"{kind} crashed the compiler", kind)
-        return err
+        return err  # WorkerDied: retried once by the caller
 
     async def _start_worker(self) -> CompileWorker:
         if self._info is None:

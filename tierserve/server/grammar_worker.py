@@ -12,10 +12,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import asdict, dataclass
 from typing import BinaryIO
 
 READY = b"ready\n"
+# Tests hold a compile in its worker through this file, as STEP_HOLD_ENV holds a step: while it
+# exists, a worker that took a job waits before compiling, after writing FILE.held.PID.
+COMPILE_HOLD_ENV = "TIERSERVE_TEST_COMPILE_HOLD"
 # Seconds one compile may take before the pool ends its process (`--grammar-compile-timeout`).
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
 
@@ -59,6 +63,7 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
     replies.flush()
     for line in requests:
         job = CompileJob.decode(line)
+        _test_hold()
         try:
             spec = StructuredOutput(job.kind, job.source)
             result = CompileResult(compiled=compile_spec(compiler, spec).serialize_json())
@@ -66,6 +71,16 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
             result = CompileResult(error=err.message)
         replies.write(result.encode())
         replies.flush()
+
+
+def _test_hold() -> None:
+    hold = os.environ.get(COMPILE_HOLD_ENV)
+    if not hold or not os.path.exists(hold):
+        return
+    with open(f"{hold}.held.{os.getpid()}", "w"):
+        pass
+    while os.path.exists(hold):
+        time.sleep(0.01)
 
 
 def main() -> int:

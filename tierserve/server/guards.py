@@ -18,9 +18,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tierserve.server.json_depth import JsonDepthGauge
 
-# Routes that need the key when the server has one (vLLM's choice: health and metrics stay open
-# for load balancers and scrapers).
-PROTECTED = ("/v1/", "/generate", "/flush_cache")
+# The routes open without the key when the server has one (SGLang's choice: its health routes
+# and metrics stay open for load balancers, routers' probes and scrapers). Everything else,
+# /server_info and the API's docs included, needs the key.
+OPEN_ROUTES = frozenset({"/health", "/health_generate", "/metrics"})
 
 
 async def send_error(send: Send, status: int, message: str, kind: str, **headers: str) -> None:
@@ -33,14 +34,14 @@ async def send_error(send: Send, status: int, message: str, kind: str, **headers
 
 
 class ApiKey:
-    """`Authorization: Bearer KEY` on the protected routes, compared in constant time."""
+    """`Authorization: Bearer KEY` on every route but OPEN_ROUTES, compared in constant time."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app = app
         self.expected = f"Bearer {key}".encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(PROTECTED):
+        if scope["type"] == "http" and scope["path"].rstrip("/") not in OPEN_ROUTES:
             given = dict(scope.get("headers", ())).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 message = "missing or wrong API key (Authorization: Bearer ...)"

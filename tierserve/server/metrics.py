@@ -21,8 +21,19 @@ class EngineCollector(Collector):
 
     def __init__(self) -> None:
         self.families: list[MetricFamily] = []
+        self.age_s: float | None = 0.0  # how old they are (None: the core never answered)
 
     def collect(self) -> Iterator[Metric]:
+        stale = self.age_s is None or self.age_s > 0
+        yield _gauge(
+            "tierserve_engine_metrics_stale",
+            "1: the engine core did not answer within the bound (docs/server.md), so its "
+            "families below are its last answer's",
+            float(stale),
+        )
+        if self.age_s is not None:
+            age = "seconds since the engine core's families below were read (0: this scrape)"
+            yield _gauge("tierserve_engine_metrics_age_seconds", age, self.age_s)
         for f in self.families:
             kind = CounterMetricFamily if f.kind == "counter" else GaugeMetricFamily
             family = kind(f.name, f.doc, labels=f.labels)
@@ -78,6 +89,7 @@ class ServerMetrics:
     def _histogram(self, name: str, doc: str) -> Histogram:
         return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
 
-    def render(self, engine_families: list[MetricFamily]) -> bytes:
-        self._engine.families = engine_families  # on the event loop: one scrape at a time
+    def render(self, engine_families: list[MetricFamily], age_s: float | None = 0.0) -> bytes:
+        # On the event loop: one scrape at a time.
+        self._engine.families, self._engine.age_s = engine_families, age_s
         return generate_latest(self.registry)

@@ -12,7 +12,7 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
 
 from tierserve.errors import TierserveError
 from tierserve.sampling_params import SamplingParams, StructuredOutput
@@ -69,7 +69,7 @@ class TextBody(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class SamplingKnobs(TextBody):
@@ -83,14 +83,15 @@ class SamplingKnobs(TextBody):
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[StrictInt] | None = None
-    ignore_eos: bool = False
+    ignore_eos: StrictBool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: dict[str, float] | None = None
-    return_token_ids: bool = False  # vLLM's: the prompt's and the output's token ids
-    return_hidden_states: bool | None = None  # SGLang's; False: no file on a capture server
+    return_token_ids: StrictBool = False  # vLLM's: the prompt's and the output's token ids
+    # SGLang's; False: no file on a capture server. Strict: "yes" is no boolean.
+    return_hidden_states: StrictBool | None = None
     regex: str | None = None  # SGLang's structured output beside OpenAI's response_format
     ebnf: str | None = None
 
@@ -157,7 +158,7 @@ class SamplingFields(SamplingKnobs):
 
     model: str | None = None
     n: int = 1
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     logprobs: Any = None
     top_logprobs: int | None = None
@@ -194,7 +195,7 @@ class SamplingFields(SamplingKnobs):
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
-    echo: bool = False
+    echo: StrictBool = False
 
     @property
     def prompt_only(self) -> bool:
@@ -254,16 +255,39 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class FunctionDefinition(BaseModel):
+    """OpenAI's function tool: what the model may call and the JSON schema of its arguments."""
+
+    model_config = ConfigDict(extra="allow")
+
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(BaseModel):
+    """One entry of a chat request's `tools` (OpenAI's shape; the only type is a function)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 class ChatTemplateFields(BaseModel):
-    """What a chat template renders: the messages and vLLM's switches."""
+    """What a chat template renders: the messages, the tools and documents it may show, and
+    vLLM's switches (server/chat_template.py renders them)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     # vLLM's chat template switches: open an assistant turn (the default), or continue the
     # last message as it stands (what regenerating a conversation's turn needs).
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    tools: list[dict[str, Any]] | None = None
+    chat_template: str | None = None  # vLLM's: needs --trust-request-chat-template
+    tools: list[ToolDefinition] | None = None
+    documents: list[dict[str, str]] | None = None  # vLLM's: for retrieval templates
 
     def template_switches(self) -> dict[str, Any]:
         if self.continue_final_message and self.add_generation_prompt:
@@ -275,9 +299,12 @@ class ChatTemplateFields(BaseModel):
         if self.continue_final_message and self.messages[-1].role != "assistant":
             message = "continue_final_message needs an assistant message last"
             raise TierserveError(message, "continue_final_message")
-        extra = {"tools": self.tools} if self.tools else {}
+        extra: dict[str, Any] = {}
+        if self.tools:
+            extra["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
+        if self.documents:
+            extra["documents"] = self.documents
         return {
-            **(self.chat_template_kwargs or {}),
             **extra,
             "add_generation_prompt": self.add_generation_prompt,
             "continue_final_message": self.continue_final_message,
@@ -315,41 +342,6 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
                 raise TierserveError("top_logprobs needs logprobs: true", "top_logprobs")
             return None
         return self.top_logprobs or 0
-
-
-class NativeSamplingParams(SamplingKnobs):
-    """SGLang's /generate sampling parameters, typed so that bad values are a 400."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    max_new_tokens: int | None = None  # SGLang's name for max_tokens; default 128 as SGLang
-    min_new_tokens: int | None = None  # SGLang's name for min_tokens
-    json_schema: str | None = None  # SGLang's: the schema as JSON text
-
-    def to_params(self) -> SamplingParams:
-        limit = self.max_new_tokens if self.max_new_tokens is not None else self.max_tokens
-        if self.min_new_tokens is not None:
-            self.min_tokens = self.min_new_tokens
-        schema = self.json_schema
-        schema = StructuredOutput("json_schema", schema) if schema is not None else None
-        return self._params(limit if limit is not None else 128, schema)
-
-
-class GenerateRequest(TextBody):
-    """SGLang's native /generate: text or token ids, sampling parameters in one object."""
-
-    text: str | None = None
-    input_ids: list[StrictInt] | None = None
-    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
-    stream: bool = False
-
-    def prompt(self) -> str | list[int]:
-        if (self.text is None) == (self.input_ids is None):
-            raise TierserveError("give exactly one of text or input_ids", "text")
-        return self.text if self.text is not None else self.input_ids
-
-    def params(self) -> SamplingParams:
-        return self.sampling_params.to_params()
 
 
 def new_id(prefix: str) -> str:

@@ -14,12 +14,25 @@ from typing import Any
 from tierserve.args import EngineArgs
 from tierserve.messages import CoreInfo, MetricFamily
 
+REDACTED = "<redacted>"
+# Flags whose values may hold a store's or a peer's address, credentials, or where this node
+# keeps its data: /server_info names them, never says them.
+SECRET_FLAGS = ("dist_init_addr", "hidden_states_dir")
+
 
 def server_info(args: EngineArgs, info: CoreInfo, served_name: str) -> dict[str, Any]:
     """SGLang's /get_server_info: the server's arguments (tierserve's flags, and SGLang's
-    names for the ones a router reads) and the engine's sizes."""
+    names for the ones a router reads) and the engine's sizes; addresses, paths of data and
+    the storage backend's extra config are redacted."""
+    flags = dataclasses.asdict(args)
+    for name in SECRET_FLAGS:
+        if flags[name] is not None:
+            flags[name] = REDACTED
+    flags["hicache_storage_backend_extra_config"] = _redacted_extra(
+        args.hicache_storage_backend_extra_config
+    )
     return {
-        **dataclasses.asdict(args),
+        **flags,
         "model_path": info.model_path,
         "tokenizer_path": info.tokenizer_path,
         "served_model_name": served_name,
@@ -50,6 +63,8 @@ def loads(families: list[MetricFamily], page_size: int) -> list[dict[str, int]]:
     """SGLang's /get_load: per attention group (one without DP attention), the requests
     running and waiting and the device KV tokens in use, read from the engine's metrics."""
     by_name = {f.name: f for f in families}
+    if "tierserve_num_requests_running" not in by_name:  # the core has not answered yet
+        return [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}]
 
     def values(name: str) -> list[int]:
         return [int(v) for _, v in by_name[name].samples]
@@ -67,6 +82,17 @@ def loads(families: list[MetricFamily], page_size: int) -> list[dict[str, int]]:
         {"dp_rank": g, "num_reqs": r, "num_waiting_reqs": w, "num_tokens": t}
         for g, (r, w, t) in enumerate(zip(running, waiting, tokens, strict=True))
     ]
+
+
+def _redacted_extra(text: str | None) -> dict[str, str] | str | None:
+    """The extra config's keys (what a user set), none of its values."""
+    if text is None:
+        return None
+    try:
+        config = json.loads(text)
+    except ValueError:
+        return REDACTED
+    return {str(key): REDACTED for key in config} if isinstance(config, dict) else REDACTED
 
 
 def _config(model_path: str) -> dict[str, Any]:
