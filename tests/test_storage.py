@@ -1,13 +1,17 @@
 """The storage tier (L3): outputs equal a run without any cache, a restarted server finds its
-pages in a file directory, two servers share pages through a real Mooncake Store, damaged
-objects are caught and recomputed, and a store that is slow, full or down costs hits, never
-correctness or liveness; the auto prefetch policy waits when reading beats recomputing."""
+pages in a file directory, whose cap holds for every process writing to it and which comes back
+when removed, two servers share pages through a real Mooncake Store, damaged objects are caught
+and recomputed (a damaged chain rewritten whole), and a store that is slow, full or down costs
+hits, never correctness or liveness; the auto prefetch policy waits when reading beats
+recomputing."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -15,6 +19,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 
@@ -22,6 +27,7 @@ from tests.conftest import Server, random_prompts, serve_cmd
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.args import default_model
 from tierserve.sizing.kv import KVSpec
+from tierserve.storage.client import GuardedStore, StorageStats, StorageUnavailable
 from tierserve.storage.file import FileBackend
 from tierserve.storage.keys import Namespace
 from tierserve.storage.mooncake import MooncakeMaster
@@ -86,31 +92,36 @@ def test_a_restarted_engine_finds_its_pages_in_the_directory(llama_dir, tmp_path
     assert stats.hit_pages == 2 * hits
 
 
-def test_damaged_objects_are_caught_counted_and_recomputed(llama_dir, tmp_path, reference):
+def test_a_chain_of_damaged_pages_is_rewritten_whole(llama_dir, tmp_path, reference):
+    """Every stored page damaged (a flipped byte, or another key's intact object): the first
+    pass stops at each prompt's first page and recomputes, and rewrites every page after it
+    too, though `exists` sees them; the second pass hits each whole prompt."""
     store = tmp_path / "kv"
     writer = storage_llm(llama_dir, "file", {"path": str(store)})
     run(writer, 2)
     assert writer.engine.storage.flush_writes()
     files = sorted(p for p in store.glob("??/*") if p.is_file())
-    assert len(files) > 4
-    flipped = files[len(files) // 3]
-    data = bytearray(flipped.read_bytes())
-    data[-100] ^= 0xFF  # a flipped byte in the payload
-    flipped.write_bytes(bytes(data))
-    swapped = files[2 * len(files) // 3]
-    swapped.write_bytes(files[0].read_bytes())  # another key's intact object
+    originals = [f.read_bytes() for f in files]
+    for i, f in enumerate(files):
+        if i % 2:
+            data = bytearray(originals[i])
+            data[-100] ^= 0xFF  # a flipped byte in the payload
+            f.write_bytes(bytes(data))
+        else:
+            f.write_bytes(originals[i - 1])  # another key's intact object
 
     reader = storage_llm(llama_dir, "file", {"path": str(store)})
     assert run(reader, 2) == reference[2]
     stats = reader.engine.storage.stats
-    assert stats.corrupt_objects >= 1 and stats.hit_pages > 0
-    # The damaged pages were recomputed and written again: a third engine hits more.
+    assert stats.corrupt_objects == 3 and stats.hit_pages == 0  # each prompt's first page
     assert reader.engine.storage.flush_writes()
-    third = storage_llm(llama_dir, "file", {"path": str(store)})
-    assert run(third, 2) == reference[2]
-    # Each damaged object is caught once (a prefetch stops at the first), then replaced.
-    assert stats.corrupt_objects + third.engine.storage.stats.corrupt_objects == 2
-    assert third.engine.storage.stats.hit_pages > stats.hit_pages
+    prompt_pages = sum((len(p) - 1) // PAGE for p in prompts(2))
+    assert stats.written_pages >= prompt_pages  # the damaged and every page after them
+    reader.engine.flush_cache()  # device and host: the pages are in the directory alone
+    outs = reader.generate(prompts(2), GREEDY)
+    assert [o.token_ids for o in outs] == reference[2]
+    assert all(o.cached_tokens >= o.prompt_tokens - PAGE for o in outs)
+    assert stats.corrupt_objects == 3
 
 
 def test_the_directory_cap_evicts_least_recently_used(tmp_path):
@@ -123,6 +134,82 @@ def test_the_directory_cap_evicts_least_recently_used(tmp_path):
     assert present[0] and all(present[8:])  # the recent read and the newest stay
     assert not all(present[1:8]) and backend.used <= 10_000
     assert backend.evicted > 0
+
+
+WRITER = """
+import sys
+from tierserve.storage.file import FileBackend
+backend = FileBackend({"path": sys.argv[1], "max_bytes": int(sys.argv[2])})
+print("open", flush=True)
+sys.stdin.readline()  # every process has opened the directory before any writes
+for batch in range(3):  # 12,000 B: under the cap, each process alone
+    backend.put({f"{sys.argv[3]}{batch:02d}{i}": bytes(1000) for i in range(4)})
+"""
+
+
+def directory_bytes(root: Path) -> int:
+    """What the directory holds, read from it: every file, objects and record."""
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def test_the_directory_cap_holds_for_every_process_writing_to_it(tmp_path):
+    """Four processes opened the directory before any wrote (each counted its own writes, so
+    none evicted and the directory grew to 2.4x the cap): now its record counts them all."""
+    cap = 20_000
+    cmd = [sys.executable, "-c", WRITER, str(tmp_path), str(cap)]
+    procs = [
+        subprocess.Popen([*cmd, name], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        for name in ("aa", "bb", "cc", "dd")
+    ]
+    for proc in procs:
+        assert proc.stdout.readline() == "open\n"
+    for proc in procs:
+        proc.stdin.close()  # go: 48,000 B at once
+    assert [proc.wait(timeout=60) for proc in procs] == [0] * 4
+    assert cap * 0.5 < directory_bytes(tmp_path) <= cap
+    # A process given no cap takes the directory's (the last one given).
+    assert FileBackend({"path": str(tmp_path)}).max_bytes == cap
+
+
+def test_processes_agree_on_the_default_cap(tmp_path):
+    first = FileBackend({"path": str(tmp_path)})
+    first.put({"aakey": bytes(10_000)})  # less free space now: the cap must not follow it
+    second = FileBackend({"path": str(tmp_path)})
+    assert second.max_bytes == first.max_bytes > 0
+    free, used = shutil.disk_usage(tmp_path).free, directory_bytes(tmp_path)
+    assert first.max_bytes <= (free + used) // 2 + 10_000
+
+
+def test_a_removed_directory_is_made_again_and_hits_return(llama_dir, tmp_path, reference, caplog):
+    store = tmp_path / "kv"
+    llm = storage_llm(llama_dir, "file", {"path": str(store)})
+    assert run(llm, 3) == reference[3] and llm.engine.storage.flush_writes()
+    shutil.rmtree(store)  # mid-run: the server's next call makes it again
+    llm.engine.flush_cache()
+    with caplog.at_level(logging.WARNING, logger="tierserve"):
+        assert run(llm, 3) == reference[3]  # recomputed, and written again
+    assert any("vanished while serving: made again" in r.message for r in caplog.records)
+    assert llm.engine.storage.flush_writes() and list(store.glob("??/*"))
+    llm.engine.flush_cache()
+    outs = llm.generate(prompts(3), GREEDY)
+    assert [o.token_ids for o in outs] == reference[3]
+    assert all(o.cached_tokens >= o.prompt_tokens - PAGE for o in outs)
+    assert llm.engine.storage.store.state == "closed"
+
+
+def test_a_path_that_cannot_be_a_directory_opens_the_breaker_with_a_log_line(tmp_path, caplog):
+    backend = FileBackend({"path": str(tmp_path / "kv")})
+    stats = StorageStats()
+    store = GuardedStore(backend, stats, failures_to_open=2, cooldown_s=60)
+    shutil.rmtree(tmp_path / "kv")
+    (tmp_path / "kv").write_bytes(b"not a directory")
+    with caplog.at_level(logging.WARNING, logger="tierserve"):
+        for call in ((backend.exists, ["aakey"]), (backend.put, {"aakey": b"x"})):
+            with pytest.raises(StorageUnavailable):
+                store.call(*call)
+    assert store.state == "open" and stats.breaker_opens == 1 and stats.errors == 2
+    (line,) = [r.message for r in caplog.records if "circuit breaker open" in r.message]
+    assert "NotADirectoryError" in line and "is not a directory" in line
 
 
 def test_flush_cache_empties_device_and_host_and_keeps_storage(llama_dir, tmp_path):
@@ -316,6 +403,35 @@ def test_a_full_write_queue_drops_writes_instead_of_waiting(llama_dir, tmp_path,
     assert llm.engine.storage.stats.dropped_writes > 0
 
 
+RELEASE = threading.Event()  # StuckCloseFileBackend's close returns once the test sets it
+
+
+@register("stuck-close-file")
+class StuckCloseFileBackend(FileBackend):
+    """The file backend whose client teardown does not return (a store gone mid-close)."""
+
+    tears_down = True
+
+    def close(self):
+        RELEASE.wait(60)
+
+
+def test_a_store_close_that_does_not_return_is_abandoned_after_its_timeout(
+    llama_dir, tmp_path, caplog
+):
+    extra = {"path": str(tmp_path), "close_timeout_s": 0.1}
+    llm = storage_llm(llama_dir, "stuck-close-file", extra)
+    RELEASE.clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="tierserve"):
+            llm.close()  # returns: the teardown is left on its daemon thread
+        assert llm.engine.storage.client_left_open
+    finally:
+        RELEASE.set()
+    (line,) = [r.message for r in caplog.records if "client teardown" in r.message]
+    assert "abandoned after close_timeout_s = 0.1 s" in line
+
+
 EXTRA = "hicache_storage_backend_extra_config"
 
 
@@ -398,49 +514,18 @@ def master() -> Iterator[MooncakeMaster]:
     m.stop()
 
 
-def test_two_servers_share_pages_through_one_mooncake_master(llama_dir, master):
+def test_servers_share_pages_through_mooncake_and_a_killed_ones_cost_only_hits(llama_dir, master):
+    """B reads the pages A stored. Then A is SIGKILLed while its segment holds them: the master
+    may still list them, but B's reads fail within the store's timeout, and it recomputes."""
     flags = (
         "--max-total-tokens", "4096", "--enable-hierarchical-cache",
         "--hicache-storage-backend", "mooncake",
         "--hicache-storage-backend-extra-config", json.dumps(master.extra()),
         "--hicache-storage-prefetch-policy", "wait_complete",
     )  # fmt: skip
-    a, b = Server(llama_dir, *flags), Server(llama_dir, *flags)
-    try:
-        prompt = prompts(6, 1)[0]
-        ca = openai.OpenAI(base_url=f"{a.url}/v1", api_key="x", max_retries=0)
-        cb = openai.OpenAI(base_url=f"{b.url}/v1", api_key="x", max_retries=0)
-        first = ca.completions.create(
-            model=llama_dir.name, prompt=prompt, max_tokens=4, temperature=0
-        )
-        deadline = time.monotonic() + 20  # A's writes are in the background
-        while a.metrics()["tierserve_storage_written_pages_total"] < (len(prompt) - 1) // PAGE:
-            assert time.monotonic() < deadline, a.metrics()
-            time.sleep(0.1)
-        second = cb.completions.create(
-            model=llama_dir.name, prompt=prompt, max_tokens=4, temperature=0
-        )
-        assert second.choices[0].text == first.choices[0].text
-        assert second.usage.prompt_tokens_details.cached_tokens > 0
-        assert b.metrics()["tierserve_storage_hit_pages_total"] > 0
-    finally:
-        a.stop()
-        b.stop()
-
-
-def test_a_killed_replicas_objects_fail_fast_and_are_recomputed(llama_dir, master):
-    """SIGKILL of the server whose segment holds the objects: the master may still list them,
-    but the other server's reads fail within the store's timeout, and it recomputes."""
-    extra = master.extra(timeout_s=1.0)
-    flags = (
-        "--max-total-tokens", "4096", "--enable-hierarchical-cache",
-        "--hicache-storage-backend", "mooncake",
-        "--hicache-storage-backend-extra-config", json.dumps(extra),
-        "--hicache-storage-prefetch-policy", "wait_complete",
-    )  # fmt: skip
     a, b = Server(llama_dir, *flags), None
     try:
-        prompt = prompts(7, 1)[0]
+        prompt = prompts(6, 1)[0]
         body = dict(model=llama_dir.name, prompt=prompt, max_tokens=4, temperature=0)
         ca = openai.OpenAI(base_url=f"{a.url}/v1", api_key="x", max_retries=0)
         first = ca.completions.create(**body)
@@ -448,13 +533,20 @@ def test_a_killed_replicas_objects_fail_fast_and_are_recomputed(llama_dir, maste
         a.wait_for(lambda m: m["tierserve_storage_written_pages_total"] >= pages)
         # Started after A's writes, B's segment holds none of them: all are in A's.
         b = Server(llama_dir, *flags)
-        a.proc.kill()  # its engine core dies with it (a parent-death signal)
-        a.proc.wait(timeout=30)
         cb = openai.OpenAI(base_url=f"{b.url}/v1", api_key="x", max_retries=0, timeout=60)
         second = cb.completions.create(**body)
         assert second.choices[0].text == first.choices[0].text
+        assert second.usage.prompt_tokens_details.cached_tokens > 0
+        hits = b.metrics()["tierserve_storage_hit_pages_total"]
+        assert hits > 0
+
+        a.proc.kill()  # its engine core dies with it (a parent-death signal)
+        a.proc.wait(timeout=30)
+        httpx.post(f"{b.url}/flush_cache", timeout=30).raise_for_status()  # the store alone
+        third = cb.completions.create(**body)
+        assert third.choices[0].text == first.choices[0].text
         metrics = b.metrics()
-        assert metrics["tierserve_storage_hit_pages_total"] == 0
+        assert metrics["tierserve_storage_hit_pages_total"] == hits
         failed = ("errors", "timeouts", "miss_pages", "breaker_skips")
         assert sum(metrics[f"tierserve_storage_{f}_total"] for f in failed) > 0, metrics
     finally:

@@ -1,23 +1,28 @@
 """The storage tier under tensor parallelism (real rank processes over gloo): each rank's pages
 are keyed by the heads it holds (or "latent", the same on every rank), one rank writes each
 replicated page, the ranks agree on what every prefetch brought before any tree changes, and
-greedy outputs equal TP 1 without any cache, with the file backend and a real Mooncake Store."""
+greedy outputs equal TP 1 without any cache, with the file backend and a real Mooncake Store.
+A file directory's cap holds for all the processes writing to it, and a TP server whose master
+died stops without tearing its ranks' clients down against it."""
 
 from __future__ import annotations
 
+import json
+import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.conftest import eventually, make_checkpoint, random_prompts
-from tests.test_storage import PAGE
+from tests.conftest import Server, eventually, make_checkpoint, random_prompts
+from tests.test_storage import PAGE, directory_bytes
 from tests.test_storage import storage_llm as single_rank_storage_llm
 from tierserve import LLM, SamplingParams
 from tierserve.sizing.kv import KVSpec
 from tierserve.storage import MooncakeMaster
-from tierserve.storage.keys import Namespace, shard_of
-from tierserve.storage.mooncake import MooncakeBackend
+from tierserve.storage.keys import shard_of
 from tierserve.storage.prefetch import RankRoles
 
 CPU = dict(device="cpu")
@@ -91,41 +96,94 @@ def test_an_mla_latent_stored_under_tp1_serves_tp2(models, tmp_path):
         assert reader.engine.storage.stats.hit_pages > 0
 
 
-def every_rank_stored(llm: LLM, extra: dict, batch: list[list[int]]) -> bool:
-    """Whether the store holds every rank's pages of `batch`'s prompts, asked through another
-    client of it (each rank writes from its own process, in the background)."""
-    ns = llm.engine.storage.namespace
-    shards = [Namespace(ns.model, ns.spec, shard_of(ns.spec, r)) for r in range(2)]
-    keys = [k for s in shards for p in batch for k in s.chain(None, p[:-1])]
-    client = MooncakeBackend(extra)
+def storage_flags(backend: str, extra: dict, *more: str) -> tuple[str, ...]:
+    """A server as storage_llm's engine (on the CPU: gloo, and the same page bytes)."""
+    return (
+        "--max-total-tokens", "4096", "--page-size", str(PAGE), "--enable-hierarchical-cache",
+        "--hicache-storage-backend", backend,
+        "--hicache-storage-backend-extra-config", json.dumps(extra), "--device", "cpu", *more,
+    )  # fmt: skip
+
+
+def served(server: Server, batch: list[list[int]]) -> list[tuple[list[int], int]]:
+    """Each prompt's greedy output ids and cached prompt tokens, one request each."""
+    out = []
+    for prompt in batch:
+        body = {"model": "llama", "prompt": prompt, "max_tokens": 6, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        reply.raise_for_status()
+        answer = reply.json()
+        cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
+        out.append((answer["choices"][0]["token_ids"], cached))
+    return out
+
+
+def flush_cache(server: Server) -> None:
+    httpx.post(f"{server.url}/flush_cache", timeout=60).raise_for_status()
+
+
+def test_tp2_and_a_server_on_one_directory_keep_it_under_its_cap(models, tmp_path):
+    """Three processes (a TP 2 engine's ranks and a server) write 1.6x the cap at once, each of
+    them less than it: counted each by its own, the directory held them all."""
+    path, cap = models["llama"], 800_000
+    extra = {"path": str(tmp_path), "max_bytes": cap}
+    server = Server(path, *storage_flags("file", extra))
     try:
-        return eventually(lambda: all(client.exists(keys)), 30)
+        with storage_llm(path, "file", extra, tp=2) as llm, ThreadPoolExecutor(1) as pool:
+            requests = pool.submit(served, server, prompts(2))
+            llm.generate(prompts(1), GREEDY)
+            requests.result(timeout=120)
+            pages = sum((len(p) - 1) // PAGE for p in prompts(2))
+            server.wait_for(lambda m: m["tierserve_storage_written_pages_total"] >= pages)
+        written = llm.engine.storage.stats.written_bytes  # rank 0's: rank 1 wrote as many
+        written += server.metrics()["tierserve_storage_written_bytes_total"]
     finally:
-        client.close()
+        server.stop()  # SIGTERM: its queued writes land
+    assert written > cap
+    assert directory_bytes(tmp_path) <= cap
 
 
-def test_tp2_with_mooncake_survives_its_master_dying(models, master):
-    """Objects live in the segments of the clients that stored them: one TP 2 server writes and
-    reads back its own, then loses the master mid-run."""
+def test_tp2_with_mooncake_survives_its_master_dying_and_stops_without_it(models, master):
+    """Objects live in the segments of the clients that stored them: a TP 2 server writes and
+    reads back its own, then loses the master mid-run, which costs hits, never outputs. Then
+    SIGTERM: tearing a Mooncake client down against the dead master waits out its RPC timeouts
+    (24 s at TP 2, one rank after another). Rank 0 now stops the other ranks before it closes
+    its own storage, and each rank, finding the store silent, skips the teardown and exits
+    without it (Mooncake's exit handler would do it): each says so once, and none runs."""
     path = models["llama"]
     want = {s: reference(path, s) for s in (3, 4)}
     # The default call timeout (2 s) for a live master; a short cooldown, so the breaker
     # lets calls test the dead one again soon.
-    quick = master.extra(breaker_cooldown_s=0.5)
-    with storage_llm(path, "mooncake", quick, tp=2) as llm:
-        assert [o.token_ids for o in llm.generate(prompts(3), GREEDY)] == want[3]
-        assert every_rank_stored(llm, master.extra(), prompts(3))
-        llm.engine.flush_cache()  # device and host: the next pass reads the store
-        outs = llm.generate(prompts(3), GREEDY)
-        assert [o.token_ids for o in outs] == want[3]
-        stats = llm.engine.storage.stats
-        assert stats.hit_pages > 0 and all(o.cached_tokens > 0 for o in outs)
+    extra = master.extra(breaker_cooldown_s=0.5)
+    policy = ("--hicache-storage-prefetch-policy", "wait_complete")
+    server = Server(path, *storage_flags("mooncake", extra, *policy, "--tp-size", "2"))
+    try:
+        assert [ids for ids, _ in served(server, prompts(3))] == want[3]
+
+        def every_prompt_hits() -> bool:  # once every rank's background writes have landed
+            flush_cache(server)  # device and host: the next pass reads the store
+            outs = served(server, prompts(3))
+            assert [ids for ids, _ in outs] == want[3]
+            return all(cached > 0 for _, cached in outs)
+
+        assert eventually(every_prompt_hits, 60)
         master.stop()  # mid-run: hits are lost, never outputs or liveness
-        llm.engine.flush_cache()
-        assert [o.token_ids for o in llm.generate(prompts(4), GREEDY)] == want[4]
-        assert [o.token_ids for o in llm.generate(prompts(3), GREEDY)] == want[3]
-        assert stats.timeouts + stats.errors + stats.breaker_skips > 0
-        master.start()  # back on its ports before the clients close (they unmount through it)
+        flush_cache(server)
+        assert [ids for ids, _ in served(server, prompts(4))] == want[4]
+        assert [ids for ids, _ in served(server, prompts(3))] == want[3]
+        failed = ("timeouts", "errors", "breaker_skips")
+        assert sum(server.metrics()[f"tierserve_storage_{f}_total"] for f in failed) > 0
+        server.stop()  # SIGTERM, the master dead
+    finally:
+        server.stop()
+        master.start()  # for the tests after this one
+    log = server.log_path.read_text()
+    assert server.proc.returncode == -signal.SIGTERM, log  # its own exit: not killed
+    skipped = [line for line in log.splitlines() if "client teardown skipped" in line]
+    for shard in ("kv heads 0-0 of 2", "kv heads 1-1 of 2"):  # rank 0's and rank 1's
+        assert sum(shard in line for line in skipped) == 1, log
+    assert "Failed to unmount segment" not in log  # Mooncake's teardown, on no rank
 
 
 def test_dp_attention_groups_read_their_own_pages(models, tmp_path):

@@ -87,6 +87,9 @@ def main() -> int:
         with contextlib.suppress(OSError):  # the API process may be gone already
             conn.send_bytes(encode(CoreFailed(f"engine loop failed: {err!r}")))
         return 1
+    from tierserve.storage import exit_if_client_left_open
+
+    exit_if_client_left_open(engine.storage)  # a dead store's client: no teardown at exit
     return 0
 
 

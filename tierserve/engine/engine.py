@@ -317,21 +317,23 @@ class Engine:
         self.kv.check_accounting([r.kv for r in self.scheduler.running])
 
     def close(self, write_timeout_s: float = 5.0) -> None:
-        """Let queued storage writes finish (bounded: a restarted server finds them), then
-        release the store's client; rank 0 stops the other ranks, and the process group is
-        left whatever fails on the way. Idempotent; `LLM`'s finalizer calls it."""
+        """Rank 0 stops the other ranks first, so that every rank closes its storage at once,
+        not one after another: queued writes finish (bounded: a restarted server finds them),
+        then the store's client goes (bounded too: storage/tier.py). The process group is left
+        whatever fails on the way. Idempotent; `LLM`'s finalizer calls it."""
         if self._closed:
             return
         self._closed = True
         ranks, self.ranks = self.ranks, None
         try:
             self.capture.close(write_timeout_s)
+            if ranks is not None and ranks.leader:
+                ranks.closing.set()  # the ranks may end while this one closes its storage
+                ranks.bus.exchange(stop=True)
             if self.storage is not None:
                 self._land_host_copies(tp=ranks is not None)
                 self.storage.flush_writes(write_timeout_s)
                 self.storage.close()
-            if ranks is not None and ranks.leader:
-                ranks.bus.exchange(stop=True)
         except BaseException:
             if ranks is not None:
                 ranks.kill()  # a rank that cannot be told to stop would wait until killed

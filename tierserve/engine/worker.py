@@ -31,6 +31,9 @@ def main() -> int:
     except TierserveError:
         return 2  # rank 0 refused the start-up and says why
     engine.follow()
+    from tierserve.storage import exit_if_client_left_open
+
+    exit_if_client_left_open(engine.storage)  # a dead store's client: no teardown at exit
     return 0
 
 

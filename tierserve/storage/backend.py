@@ -31,6 +31,7 @@ def config_bytes(extra: Mapping[str, Any], key: str, default: int) -> int:
 
 class StorageBackend(ABC):
     name: str = ""
+    tears_down: bool = False  # close() talks to the store, so it may wait on a dead one
 
     @abstractmethod
     def exists(self, keys: list[str]) -> list[bool]: ...
@@ -44,6 +45,11 @@ class StorageBackend(ABC):
 
     def close(self) -> None:  # noqa: B027 (optional)
         """Release what the backend holds (connections, segments)."""
+
+    def answers(self) -> bool:
+        """Whether the store answers now: asked before `close`, whose teardown may wait out
+        a dead store's timeouts."""
+        return True
 
     @classmethod
     def ram_bytes(cls, extra: Mapping[str, Any]) -> int:

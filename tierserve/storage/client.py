@@ -3,10 +3,12 @@ own, at most `workers` at once, and is waited for at most `timeout_s`. A call th
 abandoned and counted (a blocking C++ call cannot be cancelled; its slot stays taken until it
 returns, and with every slot taken a call fails at once). A circuit breaker stops calling after
 `failures_to_open` consecutive failures and lets one call through after `cooldown_s`: a store
-that is down costs hits, not time."""
+that is down costs hits, not time. Its opening is logged once (with the last failure), and so is
+the first call that succeeds after it."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -18,6 +20,8 @@ from typing import Any, TypeVar
 from tierserve.storage.backend import StorageBackend
 
 T = TypeVar("T")
+
+logger = logging.getLogger("tierserve")
 
 
 class StorageUnavailable(Exception):
@@ -76,6 +80,7 @@ class GuardedStore:
         self._lock = threading.Lock()
         self._failures = 0
         self._open_until = 0.0
+        self._said_open = False  # the opening was logged; the next success says it closed
 
     @property
     def state(self) -> str:
@@ -91,8 +96,9 @@ class GuardedStore:
                 self.stats.add(breaker_skips=1)
                 raise StorageUnavailable("the store is not answering (circuit breaker open)")
         if not self._slots.acquire(blocking=False):
-            self._failed(errors=1)
-            raise StorageUnavailable("every storage worker is stuck in an earlier call")
+            reason = "every storage worker is stuck in an earlier call"
+            self._failed(reason, errors=1)
+            raise StorageUnavailable(reason)
         future: Future[T] = Future()
         # A daemon thread per call: one stuck in the store's C++ client must not keep the
         # process from exiting (a pool's workers are joined at exit).
@@ -101,13 +107,18 @@ class GuardedStore:
         try:
             result = future.result(timeout=self.timeout_s)
         except FutureTimeout:
-            self._failed(timeouts=1)
-            raise StorageUnavailable(f"no answer within {self.timeout_s} s") from None
+            reason = f"no answer within {self.timeout_s} s"
+            self._failed(reason, timeouts=1)
+            raise StorageUnavailable(reason) from None
         except Exception as err:  # any failure of a third-party client: counted, not raised on
-            self._failed(errors=1)
-            raise StorageUnavailable(f"{type(err).__name__}: {err}") from None
+            reason = f"{type(err).__name__}: {err}"
+            self._failed(reason, errors=1)
+            raise StorageUnavailable(reason) from None
         with self._lock:
             self._failures = 0
+            said, self._said_open = self._said_open, False
+        if said:
+            logger.warning("storage (%s) answers again: circuit breaker closed", self.backend.name)
         return result
 
     def _run(self, future: Future[T], fn: Callable[..., T], args: tuple[Any, ...]) -> None:
@@ -118,11 +129,23 @@ class GuardedStore:
         finally:
             self._slots.release()
 
-    def _failed(self, **counts: int) -> None:
+    def _failed(self, reason: str, **counts: int) -> None:
         self.stats.add(**counts)
         with self._lock:
             self._failures += 1
-            if self._failures >= self.failures_to_open:
-                if time.monotonic() >= self._open_until:
-                    self.stats.add(breaker_opens=1)
-                self._open_until = time.monotonic() + self.cooldown_s
+            if self._failures < self.failures_to_open:
+                return
+            if time.monotonic() >= self._open_until:
+                self.stats.add(breaker_opens=1)
+            self._open_until = time.monotonic() + self.cooldown_s
+            say, self._said_open = not self._said_open, True
+            failures = self._failures
+        if say:
+            logger.warning(
+                "storage (%s): circuit breaker open after %d failed calls, the last: %s; "
+                "one call tries again every %s s",
+                self.backend.name,
+                failures,
+                reason,
+                self.cooldown_s,
+            )

@@ -34,6 +34,7 @@ class StorageConfig:
     batch_pages: int = 64
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
+    close_timeout_s: float = 2.0  # at shutdown, for the store's client teardown (tier.py)
     miss_ttl_s: float = 1.0  # a page a prefetch stopped at is not asked for again this soon
     namespace: str = ""  # a salt: servers with different salts never share pages
 

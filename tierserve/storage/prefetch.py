@@ -12,6 +12,11 @@ the agreed pages into its host tier, so trees and schedulers never diverge. A ra
 copy another rank of its node fills (cache/shared_host.py: MLA latents, replicated heads)
 fetches nothing: it places the same host pages without their bytes, which the filling rank
 writes into the shared copy, so a replicated page is read once per node.
+
+A damaged page (its header or checksum does not match) ends its prefetch, and the pages after it
+were never checked: the request recomputes them all, and the writer rewrites every one of them
+rather than trust the store's `exists`, so the next pass finds the whole chain intact (not one
+page more each pass).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from tierserve.storage.prefetch_policy import PrefetchRates, should_wait
 logger = logging.getLogger("tierserve")
 
 MAX_STOPPED = 1024  # pages where prefetches stopped, remembered for miss_ttl_s
+MAX_SUSPECT = 1 << 16  # keys to rewrite without asking `exists`: a few long chains
 NEVER = 2**62  # what a rank contributes to a MIN it has no say in
 
 
@@ -106,7 +112,9 @@ class Prefetcher:
         # anywhere in one joins it instead of fetching the same pages again.
         self.by_key: dict[str, Prefetch] = {}
         self._running: list[Prefetch] = []
-        self.bad_keys: set[str] = set()  # found corrupt: rewritten without asking `exists`
+        # Found damaged, or after a damaged page in its chain: rewritten without asking
+        # `exists`, oldest forgotten first.
+        self._suspect: OrderedDict[str, None] = OrderedDict()
         # Where prefetches stopped (a page missing or damaged), in the order the group agreed
         # on them, so a request that goes ahead after a partial prefetch does not start
         # another one at the same page for miss_ttl_s.
@@ -221,12 +229,24 @@ class Prefetcher:
         pf.cancelled.set()
 
     def written(self, keys: list[str]) -> None:
-        """Pages this server just stored: worth asking for again. Alone only: a group forgets
-        its stops at agreed points, never at a writer thread's moment."""
-        if self.roles.all_min is None:
-            with self._lock:
-                for key in keys:
+        """Pages this server just stored: intact now, and worth asking for again. Alone only:
+        a group forgets its stops at agreed points, never at a writer thread's moment."""
+        with self._lock:
+            for key in keys:
+                self._suspect.pop(key, None)
+                if self.roles.all_min is None:
                     self.stops.pop(key, None)
+
+    def suspects(self, keys: list[str]) -> set[str]:
+        """Those of `keys` the writer must store whatever `exists` says."""
+        with self._lock:
+            return {k for k in keys if k in self._suspect}
+
+    def _distrust(self, keys: list[str]) -> None:
+        with self._lock:
+            self._suspect.update(dict.fromkeys(keys))
+            while len(self._suspect) > MAX_SUSPECT:
+                self._suspect.popitem(last=False)
 
     def wait(self, timeout_s: float) -> None:
         """Block the engine thread briefly when only prefetches are left to wait for."""
@@ -249,11 +269,13 @@ class Prefetcher:
                     time.sleep(0.005)  # the engine places what came; memory stays bounded
                 start = len(pf.fetched)
                 want = pf.keys[start : start + self.batch_pages]
-                got = self._fetch_batch(want)
+                got, damaged = self._fetch_batch(want)
+                if damaged:  # before the engine can place the pages and recompute the rest
+                    self._distrust(pf.keys[start + len(got) :])
                 pf.fetched.extend(got)
                 self._any_fetched.set()
                 if len(got) < len(want):
-                    break  # a page is missing: the pages after it cannot be used
+                    break  # a page is missing or damaged: the pages after it cannot be used
             if len(pf.fetched) < len(pf.keys) and not pf.cancelled.is_set():
                 self.stats.add(miss_pages=len(pf.keys) - len(pf.fetched))
         except Exception:  # a bug here must not leave the request waiting for ever
@@ -262,27 +284,29 @@ class Prefetcher:
             pf.done.set()
             self._any_fetched.set()
 
-    def _fetch_batch(self, keys: list[str]) -> list[bytes | None]:
-        """The payloads of the leading pages of `keys` that exist and are intact."""
+    def _fetch_batch(self, keys: list[str]) -> tuple[list[bytes | None], bool]:
+        """The payloads of the leading pages of `keys` that exist and are intact, and whether
+        a damaged page ended them."""
         try:
             start = time.perf_counter()
             found = self.store.call(self.backend.exists, keys)
             n = found.index(False) if False in found else len(found)
             if n == 0:
-                return []
+                return [], False
             blobs = self.store.call(self.backend.get, keys[:n])
             seconds = time.perf_counter() - start
         except StorageUnavailable:
-            return []
+            return [], False
         self.rates.read.observe(sum(len(b) for b in blobs if b), seconds)
         out: list[bytes | None] = []
+        damaged = False
         for key, blob in zip(keys[:n], blobs, strict=True):
             payload = unpack(blob, key, self.spec) if blob else None
             if payload is None:
-                if blob:  # present but not this page: counted, rewritten when next stored
+                damaged = bool(blob)  # present but not this page (else: gone since `exists`)
+                if damaged:
                     self.stats.add(corrupt_objects=1)
-                    self.bad_keys.add(key)
                 break
             out.append(payload)
         self.stats.add(read_bytes=sum(len(b) for b in blobs if b), read_seconds=seconds)
-        return out
+        return out, damaged

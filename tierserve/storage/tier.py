@@ -9,13 +9,23 @@ Reads (prefetch.py): a request whose uncached prefix is at least `prefetch_thres
 starts a prefetch of its pages, in order, in batches, on worker threads; the engine thread places
 what every rank of its group has fetched at its next step, into the host tier, whence the request
 loads them back like any host hit. How long the request waits: prefetch_policy.py.
+
+Closing: the queued writes are the engine's to flush first (bounded); then the store's client is
+torn down, unless the store does not answer (the breaker is open, or its health check fails):
+tearing down a Mooncake client whose master is gone waits out its RPC timeouts, several seconds
+a process. Even a store that answers gets at most `close_timeout_s` (2 s) before its client is
+left to the process's exit. A client left so is `client_left_open`: the process should end with
+`os._exit` once the engine has closed (the engine core and the ranks do), or Mooncake's own exit
+handler tears it down against the dead master all the same.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 
@@ -59,6 +69,7 @@ class StorageTier:
         self._queued_bytes = 0  # bounded by cfg.write_queue_bytes (see write_room)
         self._writer = threading.Thread(target=self._write_loop, daemon=True, name="kv-writer")
         self._writer.start()
+        self.client_left_open = False  # close() left the store's client without its teardown
 
     # --- writes -----------------------------------------------------------------------------
 
@@ -96,15 +107,15 @@ class StorageTier:
         try:
             keys = [k for k, _ in batch]
             present = self.store.call(self.backend.exists, keys)
+            suspect = self.reads.suspects(keys)
             todo = {
                 k: pack(k, self.spec, payload)
                 for (k, payload), found in zip(batch, present, strict=True)
-                if not found or k in self.reads.bad_keys
+                if not found or k in suspect
             }
             if todo:
                 start = time.perf_counter()
                 self.store.call(self.backend.put, todo)
-                self.reads.bad_keys.difference_update(todo)
                 self.reads.written(list(todo))  # stored now: worth asking for again
                 self.stats.add(
                     written_pages=len(todo),
@@ -130,4 +141,47 @@ class StorageTier:
         self.reads.close()
         with contextlib.suppress(queue.Full):
             self._writes.put_nowait(None)
-        self.backend.close()  # store calls still running are daemon threads: nothing to join
+        self._close_client()  # store calls still running are daemon threads: nothing to join
+
+    def _close_client(self) -> None:
+        if not self.backend.tears_down:
+            self.backend.close()
+            return
+        who = f"storage ({self.cfg.backend}, {self.namespace.shard})"
+        reason = self._unreachable()
+        if reason is not None:
+            self.client_left_open = True
+            logger.warning("%s: client teardown skipped, no answer (%s)", who, reason)
+            return
+        closing = threading.Thread(target=self.backend.close, daemon=True, name="kv-store-close")
+        closing.start()
+        closing.join(self.cfg.close_timeout_s)
+        if closing.is_alive():
+            self.client_left_open = True
+            logger.warning(
+                "%s: client teardown abandoned after close_timeout_s = %s s",
+                who,
+                self.cfg.close_timeout_s,
+            )
+
+    def _unreachable(self) -> str | None:
+        """Why the store's client should not be torn down (None: it answers)."""
+        if self.store.state == "open":
+            return "circuit breaker open"
+        try:
+            answers = self.store.call(self.backend.answers)
+        except StorageUnavailable as err:
+            return str(err)
+        return None if answers else "health check failed"
+
+
+def exit_if_client_left_open(storage: StorageTier | None) -> None:
+    """End this process at once (status 0) if closing `storage` left its store's client without
+    its teardown: the client library's exit handler would do it at exit, waiting out the dead
+    store's timeouts. For a process whose engine has closed, with nothing left to run at exit."""
+    if storage is None or not storage.client_left_open:
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
