@@ -24,6 +24,7 @@ import pytest
 from tests.conftest import Server, eventually
 from tierserve.bench.client import parse_prometheus
 from tierserve.bench.replicas import Router
+from tierserve.server.api import STALE_HEADER
 
 KEY = "sesame-7781"
 PLANTED = "planted-secret-4417"
@@ -245,10 +246,12 @@ def test_metrics_and_load_answer_marked_stale_while_the_core_is_stopped(guarded)
         assert "tierserve_num_requests_running" in stale  # the core's last values
         load = httpx.get(f"{guarded.url}/get_load", headers=AUTH, timeout=30)
         assert load.status_code == 200 and load.json()[0]["num_reqs"] == 0
+        assert float(load.headers[STALE_HEADER]) > 0  # the last known load, and its age
         assert httpx.get(f"{guarded.url}/health", timeout=30).status_code == 200
     finally:
         guarded.core.send_signal(signal.SIGCONT)
     assert eventually(lambda: guarded.metrics()["tierserve_engine_metrics_stale"] == 0, 60)
+    assert STALE_HEADER not in httpx.get(f"{guarded.url}/get_load", headers=AUTH).headers
 
 
 # --- the capture directory breaks -----------------------------------------------------------

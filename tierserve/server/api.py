@@ -36,6 +36,8 @@ from tierserve.server.protocol import (
 from tierserve.server.worker_info import loads, model_info, server_info
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+# On /get_load, when the core did not answer in time: the seconds since its values were read.
+STALE_HEADER = "x-tierserve-stale-seconds"
 
 
 class ModelNotFound(Exception):
@@ -175,11 +177,13 @@ def _add_routes(
 
     @app.get("/get_load")
     @app.get("/get_loads")
-    async def get_load() -> list[dict[str, int]]:
+    async def get_load() -> JSONResponse:
         """Within STATE_WAIT_S: the last known load when the core does not answer in time (a
-        503 here makes sglang-router drop the worker)."""
-        families, _ = await engine.recent_metrics()
-        return loads(families, engine.info.page_size)
+        503 here makes sglang-router drop the worker), marked by a header with its age (the
+        body keeps SGLang's shape, which the router parses)."""
+        families, age = await engine.recent_metrics()
+        stale = {} if age == 0 else {STALE_HEADER: "unknown" if age is None else f"{age:.3f}"}
+        return JSONResponse(loads(families, engine.info.page_size), headers=stale)
 
     @app.get("/server_info")
     @app.get("/get_server_info")  # SGLang's older name; sglang-router tries both
