@@ -47,6 +47,10 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(BIN)/tierserve serve $(ARGS)
 
+# Two workers: most of the suite's time is servers and ranks starting, which overlap well on
+# two cores. tests/conftest.py groups the tests (a file's servers start once).
+PYTEST_ARGS ?= -n 2 --dist loadgroup --durations 25
+
 test: $(STAMP) $(SPEC_STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 

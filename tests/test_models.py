@@ -24,6 +24,18 @@ LENGTHS = [3, 9, 16, 17, 40, 64, 129, 300]
 
 
 def hf_greedy(path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
+    """transformers' greedy continuations; kept for the run (checkpoints never change under one
+    path), so tests that compare against the same prompts generate them once."""
+    key = (str(path), tuple(map(tuple, prompts)), max_new)
+    if key not in _HF_GREEDY:
+        _HF_GREEDY[key] = _hf_greedy(path, prompts, max_new)
+    return [list(out) for out in _HF_GREEDY[key]]
+
+
+_HF_GREEDY: dict[tuple, list[list[int]]] = {}
+
+
+def _hf_greedy(path, prompts: list[list[int]], max_new: int) -> list[list[int]]:
     model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
     # No EOS: generate exactly max_new tokens without masking EOS (min_new_tokens would).
     model.generation_config.eos_token_id = None

@@ -276,11 +276,12 @@ def test_server_with_hierarchical_cache_reports_host_tier(llama_dir):
         s.stop()
 
 
-def write_batch_input(path: Path, n: int) -> None:
+def write_batch_input(path: Path, n: int, model: str = "gpt-x") -> None:
+    """`gpt-x`: any name an in-process engine answers for; a server answers for its own."""
     with path.open("w") as f:
         for i in range(n):
             body = {
-                "model": "gpt-x",
+                "model": model,
                 "prompt": [3 + i % 50] * 30,
                 "max_tokens": 24,
                 "temperature": 0,
@@ -622,7 +623,7 @@ def test_rejected_requests_are_not_counted_as_aborts(server):
 
 def test_batch_rerun_retries_failed_lines_and_names_a_corrupt_one(server, tmp_path):
     src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
-    write_batch_input(src, 6)
+    write_batch_input(src, 6, model="llama")  # the shared server's name
     down = batch_command(src, out, "--url", f"http://127.0.0.1:{free_port()}", "--max-retries", "0")
 
     def statuses() -> dict[str, list[int]]:

@@ -151,7 +151,7 @@ def test_malformed_window_config_is_refused(extra, field):
 def test_windows_change_transformers_output(windowed, tmp_path):
     """The comparisons below can fail: past the window, transformers' greedy output with the
     window differs from the same weights' without it."""
-    prompts = random_prompts(len(PROMPT_LENGTHS), PROMPT_LENGTHS, seed=80)
+    prompts = random_prompts(len(PROMPT_LENGTHS), PROMPT_LENGTHS, seed=82)  # as below
     for family, path in windowed.items():
         assert ModelConfig.from_dir(path).layer_windows == EXPECTED_WINDOWS[family]
         full = without_window(path, tmp_path / family)

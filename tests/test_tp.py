@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 
 import httpx
 import openai
@@ -97,22 +98,42 @@ def test_a_node_budget_that_fits_one_rank_but_not_two_is_refused(llama_dir):
         "--hicache-size",
         f"{per_rank / 1e9:.3f}GB",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    env, tag = _tagged()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.count("host cache does not fit: 2 rank(s) ×") == 1
     # Refused before any pool: the start-up table (printed before allocating) never appears;
     # the other rank refused too.
     assert "KV cache plan" not in proc.stderr
     assert "rank 1 exited with status 2" in proc.stderr
-    assert not _workers_left()
+    assert not _workers_left(tag)
 
 
-def _workers_left() -> list[psutil.Process]:
+TEST_TAG = "TIERSERVE_TEST_TAG"  # read by nothing but these scans
+
+
+def _workers_left(tag: str | None = None) -> list[psutil.Process]:
+    """Rank processes that run; with `tag`, only those of the server started with it (another
+    test's ranks, on the other worker of the suite, are not this test's leak)."""
     return [
         p
         for p in psutil.process_iter(["cmdline"])
         if "tierserve.engine.worker" in " ".join(p.info["cmdline"] or [])
+        and (tag is None or _tag_of(p) == tag)
     ]
+
+
+def _tag_of(process: psutil.Process) -> str | None:
+    try:
+        return process.environ().get(TEST_TAG)
+    except psutil.Error:
+        return None
+
+
+def _tagged() -> tuple[dict[str, str], str]:
+    """An environment for a server whose processes (ranks too: they inherit it) carry a tag."""
+    tag = uuid.uuid4().hex
+    return {**os.environ, TEST_TAG: tag}, tag
 
 
 def _ranks_of(pid: int) -> list[psutil.Process]:
@@ -123,7 +144,8 @@ def _ranks_of(pid: int) -> list[psutil.Process]:
 
 def test_a_rank_killed_during_start_up_ends_the_others(llama_dir):
     cmd = serve_cmd(llama_dir, "--device", "cpu")
-    proc = subprocess.Popen([*cmd, "--tp-size", "2"], stderr=subprocess.PIPE, text=True)
+    env, tag = _tagged()
+    proc = subprocess.Popen([*cmd, "--tp-size", "2"], stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 60
     worker = None
     while worker is None and time.monotonic() < deadline:
@@ -135,7 +157,7 @@ def test_a_rank_killed_during_start_up_ends_the_others(llama_dir):
     start = time.monotonic()
     assert proc.wait(timeout=30) != 0
     assert time.monotonic() - start < 30
-    assert not _workers_left()
+    assert not _workers_left(tag)
 
 
 def test_server_with_tp2_answers_the_openai_client_and_a_dead_rank_gives_503(llama_dir):
@@ -275,6 +297,7 @@ def test_two_nodes_meet_on_loopback(llama_dir):
         node1.kill()
 
 
+@pytest.mark.xdist_group("timeouts")  # a 5 s watchdog: never beside another short timeout
 def test_a_stopped_rank_trips_the_watchdog_503_and_exit(llama_dir):
     """SIGSTOP (not SIGKILL) on the worker: its sockets stay open, so rank 0's collective would
     wait; past --watchdog-timeout, /health and the request in flight answer 503 and the server
