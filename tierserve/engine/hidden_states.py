@@ -105,17 +105,14 @@ class HiddenStatesWriter:
         the lock could not be taken (the directory is gone, full or not a directory), so this
         file is lost and the request goes on without one."""
         path = self.path_for(request_id)
-        lock_path = path.with_name(path.name + ".lock")
+        lock_path, lock = path.with_name(path.name + ".lock"), None
         try:
             lock = open(lock_path, "w")  # noqa: SIM115 (held until written)
-        except OSError as err:
-            self._lost(path, err)
-            return None
-        try:
             fcntl.flock(lock, fcntl.LOCK_EX)
         except OSError as err:
-            lock.close()
-            lock_path.unlink(missing_ok=True)
+            if lock is not None:
+                lock.close()
+                lock_path.unlink(missing_ok=True)
             self._lost(path, err)
             return None
         ids = torch.tensor(token_ids, dtype=torch.long)
@@ -127,8 +124,9 @@ class HiddenStatesWriter:
         self._queue.put(None)
         self._thread.join(timeout_s)
 
-    def _lost(self, path: Path, err: OSError) -> None:
-        logger.error("hidden states of %s not captured: %s", path.name, err.strerror or err)
+    def _lost(self, path: Path, err: Exception) -> None:
+        why = err.strerror if isinstance(err, OSError) and err.strerror else err
+        logger.error("hidden states of %s not captured: %s", path.name, why)
         self.failed += 1
 
     def _run(self) -> None:
@@ -145,8 +143,7 @@ class HiddenStatesWriter:
                 self.written += 1
                 self._unread.append((time.monotonic(), lock_path))
             except Exception as err:  # a full or vanished disk: this file is lost, not the server
-                logger.error("writing the hidden states of %s failed: %s", path.name, err)
-                self.failed += 1
+                self._lost(path, err)
                 for leftover in (tmp, path, lock_path):
                     with contextlib.suppress(OSError):
                         leftover.unlink(missing_ok=True)

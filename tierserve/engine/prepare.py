@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
-import shutil
 from typing import Any
 
 from tierserve.cache import pages_for
@@ -109,15 +108,15 @@ class RequestPreparer:
         need = tokens * self.info.hidden_state_bytes_per_token
         try:
             writable = os.path.isdir(directory) and os.access(directory, os.W_OK)
-            free = shutil.disk_usage(directory).free if writable else 0
-            inodes = os.statvfs(directory) if writable else None
+            fs = os.statvfs(directory) if writable else None  # its free bytes and inodes
         except OSError:
-            writable, free, inodes = False, 0, None
-        if not writable:
+            writable, fs = False, None
+        if not writable or fs is None:
             message = f"the hidden-states directory {directory} is not a writable directory"
             raise StorageFull(message, "hidden_states_dir")
+        free = fs.f_bavail * fs.f_frsize  # what shutil.disk_usage calls free
         # A file, its lock and its temporary name; f_files 0: the filesystem counts no inodes.
-        if inodes is not None and inodes.f_files and inodes.f_favail < 3:
+        if fs.f_files and fs.f_favail < 3:
             message = f"the hidden-states directory {directory} has no free inodes left"
             raise StorageFull(message, "hidden_states_dir")
         if free < need:

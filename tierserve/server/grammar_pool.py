@@ -146,18 +146,14 @@ class GrammarCompilePool:
     async def _compile_in_worker(self, spec: StructuredOutput) -> str:
         """A worker that dies (killed, out of memory, a crash of the compiler) costs the
         request one retry on a fresh worker; a second death is the server's failure, a 503."""
-        try:
-            return await self._compile_once(spec)
-        except WorkerDied as err:
-            self.ended["crashed"] += 1
-            logger.warning("a grammar compile worker died (%s); retrying on a fresh one", err)
-        try:
-            return await self._compile_once(spec)
-        except WorkerDied as err:
-            self.ended["crashed"] += 1
-            logger.error("a grammar compile worker died again (%s)", err)
-            message = "the server's grammar compiler failed twice on this request; try again"
-            raise CompilerFailed(message) from None
+        for attempt in ("retrying on a fresh one", "twice: the request gets a 503"):
+            try:
+                return await self._compile_once(spec)
+            except WorkerDied as err:
+                self.ended["crashed"] += 1
+                logger.warning("a grammar compile worker died (%s); %s", err, attempt)
+        message = "the server's grammar compiler failed twice on this request; try again"
+        raise CompilerFailed(message)
 
     async def _compile_once(self, spec: StructuredOutput) -> str:
         if self._slots is None:
