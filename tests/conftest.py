@@ -256,7 +256,17 @@ class Server(ServerProcess):
         return core
 
     def metrics(self) -> dict[str, float]:
-        return parse_prometheus(httpx.get(f"{self.url}/metrics").text)
+        """/metrics with the core's current values. A scrape the core did not answer within
+        the server's bound (1 s) carries its last values, marked stale: on a slow machine a
+        test would act on old counts (a step gate set from them), so it is asked again."""
+        seen: dict[str, float] = {}
+
+        def fresh() -> bool:
+            seen.update(parse_prometheus(httpx.get(f"{self.url}/metrics", timeout=60).text))
+            return seen.get("tierserve_engine_metrics_stale") == 0
+
+        assert eventually(fresh, 120), f"the engine core gave no fresh metrics: {seen}"
+        return seen
 
     def hold_steps(self, steps: int = 0) -> None:
         """Let the engine run `steps` more batches, then wait (call it while it is idle or
