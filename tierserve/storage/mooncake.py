@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -112,9 +113,17 @@ class MooncakeMaster:
     a one-machine setup): `extra()` is the storage config that attaches a server to it."""
 
     def __init__(self, port: int | None = None, http_port: int | None = None) -> None:
-        self.port, self.http_port = port or free_port(), http_port or free_port()
         self.proc: subprocess.Popen[bytes] | None = None
-        self.start()
+        # A free port may be taken by another process before the master binds it: ports it
+        # picked itself are picked again, twice at most.
+        for attempt in range(3):
+            self.port, self.http_port = port or free_port(), http_port or free_port()
+            try:
+                self.start()
+                return
+            except TierserveError:
+                if port or http_port or attempt == 2:
+                    raise
 
     def start(self, timeout_s: float = 20.0) -> None:
         beside = Path(sys.executable).parent / "mooncake_master"  # installed in the venv
@@ -124,15 +133,26 @@ class MooncakeMaster:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metadata", timeout=1)
+            if self._answers():
                 return
-            except urllib.error.HTTPError:
-                return  # it answers (404 for an unknown key): it is up
-            except OSError:
-                time.sleep(0.1)
+            time.sleep(0.1)
         self.stop()
         raise TierserveError(f"mooncake_master did not start on port {self.port}", "mooncake")
+
+    def _answers(self) -> bool:
+        """Both its ports take calls: the metadata server's comes up before the master's own,
+        and a client set up in between fails (a slow or busy machine sees that gap)."""
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metadata", timeout=1)
+        except urllib.error.HTTPError:
+            pass  # it answers (404 for an unknown key)
+        except OSError:
+            return False
+        try:
+            socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
+        except OSError:
+            return False
+        return True
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
