@@ -23,7 +23,7 @@ EXPORTS = {
     "check_size": "grammar",
     "compile_spec": "grammar",
     "engine_metrics": "metrics",
-    "load_tokenizer": "engine",
+    "load_tokenizer": "tokenizer",
     "new_compiler": "grammar",
     "startup_table": "kv_plan",
 }

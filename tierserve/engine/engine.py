@@ -28,6 +28,7 @@ from tierserve.engine.request import Request
 from tierserve.engine.runner import ChunkResult, ModelRunner
 from tierserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from tierserve.engine.startup import Startup, resolve_device
+from tierserve.engine.tokenizer import eos_token_id, lazy_tokenizer
 from tierserve.errors import TierserveError
 from tierserve.layers import ATTENTION_BACKENDS
 from tierserve.messages import (
@@ -46,18 +47,6 @@ from tierserve.outputs import StepOutput, TokenLogprob
 from tierserve.sampling_params import SamplingParams
 
 logger = logging.getLogger("tierserve")
-
-
-def load_tokenizer(path: str) -> Any:  # a transformers PreTrainedTokenizerBase
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, TypeError, KeyError, ImportError) as err:  # transformers
-        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        message = f"cannot load a tokenizer from {path} ({first}); give --tokenizer DIR"
-        raise TierserveError(message, field="tokenizer") from None
 
 
 class Engine:
@@ -80,10 +69,12 @@ class Engine:
             self.model_config, self.context_length = cfg, startup.context_length
             self.kv_plan = plan = startup.plan
             logger.info("KV cache plan:\n%s", startup_table(plan, args.dp_groups))
-            self.tokenizer = load_tokenizer(args.tokenizer_dir)
+            # Loaded where text is read (offline prompts, grammars): a core never loads it.
+            self._tokenizer = lazy_tokenizer(args.tokenizer_dir)
             self.eos_token_ids = set(cfg.eos_token_ids)
-            if self.tokenizer.eos_token_id is not None:
-                self.eos_token_ids.add(self.tokenizer.eos_token_id)
+            eos = eos_token_id(args.tokenizer_dir, self._tokenizer)
+            if eos is not None:
+                self.eos_token_ids.add(eos)
             # Before the weights: a store that cannot be reached refuses the start at no cost.
             self.storage = storage_tier(startup, args, self.ranks) if startup.storage else None
             model = load_model(startup.model_path, cfg, self.dtype, self.device)
@@ -124,7 +115,7 @@ class Engine:
                 hidden_states_dir=args.hidden_states_dir,
                 hidden_state_bytes_per_token=self.capture.bytes_per_token,
             )
-            self.preparer = RequestPreparer(self.info, self.tokenizer)
+            self.preparer = RequestPreparer(self.info, self._tokenizer)
             self.grammars = self.preparer.grammars
             if self.ranks is not None:  # ready when every rank is: rank 0 serves only then
                 self.ranks.bus.barrier()
@@ -138,6 +129,10 @@ class Engine:
     @staticmethod
     def vocab_size_of(model_path: str) -> int:
         return ModelConfig.from_dir(model_path).vocab_size
+
+    @property
+    def tokenizer(self) -> Any:  # a transformers PreTrainedTokenizerBase, loaded on first use
+        return self._tokenizer()
 
     # --- requests --------------------------------------------------------------------------
 

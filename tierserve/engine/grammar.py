@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -68,7 +69,7 @@ class GrammarState:
 class Grammars:
     """Compiles StructuredOutputs for one tokenizer; thread-safe, compiler made on first use."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_ids: set[int]) -> None:
+    def __init__(self, tokenizer: Callable[[], Any], vocab_size: int, stop_ids: set[int]) -> None:
         self._tokenizer, self._vocab_size, self._stop_ids = tokenizer, vocab_size, stop_ids
         self._compiler: Any = None
         self._info: Any = None
@@ -101,7 +102,7 @@ class Grammars:
                 import xgrammar
 
                 info = xgrammar.TokenizerInfo.from_huggingface(
-                    self._tokenizer,
+                    self._tokenizer(),
                     vocab_size=self._vocab_size,
                     stop_token_ids=sorted(self._stop_ids),
                 )

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import os
+from collections.abc import Callable
 from typing import Any
 
 from tierserve.cache import pages_for
@@ -25,9 +26,10 @@ MAX_CHARS_PER_TOKEN = 32
 
 
 class RequestPreparer:
-    def __init__(self, info: CoreInfo, tokenizer: Any) -> None:
+    def __init__(self, info: CoreInfo, tokenizer: Callable[[], Any]) -> None:
+        """`tokenizer()` gives the tokenizer (an engine core loads it only if text comes)."""
         self.info = info
-        self.tokenizer = tokenizer
+        self._tokenizer = tokenizer
         self.context_length = info.context_length
         self.grammars = Grammars(tokenizer, info.vocab_size, set(info.eos_token_ids))
         self._ids = itertools.count()
@@ -75,7 +77,7 @@ class RequestPreparer:
             if not prompt:
                 raise TierserveError("prompt is empty", field="prompt")
             self.check_text_length(len(prompt), "prompt")
-            return self.tokenizer(prompt).input_ids
+            return self._tokenizer()(prompt).input_ids
         ids = list(prompt)
         vocab = self.info.vocab_size
         if not ids:

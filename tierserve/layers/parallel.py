@@ -133,6 +133,13 @@ class VocabParallelEmbedding(nn.Embedding):
         self.start = tp.rank * self.num_embeddings
         mark_shard(self, "weight", -2, tp.rank)
 
+    def reset_parameters(self) -> None:
+        # The checkpoint fills the table. A random one would be thrown away, and on the meta
+        # device (where the loader builds models) normal_ runs through torch's reference ops,
+        # whose first use imports torch._dynamo: about a CPU-second in every engine process.
+        if self.weight.device.type != "meta":
+            super().reset_parameters()
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(ids)

@@ -86,6 +86,14 @@ class RotaryEmbedding(torch.nn.Module):
         self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
     ) -> None:
         super().__init__()
+        if torch.get_default_device().type == "meta":
+            # A shape-only construction (the loader rebuilds the tables for real): arithmetic
+            # on meta tensors goes through torch's reference ops, whose first use imports
+            # torch._dynamo, about a CPU-second in every engine process.
+            shape = (max_positions, (head_dim + 1) // 2)
+            self.register_buffer("cos", torch.empty(shape), persistent=False)
+            self.register_buffer("sin", torch.empty(shape), persistent=False)
+            return
         inv_freq = inverse_frequencies(head_dim, theta, scaling)
         angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
         magnitude = attention_factor(scaling)

@@ -82,7 +82,7 @@ class AsyncEngine:
         self.info = core.info
         self.args: EngineArgs | None = None  # what it was launched with (launch sets it)
         self.tokenizer = tokenizer
-        self.preparer = RequestPreparer(core.info, tokenizer)
+        self.preparer = RequestPreparer(core.info, lambda: tokenizer)
         self.on_failure = on_failure
         self.grammar_pool = GrammarCompilePool(self.preparer.grammars, grammar_compile_timeout_s)
         self._watchdog = (

@@ -1,0 +1,84 @@
+"""The end-of-sequence id an engine reads from the tokenizer's files (so that a core or a rank
+never loads the tokenizer) is transformers' `eos_token_id`; where the files leave any doubt the
+tokenizer is loaded instead, with the same answer."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.conftest import make_checkpoint
+from tierserve.args import default_model
+from tierserve.engine.tokenizer import _eos_from_files, eos_token_id, lazy_tokenizer
+from tierserve.errors import TierserveError
+
+FAMILIES = ("llama", "qwen3", "deepseek-v3")
+
+
+def hf_eos(path: Path) -> int | None:
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True).eos_token_id
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_files_give_transformers_eos_id_for_the_test_checkpoints(tmp_path, family):
+    path = make_checkpoint(tmp_path / family, family)
+    assert _eos_from_files(path) is not None  # the cheap path is the one taken
+    assert _eos_from_files(path) == hf_eos(path)
+
+
+def test_the_files_give_transformers_eos_id_for_the_demo_model():
+    demo = Path(default_model())
+    assert _eos_from_files(demo) == hf_eos(demo) == 1
+
+
+def _demo_copy(tmp_path: Path) -> Path:
+    root = tmp_path / "tok"
+    root.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(Path(default_model()) / name, root / name)
+    return root
+
+
+def _edit_config(root: Path, **changes: object) -> None:
+    path = root / "tokenizer_config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize("case", ["special-tokens-map", "no-eos", "eos-outside-vocab", "added"])
+def test_files_in_doubt_load_the_tokenizer_and_agree_with_it(tmp_path, case):
+    root = _demo_copy(tmp_path)
+    if case == "special-tokens-map":  # transformers reads it too: let it decide
+        (root / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|pad|>"}))
+    elif case == "no-eos":
+        _edit_config(root, eos_token=None)
+    elif case == "eos-outside-vocab":
+        _edit_config(root, eos_token="<|not-a-token|>")
+    else:  # an AddedToken, as save_pretrained writes some
+        _edit_config(root, eos_token={"content": "<|pad|>", "__type": "AddedToken"})
+    loads: list[int] = []
+    tokenizer = lazy_tokenizer(str(root))
+
+    def counted():
+        loads.append(1)
+        return tokenizer()
+
+    got = eos_token_id(str(root), counted)
+    assert got == hf_eos(root)
+    # Only a plainly stated token skips the load.
+    assert loads == ([] if case == "added" else [1]), case
+
+
+def test_a_missing_tokenizer_is_still_refused_by_name(tmp_path):
+    with pytest.raises(TierserveError) as err:
+        eos_token_id(str(tmp_path), lazy_tokenizer(str(tmp_path)))
+    assert err.value.field == "tokenizer" and "--tokenizer" in err.value.message

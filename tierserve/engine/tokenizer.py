@@ -1,0 +1,71 @@
+"""The model's tokenizer: loaded with transformers by the processes that read or write text, and
+only its end-of-sequence id, read from its files, where nothing else is needed.
+
+An engine core or a rank only runs steps on token ids. Loading the tokenizer there imports
+transformers' model-config machinery (torch.distributed.tensor, sympy): about two CPU-seconds
+per process, for one integer. So the engine reads that integer from the files when they say it
+plainly, loads the tokenizer otherwise, and loads it anyway the first time it is needed (a text
+prompt offline, the first structured output: xgrammar reads the vocabulary then, as vLLM's
+engine builds its grammar backend at the first such request).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tierserve.errors import TierserveError
+
+
+def load_tokenizer(path: str) -> Any:  # a transformers PreTrainedTokenizerBase
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, TypeError, KeyError, ImportError) as err:  # transformers
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        message = f"cannot load a tokenizer from {path} ({first}); give --tokenizer DIR"
+        raise TierserveError(message, field="tokenizer") from None
+
+
+def lazy_tokenizer(path: str) -> Callable[[], Any]:
+    """The tokenizer at `path`, loaded by the first call (later calls return the same one)."""
+    return functools.cache(functools.partial(load_tokenizer, path))
+
+
+def eos_token_id(path: str, tokenizer: Callable[[], Any]) -> int | None:
+    """The tokenizer's `eos_token_id`: read from tokenizer_config.json and tokenizer.json when
+    they state it without ambiguity, else from `tokenizer()` (which loads it)."""
+    read = _eos_from_files(Path(path))
+    return read if read is not None else tokenizer().eos_token_id
+
+
+def _eos_from_files(root: Path) -> int | None:
+    """None wherever transformers would have more to say: a special_tokens_map.json beside the
+    config, a class that brings its own default, a token missing from tokenizer.json."""
+    if (root / "special_tokens_map.json").exists():
+        return None
+    try:
+        config = json.loads((root / "tokenizer_config.json").read_text())
+        vocab = json.loads((root / "tokenizer.json").read_text())
+    except (OSError, ValueError):
+        return None
+    token = config.get("eos_token") if isinstance(config, dict) else None
+    if isinstance(token, dict):  # an AddedToken, serialised
+        token = token.get("content")
+    if not isinstance(token, str) or not isinstance(vocab, dict):
+        return None
+    ids = {t.get("id") for t in vocab.get("added_tokens") or [] if t.get("content") == token}
+    if not ids:
+        model_vocab = (vocab.get("model") or {}).get("vocab")
+        if isinstance(model_vocab, dict) and token in model_vocab:
+            ids = {model_vocab[token]}
+    if len(ids) != 1:
+        return None
+    (found,) = ids
+    return found if isinstance(found, int) else None
