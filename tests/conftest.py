@@ -9,7 +9,6 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import psutil
 import pytest
@@ -17,11 +16,15 @@ import torch
 
 from tierserve import LLM
 from tierserve.bench.client import parse_prometheus
-from tierserve.bench.server_process import ServerProcess
+from tierserve.bench.server_process import ServerProcess, local_client
 from tierserve.engine import CORE_MODULE, STEP_GATE_ENV
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+# The tests' HTTP calls to their servers: one client, since `httpx.get` builds one per call and
+# the tests' polling loops (eventually, metrics) would take a core from the servers they wait on.
+http = local_client()
 
 VOCAB = 320
 TRAINING_TEXT = (
@@ -262,7 +265,7 @@ class Server(ServerProcess):
         seen: dict[str, float] = {}
 
         def fresh() -> bool:
-            seen.update(parse_prometheus(httpx.get(f"{self.url}/metrics", timeout=60).text))
+            seen.update(parse_prometheus(self.http.get(f"{self.url}/metrics", timeout=60).text))
             return seen.get("tierserve_engine_metrics_stale") == 0
 
         assert eventually(fresh, 120), f"the engine core gave no fresh metrics: {seen}"

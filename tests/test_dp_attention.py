@@ -9,11 +9,10 @@ from __future__ import annotations
 import signal
 import threading
 
-import httpx
 import openai
 import pytest
 
-from tests.conftest import Server, eventually, random_prompts, running
+from tests.conftest import Server, eventually, http, random_prompts, running
 from tests.test_hicache import mixed_workload
 from tests.test_tp import _ranks_of
 from tierserve import LLM, SamplingParams, TierserveError
@@ -183,7 +182,7 @@ def _multiturn_hits(model, *flags: str, clients: int = 5, rounds: int = 3) -> li
             cached = 0
             for i, conv in enumerate(convs):
                 body = {"input_ids": conv, "sampling_params": params}
-                out = httpx.post(f"{server.url}/generate", json=body, timeout=60).json()
+                out = http.post(f"{server.url}/generate", json=body, timeout=60).json()
                 cached += out["meta_info"]["cached_tokens"]
                 question = random_prompts(1, [8], seed=100 * r + i)[0]
                 convs[i] = conv + out["output_ids"] + question
@@ -282,7 +281,7 @@ def test_a_dp_server_answers_flushes_every_group_and_goes_down_with_a_rank(llama
         placed = [metrics[f"tierserve_dp_requests_placed_total{{dp_rank={g}}}"] for g in (0, 1)]
         assert all(placed) and sum(placed) == len(prompts) + 3
         assert metrics["tierserve_dp_device_tokens_used{dp_rank=1}"] > 0  # the radix cache
-        flushed = httpx.post(f"{server.url}/flush_cache", timeout=60).json()
+        flushed = http.post(f"{server.url}/flush_cache", timeout=60).json()
         assert flushed["flushed_pages"] > 0
         metrics = server.metrics()
         assert [metrics[f"tierserve_dp_device_tokens_used{{dp_rank={g}}}"] for g in (0, 1)] == [
@@ -294,7 +293,7 @@ def test_a_dp_server_answers_flushes_every_group_and_goes_down_with_a_rank(llama
         (rank1,) = _ranks_of(server.proc.pid)
         rank1.send_signal(signal.SIGKILL)
         body = {"model": llama_dir.name, "prompt": prompts[0], "max_tokens": 10}
-        status = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code
+        status = http.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code
         assert status == 503
         assert server.proc.wait(timeout=30) != 0  # it exits for its supervisor, never hangs
         assert eventually(lambda: not running(core.pid), 10)  # no process left behind

@@ -16,7 +16,7 @@ import openai
 import psutil
 import pytest
 
-from tests.conftest import Server, eventually, running, serve_cmd
+from tests.conftest import Server, eventually, http, running, serve_cmd
 from tierserve.distributed import ENV_PARENT
 from tierserve.engine import CORE_MODULE, STEP_HOLD_ENV
 from tierserve.net import free_port
@@ -24,7 +24,7 @@ from tierserve.net import free_port
 
 def _stream(url: str, body: dict, seen: list[dict]) -> None:
     """The events of one streamed completion, into `seen` (a 503 arrives as an error event)."""
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as reply:
+    with http.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as reply:
         seen.extend(json.loads(line[6:]) for line in reply.iter_lines() if line[6:7] == "{")
 
 
@@ -49,7 +49,7 @@ def test_the_core_is_its_own_process_and_killing_it_is_a_503_and_exit_1(llama_di
         with pytest.raises(openai.InternalServerError) as refused:  # 503 at once, no hang
             client.completions.create(model="llama", prompt=[5] * 8, max_tokens=4, timeout=30)
         assert refused.value.status_code == 503
-        assert httpx.post(f"{server.url}/flush_cache", timeout=30).status_code == 503
+        assert http.post(f"{server.url}/flush_cache", timeout=30).status_code == 503
         assert server.proc.wait(timeout=60) == 1
         assert "exited with status -9" in server.log_tail(4000)
     finally:
@@ -78,7 +78,7 @@ def test_health_answers_while_a_step_is_held_open(llama_dir, tmp_path):
         held = Path(f"{hold}.held")
         assert eventually(held.exists, within_s=60), server.log_tail()
         for _ in range(20):  # the step is still held: only the test ends it
-            assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200
+            assert http.get(f"{server.url}/health", timeout=10).status_code == 200
         assert request.is_alive()
         hold.unlink()
         request.join(timeout=60)
@@ -98,7 +98,7 @@ def test_a_step_held_past_the_watchdog_is_a_503_and_exit_1(llama_dir, tmp_path):
     try:
         core = server.core
         body = {"prompt": [5] * 8, "max_tokens": 5}
-        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        reply = http.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert reply.status_code == 503 and "no engine step completed in 2 s" in reply.text
         assert Path(f"{hold}.held").exists()  # it was the held step that tripped it
         assert server.proc.wait(timeout=60) == 1
@@ -115,7 +115,7 @@ def test_a_stopped_core_trips_the_watchdog_outside_a_step(llama_dir):
         core = server.core
         core.send_signal(signal.SIGSTOP)
         body = {"prompt": [5] * 8, "max_tokens": 5}
-        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        reply = http.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert reply.status_code == 503 and "no engine step completed in 2 s" in reply.text
         assert server.proc.wait(timeout=60) == 1
         assert eventually(lambda: not core.is_running(), within_s=10)
@@ -206,7 +206,7 @@ def test_ctrl_c_drains_and_exits_0_leaving_no_process(llama_dir, tmp_path):
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 2  # the core and its rank (and any compile process)
         body = {"prompt": [5] * 8, "max_tokens": 4}
-        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        assert http.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
         os.killpg(proc.pid, signal.SIGINT)
         assert proc.wait(timeout=120) == 0
         assert eventually(lambda: not any(running(p.pid) for p in children), within_s=10)
@@ -221,6 +221,6 @@ def test_ctrl_c_drains_and_exits_0_leaving_no_process(llama_dir, tmp_path):
 
 def _healthy(url: str) -> bool:
     try:
-        return httpx.get(f"{url}/health", timeout=2).status_code == 200
+        return http.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.TransportError:
         return False

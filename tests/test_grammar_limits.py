@@ -15,7 +15,7 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import Server, eventually
+from tests.conftest import Server, eventually, http
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.engine.grammar import MAX_GRAMMAR_CHARS, MAX_SCHEMA_ENUM_VALUES
 from tierserve.sampling_params import StructuredOutput
@@ -80,7 +80,7 @@ def test_compiles_whose_clients_leave_are_ended_and_plain_requests_still_run(pat
     asyncio.run(leave_after_queueing())
     patient.wait_for(lambda m: m[ENDED % "client_left"] == 6)
     body = {"prompt": "Once upon", "max_tokens": 8}
-    reply = httpx.post(f"{patient.url}/v1/completions", json=body, timeout=120)
+    reply = http.post(f"{patient.url}/v1/completions", json=body, timeout=120)
     assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 8
     m = patient.metrics()
     assert m[ENDED % "client_left"] == 6 and m["tierserve_grammar_compiles_in_flight"] == 0
@@ -89,13 +89,13 @@ def test_compiles_whose_clients_leave_are_ended_and_plain_requests_still_run(pat
     )  # the one that was compiling was killed, not left to run
     # The pool still compiles for the next client.
     ok = {"prompt": "A", "max_tokens": 8, "response_format": {"type": "json_object"}}
-    assert httpx.post(f"{patient.url}/v1/completions", json=ok, timeout=120).status_code == 200
+    assert http.post(f"{patient.url}/v1/completions", json=ok, timeout=120).status_code == 200
 
 
 def test_a_compile_past_its_time_limit_is_a_400_and_its_process_is_gone(llama_dir):
     s = Server(llama_dir, "--max-total-tokens", "2048", "--grammar-compile-timeout", "0.001")
     try:
-        reply = httpx.post(f"{s.url}/v1/completions", json=big_enum_body(0), timeout=120)
+        reply = http.post(f"{s.url}/v1/completions", json=big_enum_body(0), timeout=120)
         assert reply.status_code == 400, reply.text
         error = reply.json()["error"]
         assert "--grammar-compile-timeout" in error["message"]
@@ -103,7 +103,7 @@ def test_a_compile_past_its_time_limit_is_a_400_and_its_process_is_gone(llama_di
         m = s.metrics()
         assert m[ENDED % "timeout"] > 0 and m["tierserve_grammar_compile_workers"] == 0
         assert eventually(lambda: not compile_workers(s), 10)
-        assert httpx.get(f"{s.url}/health").status_code == 200
+        assert http.get(f"{s.url}/health").status_code == 200
     finally:
         s.stop()
 
@@ -131,7 +131,7 @@ def test_the_limits_reach_http_clients_as_400s(patient):
     schema = {"enum": list(range(MAX_SCHEMA_ENUM_VALUES + 1))}
     rf = {"type": "json_schema", "json_schema": {"name": "e", "schema": schema}}
     body = {"prompt": "A", "max_tokens": 2, "response_format": rf}
-    reply = httpx.post(f"{patient.url}/v1/completions", json=body, timeout=60)
+    reply = http.post(f"{patient.url}/v1/completions", json=body, timeout=60)
     assert reply.status_code == 400 and "enum values" in reply.json()["error"]["message"]
 
 
@@ -176,7 +176,7 @@ def _held_worker(server: Server, not_pids: set[int]) -> int:
 
 def _regex_request(server: Server, regex: str) -> httpx.Response:
     body = {"prompt": "A", "max_tokens": 3, "regex": regex}
-    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    return http.post(f"{server.url}/v1/completions", json=body, timeout=120)
 
 
 @pytest.mark.parametrize("deaths", [1, 2])

@@ -21,7 +21,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.conftest import Server, eventually
+from tests.conftest import Server, eventually, http
 from tierserve.bench.client import parse_prometheus
 from tierserve.bench.replicas import Router
 from tierserve.server.api import STALE_HEADER
@@ -58,7 +58,7 @@ class Guarded(Server):
         )  # fmt: skip
 
     def post(self, path: str, body: dict, **kw) -> httpx.Response:
-        return httpx.post(f"{self.url}{path}", json=body, headers=AUTH, timeout=60, **kw)
+        return http.post(f"{self.url}{path}", json=body, headers=AUTH, timeout=60, **kw)
 
 
 def _mount_tmpfs(path: Path) -> bool:
@@ -95,19 +95,19 @@ def chat(server: Guarded, path: str = "/v1/chat/completions", **fields) -> httpx
 
 def test_every_route_but_health_and_metrics_needs_the_key(guarded):
     for route in KEYED_ROUTES:
-        assert httpx.get(f"{guarded.url}{route}").status_code == 401, route
-        assert httpx.get(f"{guarded.url}{route}", headers=AUTH).status_code == 200, route
+        assert http.get(f"{guarded.url}{route}").status_code == 401, route
+        assert http.get(f"{guarded.url}{route}", headers=AUTH).status_code == 200, route
     for route in ("/health", "/metrics"):
-        assert httpx.get(f"{guarded.url}{route}").status_code == 200, route
-    assert httpx.post(f"{guarded.url}/flush_cache").status_code == 401
+        assert http.get(f"{guarded.url}{route}").status_code == 200, route
+    assert http.post(f"{guarded.url}/flush_cache").status_code == 401
 
 
 def test_a_planted_secret_never_appears_in_any_response(guarded):
-    seen = [httpx.get(f"{guarded.url}{route}", headers=AUTH).text for route in KEYED_ROUTES]
-    seen += [httpx.get(f"{guarded.url}{r}").text for r in ("/health", "/metrics")]
+    seen = [http.get(f"{guarded.url}{route}", headers=AUTH).text for route in KEYED_ROUTES]
+    seen += [http.get(f"{guarded.url}{r}").text for r in ("/health", "/metrics")]
     seen.append(chat(guarded).text)
     assert all(PLANTED not in text for text in seen)
-    info = httpx.get(f"{guarded.url}/server_info", headers=AUTH).json()
+    info = http.get(f"{guarded.url}/server_info", headers=AUTH).json()
     assert info["hicache_storage_backend_extra_config"] == {
         "path": "<redacted>",
         "note": "<redacted>",
@@ -123,7 +123,7 @@ def test_sglang_router_given_the_key_registers_and_routes_to_the_worker(guarded,
         assert worker["is_healthy"] and worker["metadata"]["dp_size"] == "1"  # read with the key
         body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}}
         body["return_hidden_states"] = False
-        reply = httpx.post(f"{router.url}/generate", json=body, headers=AUTH, timeout=60)
+        reply = http.post(f"{router.url}/generate", json=body, headers=AUTH, timeout=60)
         assert reply.status_code == 200 and reply.json()["meta_info"]["completion_tokens"] == 2
     finally:
         router.stop()
@@ -240,18 +240,18 @@ def test_metrics_and_load_answer_marked_stale_while_the_core_is_stopped(guarded)
     guarded.metrics()  # the core's last answer, read fresh
     guarded.core.send_signal(signal.SIGSTOP)
     try:
-        stale = parse_prometheus(httpx.get(f"{guarded.url}/metrics", timeout=30).text)
+        stale = parse_prometheus(http.get(f"{guarded.url}/metrics", timeout=30).text)
         assert stale["tierserve_engine_metrics_stale"] == 1
         assert stale["tierserve_engine_metrics_age_seconds"] > 0
         assert "tierserve_num_requests_running" in stale  # the core's last values
-        load = httpx.get(f"{guarded.url}/get_load", headers=AUTH, timeout=30)
+        load = http.get(f"{guarded.url}/get_load", headers=AUTH, timeout=30)
         assert load.status_code == 200 and load.json()[0]["num_reqs"] == 0
         assert float(load.headers[STALE_HEADER]) > 0  # the last known load, and its age
-        assert httpx.get(f"{guarded.url}/health", timeout=30).status_code == 200
+        assert http.get(f"{guarded.url}/health", timeout=30).status_code == 200
     finally:
         guarded.core.send_signal(signal.SIGCONT)
     assert guarded.metrics()["tierserve_engine_metrics_stale"] == 0  # fresh once it answers
-    load_headers = lambda: httpx.get(f"{guarded.url}/get_load", headers=AUTH).headers  # noqa: E731
+    load_headers = lambda: http.get(f"{guarded.url}/get_load", headers=AUTH).headers  # noqa: E731
     assert eventually(lambda: STALE_HEADER not in load_headers(), 60)
 
 
@@ -272,7 +272,7 @@ def test_a_directory_out_of_inodes_costs_files_not_the_server(guarded):
     assert set(replies) <= {200, 507} and 507 in replies, replies
     for path in filler:
         path.unlink(missing_ok=True)
-    assert httpx.get(f"{guarded.url}/health").status_code == 200
+    assert http.get(f"{guarded.url}/health").status_code == 200
     assert capture(guarded, [40] * 6).status_code == 200
 
 
@@ -290,7 +290,7 @@ def test_a_directory_replaced_by_a_file_costs_files_not_the_server(guarded):
     for i in range(3):
         reply = capture(guarded, [50 + i] * 6)
         assert reply.status_code == 507 and str(guarded.hs) in reply.text, reply.text
-    assert httpx.get(f"{guarded.url}/health").status_code == 200
+    assert http.get(f"{guarded.url}/health").status_code == 200
     guarded.hs.unlink()
     moved.rename(guarded.hs)
     assert capture(guarded, [60] * 6).status_code == 200

@@ -8,7 +8,6 @@ from __future__ import annotations
 import fcntl
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 import torch
@@ -16,7 +15,7 @@ import transformers
 from safetensors.torch import load_file
 
 import tierserve
-from tests.conftest import Server, eventually, random_prompts
+from tests.conftest import Server, eventually, http, random_prompts
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.engine.hidden_states import default_layers
 
@@ -131,12 +130,12 @@ def test_a_capturing_server_speaks_vllms_hidden_states_protocol(checkpoints, tmp
         out_dir.rename(tmp_path / "moved")
         out_dir.write_text("a file where the directory was")
         body = {"model": checkpoint.name, "prompt": prompt, "max_tokens": 1}
-        refused = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        refused = http.post(f"{server.url}/v1/completions", json=body, timeout=30)
         assert refused.status_code == 507
         assert "not a writable directory" in refused.json()["error"]["message"]
         out_dir.unlink()
         (tmp_path / "moved").rename(out_dir)
-        again = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+        again = http.post(f"{server.url}/v1/completions", json=body, timeout=30)
         assert again.status_code == 200 and "kv_transfer_params" in again.json()
 
 

@@ -4,12 +4,11 @@
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 import transformers
 
-from tests.conftest import random_prompts
+from tests.conftest import http, random_prompts
 from tierserve import LLM, SamplingParams, TierserveError
 
 EOS = 1
@@ -143,5 +142,5 @@ def test_the_server_takes_penalties_streamed_and_not(llama_dir, llm, server, cli
             "logit_bias": {"7": 3.0}, "ignore_eos": True,
         },
     }  # fmt: skip
-    reply = httpx.post(f"{server.url}/generate", json=native, timeout=60)
+    reply = http.post(f"{server.url}/generate", json=native, timeout=60)
     assert reply.status_code == 200 and reply.json()["text"] == expected

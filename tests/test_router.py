@@ -13,7 +13,7 @@ import openai
 import pytest
 
 import tierserve
-from tests.conftest import Server, eventually
+from tests.conftest import Server, eventually, http
 from tierserve.bench.client import LoadOptions, run_load
 from tierserve.bench.metrics import summarize
 from tierserve.bench.replicas import ROUTER_POLICIES, ReplicaLayout, ReplicaSet, Router
@@ -33,9 +33,9 @@ def pair() -> Iterator[tuple[Server, Server]]:
 def test_tierserve_workers_behind_sglang_router(tmp_path, pair):
     a, b = pair
     for worker in (a, b):  # what the router reads when a worker joins, as SGLang has it
-        info = httpx.get(f"{worker.url}/get_server_info").json()
+        info = http.get(f"{worker.url}/get_server_info").json()
         assert info["model_path"] == str(DEMO_DIR) and info["dp_size"] == 1
-        model = httpx.get(f"{worker.url}/model_info").json()
+        model = http.get(f"{worker.url}/model_info").json()
         assert model["architectures"] == ["LlamaForCausalLM"] and model["is_generation"]
     for policy in ROUTER_POLICIES:  # power_of_two also polls the workers' /get_load
         router = Router([a.url, b.url], policy, tmp_path / f"{policy}.log")
@@ -56,17 +56,17 @@ def test_tierserve_workers_behind_sglang_router(tmp_path, pair):
 
 def test_load_and_generating_health_answer_as_sglangs(pair):
     server = pair[0]
-    assert httpx.post(f"{server.url}/flush_cache", timeout=30).is_success  # no KV held
-    (idle,) = httpx.get(f"{server.url}/get_load").json()
+    assert http.post(f"{server.url}/flush_cache", timeout=30).is_success  # no KV held
+    (idle,) = http.get(f"{server.url}/get_load").json()
     assert idle == {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
     before = _served(server)
-    assert httpx.get(f"{server.url}/health_generate", timeout=60).json() == {"status": "ok"}
+    assert http.get(f"{server.url}/health_generate", timeout=60).json() == {"status": "ok"}
     assert _served(server) == before + 1  # it generated a token
     server.hold_steps(1)  # the next request's prefill runs, then the engine waits
     pending = concurrent.futures.ThreadPoolExecutor(1).submit(_generate, server.url, 2)
     try:
         server.wait_for(lambda m: m["tierserve_num_requests_running"] == 1)
-        (held,) = httpx.get(f"{server.url}/get_loads").json()
+        (held,) = http.get(f"{server.url}/get_loads").json()
         assert held["num_reqs"] == 1 and held["num_tokens"] >= 40
     finally:
         server.release_steps()
@@ -84,14 +84,14 @@ def _generate(url: str, seed: int) -> httpx.Response:
     """A /generate with token ids, as the bench sends: the router routes on them."""
     ids = [3 + (seed * 7 + i) % 300 for i in range(40)]
     body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
-    return httpx.post(f"{url}/generate", json=body, timeout=60)
+    return http.post(f"{url}/generate", json=body, timeout=60)
 
 
 def test_workers_join_and_leave_the_router(tmp_path, pair):
     a, b = pair
     router = Router([a.url], "round_robin", tmp_path / "router.log")
     try:
-        added = httpx.post(f"{router.url}/workers", json={"url": b.url}, timeout=10)
+        added = http.post(f"{router.url}/workers", json={"url": b.url}, timeout=10)
         assert added.status_code == 202, added.text
         both = lambda: sum(w["is_healthy"] for w in router.workers()) == 2  # noqa: E731
         assert eventually(both, 60), router.workers()

@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import Server, hold_steps, random_prompts
+from tests.conftest import Server, hold_steps, http, random_prompts
 from tierserve import SamplingParams
 from tierserve.engine import STEP_GATE_ENV
 from tierserve.net import free_port
@@ -108,13 +108,13 @@ def test_invalid_requests_are_400(client, kwargs):
 def test_unknown_model_is_404_and_bad_json_400(client, server):
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="nope", prompt="hi")
-    bad = httpx.post(
+    bad = http.post(
         f"{server.url}/v1/completions",
         content=b"{not json",
         headers={"content-type": "application/json"},
     )
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
-    huge = httpx.post(
+    huge = http.post(
         f"{server.url}/v1/completions",
         content=b"x" * (17 * 1024 * 1024),
         headers={"content-type": "application/json"},
@@ -128,7 +128,7 @@ def test_context_length_error_states_the_limit(client):
 
 
 def test_native_generate_takes_token_ids(server):
-    reply = httpx.post(
+    reply = http.post(
         f"{server.url}/generate",
         json={
             "input_ids": [5, 6, 7, 8],
@@ -236,7 +236,7 @@ def test_sigterm_drains_in_flight_requests(llama_dir):
             "ignore_eos": True,
             "stream_options": {"include_usage": True},
         }
-        with httpx.stream("POST", f"{s.url}/v1/completions", json=body, timeout=120) as reply:
+        with http.stream("POST", f"{s.url}/v1/completions", json=body, timeout=120) as reply:
             lines = reply.iter_lines()
             first = next(line for line in lines if line.startswith("data:"))
             s.proc.send_signal(signal.SIGTERM)
@@ -355,12 +355,12 @@ def test_without_max_tokens_a_request_runs_to_the_context_end(client):
     ],
 )
 def test_bad_values_are_400_and_the_engine_keeps_serving(server, route, body):
-    reply = httpx.post(
+    reply = http.post(
         f"{server.url}{route}", content=body, headers={"content-type": "application/json"}
     )
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["message"]
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert http.get(f"{server.url}/health").status_code == 200
 
 
 def test_extreme_but_valid_values_do_not_break_a_batch(client):
@@ -404,7 +404,7 @@ SURROGATE = '"\\ud800"'  # a lone UTF-16 surrogate, as JSON allows it
     ],
 )
 def test_hostile_bodies_get_openai_400s(server, route, body):
-    reply = httpx.post(
+    reply = http.post(
         f"{server.url}{route}",
         content=body.encode(),
         headers={"content-type": "application/json"},
@@ -412,7 +412,7 @@ def test_hostile_bodies_get_openai_400s(server, route, body):
     assert reply.status_code == 400, reply.text
     error = reply.json()["error"]
     assert error["type"] == "invalid_request_error" and error["message"]
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert http.get(f"{server.url}/health").status_code == 200
 
 
 JSON = {"content-type": "application/json"}
@@ -433,7 +433,7 @@ def test_deeply_nested_bodies_are_400s_naming_the_limit(server, route, depth, ki
         '"max_tokens": 1, ',
         "/generate": '{"text": "A", "sampling_params": {"max_new_tokens": 1}, ',
     }[route]
-    reply = httpx.post(
+    reply = http.post(
         f"{server.url}{route}",
         content=(head + '"foo": ' + _nested(depth, kind) + "}").encode(),
         headers=JSON,
@@ -443,7 +443,7 @@ def test_deeply_nested_bodies_are_400s_naming_the_limit(server, route, depth, ki
     assert error["type"] == "invalid_request_error" and "128 levels" in error["message"]
     if route != "/generate":  # /generate forbids unknown fields: there a shallow one is a 400
         shallow = head + '"foo": ' + _nested(100, kind) + "}"
-        ok = httpx.post(f"{server.url}{route}", content=shallow.encode(), headers=JSON, timeout=60)
+        ok = http.post(f"{server.url}{route}", content=shallow.encode(), headers=JSON, timeout=60)
         assert ok.status_code == 200, ok.text
 
 
@@ -463,7 +463,7 @@ def test_chunked_bodies_are_held_to_the_limit(server):
             yield b"x" * (1024 * 1024)
         yield b'"}'
 
-    reply = httpx.post(
+    reply = http.post(
         f"{server.url}/v1/completions",
         content=chunks(),
         headers={"content-type": "application/json"},
@@ -471,7 +471,7 @@ def test_chunked_bodies_are_held_to_the_limit(server):
     )
     assert reply.status_code == 413
     assert reply.json()["error"]["code"] == 413
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert http.get(f"{server.url}/health").status_code == 200
 
 
 def test_a_non_streaming_client_that_leaves_aborts_its_request(server):
@@ -483,7 +483,7 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(server):
     server.hold_steps(3)
     try:
         with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-            httpx.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=2))
+            http.post(f"{server.url}/v1/completions", json=body, timeout=httpx.Timeout(30, read=2))
         server.wait_for(
             lambda m: (
                 m.get(aborts, 0) > before.get(aborts, 0)
@@ -514,10 +514,10 @@ def test_api_key_and_a_bounded_waiting_queue(llama_dir):
     try:
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=f"{s.url}/v1", api_key="wrong", max_retries=0).models.list()
-        bad = httpx.post(f"{s.url}/v1/completions", content=b"{not json")
+        bad = http.post(f"{s.url}/v1/completions", content=b"{not json")
         assert bad.status_code == 401  # the key is checked before the body is read
-        assert httpx.get(f"{s.url}/health").status_code == 200
-        assert httpx.get(f"{s.url}/metrics").status_code == 200
+        assert http.get(f"{s.url}/health").status_code == 200
+        assert http.get(f"{s.url}/metrics").status_code == 200
         c = openai.OpenAI(base_url=f"{s.url}/v1", api_key="sesame", max_retries=0)
         assert c.completions.create(model="llama", prompt="hi", max_tokens=2).choices
 
@@ -559,7 +559,7 @@ def test_text_no_context_could_hold_is_refused_before_tokenizing(server):
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": huge}]}),
         ("/generate", {"text": huge}),
     ):
-        reply = httpx.post(f"{server.url}{route}", json=body, timeout=60)
+        reply = http.post(f"{server.url}{route}", json=body, timeout=60)
         assert reply.status_code == 400, reply.text
         # This message comes from the length check that runs before the tokenizer.
         assert "cannot fit in the context" in reply.json()["error"]["message"]
@@ -571,10 +571,10 @@ def test_a_trusted_request_template_runs_and_its_render_is_held_to_the_context(s
     reported 130-byte body rendered 8 MB and 4 M token ids)."""
     messages = [{"role": "user", "content": "hi"}]
     url = f"{server.url}/v1/chat/completions/render"
-    own = httpx.post(url, json={"messages": messages, "chat_template": "{{ 'a b ' * 3 }}"})
+    own = http.post(url, json={"messages": messages, "chat_template": "{{ 'a b ' * 3 }}"})
     assert own.status_code == 200 and own.json()["token_ids"]
     huge = {"messages": messages, "chat_template": "{{ 'a b ' * 2000000 }}"}
-    reply = httpx.post(url, json=huge, timeout=60)
+    reply = http.post(url, json=huge, timeout=60)
     assert reply.status_code == 400, reply.text
     assert "8,000,000 characters cannot fit in the context" in reply.json()["error"]["message"]
 
@@ -609,12 +609,12 @@ def test_a_body_that_trickles_in_gets_a_408(server):
             reply += more.decode()
     assert reply.startswith("HTTP/1.1 408"), reply
     assert '"code": 408' in reply and 1.5 < waited < 20
-    assert httpx.get(f"{server.url}/health").status_code == 200
+    assert http.get(f"{server.url}/health").status_code == 200
 
 
 def test_rejected_requests_are_not_counted_as_aborts(server):
     before = server.metrics()
-    reply = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 10**9})
+    reply = http.post(f"{server.url}/v1/completions", json={"prompt": "x", "max_tokens": 10**9})
     assert reply.status_code == 400
     after = server.metrics()
     aborts = "tierserve_requests_total{status=abort}"

@@ -19,11 +19,10 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import openai
 import pytest
 
-from tests.conftest import Server, random_prompts, serve_cmd
+from tests.conftest import Server, http, random_prompts, serve_cmd
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.args import default_model
 from tierserve.sizing.kv import KVSpec
@@ -542,7 +541,7 @@ def test_servers_share_pages_through_mooncake_and_a_killed_ones_cost_only_hits(l
 
         a.proc.kill()  # its engine core dies with it (a parent-death signal)
         a.proc.wait(timeout=30)
-        httpx.post(f"{b.url}/flush_cache", timeout=30).raise_for_status()  # the store alone
+        http.post(f"{b.url}/flush_cache", timeout=30).raise_for_status()  # the store alone
         third = cb.completions.create(**body)
         assert third.choices[0].text == first.choices[0].text
         metrics = b.metrics()

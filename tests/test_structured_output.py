@@ -9,13 +9,13 @@ import json
 import re
 from pathlib import Path
 
-import httpx
 import jsonschema
 import openai
 import pytest
 import torch
 
 import tierserve
+from tests.conftest import http
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.sampling_params import StructuredOutput
 
@@ -148,7 +148,7 @@ def test_regex_in_completions_streamed_and_not(llama_dir, client):
 def test_sglang_regex_ebnf_and_json_schema_in_generate(server):
     def generate(**sampling) -> dict:
         body = {"text": "go", "sampling_params": {"max_new_tokens": 60, **sampling}}
-        r = httpx.post(f"{server.url}/generate", json=body, timeout=60)
+        r = http.post(f"{server.url}/generate", json=body, timeout=60)
         assert r.status_code == 200, r.text
         return r.json()
 

@@ -21,7 +21,7 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from tests.conftest import Server, make_checkpoint, random_prompts, running, serve_cmd
+from tests.conftest import Server, http, make_checkpoint, random_prompts, running, serve_cmd
 from tests.test_hicache import mixed_workload
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.bench.client import parse_prometheus
@@ -186,7 +186,7 @@ def test_server_with_tp2_answers_the_openai_client_and_a_dead_rank_gives_503(lla
             model=llama_dir.name, messages=[{"role": "user", "content": "hi"}], max_tokens=5
         )
         assert chat.choices[0].message.role == "assistant"
-        metrics = httpx.get(f"{server.url}/metrics").text
+        metrics = http.get(f"{server.url}/metrics").text
         assert re.search(r"tierserve_cached_tokens_total\{tier=\"device\"\}", metrics)
 
         assert "KV cache plan" in server.log_tail(10**6)  # printed when a start goes ahead
@@ -195,7 +195,7 @@ def test_server_with_tp2_answers_the_openai_client_and_a_dead_rank_gives_503(lla
         assert len(workers) == 1
         workers[0].send_signal(signal.SIGKILL)
         body = {"model": llama_dir.name, "prompt": prompt, "max_tokens": 10}
-        status = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code
+        status = http.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code
         assert status == 503
         assert server.proc.wait(timeout=30) != 0  # it exits for its supervisor, never hangs
     finally:
@@ -307,7 +307,7 @@ def test_a_stopped_rank_trips_the_watchdog_503_and_exit(llama_dir):
         "--watchdog-timeout", "5",
     )  # fmt: skip
     try:
-        assert httpx.get(f"{server.url}/health").status_code == 200
+        assert http.get(f"{server.url}/health").status_code == 200
         (worker,) = _ranks_of(server.proc.pid)
         worker.send_signal(signal.SIGSTOP)
         # /health is polled from now until the port closes, so its 503 is seen whenever the
@@ -316,7 +316,7 @@ def test_a_stopped_rank_trips_the_watchdog_503_and_exit(llama_dir):
         poller = threading.Thread(target=_poll_health, args=(server.url, health), daemon=True)
         poller.start()
         body = {"prompt": [5] * 20, "max_tokens": 50, "ignore_eos": True}
-        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+        reply = http.post(f"{server.url}/v1/completions", json=body, timeout=60)
         assert reply.status_code == 503 and "no engine step completed" in reply.text
         assert server.proc.wait(timeout=60) != 0
         poller.join(timeout=30)
@@ -331,7 +331,7 @@ def _poll_health(url: str, seen: list[int]) -> None:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         try:
-            seen.append(httpx.get(f"{url}/health", timeout=5).status_code)
+            seen.append(http.get(f"{url}/health", timeout=5).status_code)
         except httpx.TransportError:
             return
         time.sleep(0.02)

@@ -13,10 +13,9 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
 
-from tests.conftest import Server, eventually, make_checkpoint, random_prompts
+from tests.conftest import Server, eventually, http, make_checkpoint, random_prompts
 from tests.test_storage import PAGE, directory_bytes
 from tests.test_storage import storage_llm as single_rank_storage_llm
 from tierserve import LLM, SamplingParams
@@ -111,7 +110,7 @@ def served(server: Server, batch: list[list[int]]) -> list[tuple[list[int], int]
     for prompt in batch:
         body = {"model": "llama", "prompt": prompt, "max_tokens": 6, "temperature": 0,
                 "ignore_eos": True, "return_token_ids": True}  # fmt: skip
-        reply = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        reply = http.post(f"{server.url}/v1/completions", json=body, timeout=120)
         reply.raise_for_status()
         answer = reply.json()
         cached = answer["usage"]["prompt_tokens_details"]["cached_tokens"]
@@ -120,7 +119,7 @@ def served(server: Server, batch: list[list[int]]) -> list[tuple[list[int], int]
 
 
 def flush_cache(server: Server) -> None:
-    httpx.post(f"{server.url}/flush_cache", timeout=60).raise_for_status()
+    http.post(f"{server.url}/flush_cache", timeout=60).raise_for_status()
 
 
 def test_tp2_and_a_server_on_one_directory_keep_it_under_its_cap(models, tmp_path):

@@ -101,7 +101,7 @@ class Router(LoggedProcess):
 
     def workers(self) -> list[dict]:
         """The router's registry (`GET /workers`)."""
-        reply = httpx.get(f"{self.url}/workers", headers=self.headers, timeout=5)
+        reply = self.http.get(f"{self.url}/workers", headers=self.headers, timeout=5)
         return reply.json().get("workers", [])
 
     def _wait_ready(self, count: int, timeout_s: float) -> None:
