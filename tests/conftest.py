@@ -8,6 +8,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import psutil
@@ -190,6 +191,38 @@ def llama_dir(checkpoints) -> Path:
     return checkpoints["llama"]
 
 
+def once_per_run(root: Path, name: str, compute: Callable[[], Any]) -> Any:
+    """`compute()`'s JSON result, computed once per test run: the suite's worker processes
+    share it through `root` (the `run_dir` fixture) under a lock; the first to ask computes,
+    the others wait and read. `name` must say all the result depends on (weights by hash)."""
+    import fcntl
+    import json
+
+    path = root / "once" / f"{name}.json"
+    path.parent.mkdir(exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if path.exists():
+            return json.loads(path.read_text())
+        result = compute()
+        path.write_text(json.dumps(result))
+        return result
+
+
+@pytest.fixture(scope="session")
+def run_dir(tmp_path_factory) -> Path:
+    """A directory of this test run that all its worker processes see (pytest-xdist gives
+    each worker a base directory inside the run's)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def weights_hash(checkpoint: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256((checkpoint / "model.safetensors").read_bytes()).hexdigest()[:16]
+
+
 def random_prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [
@@ -304,7 +337,9 @@ def eventually(check: Callable[[], bool], within_s: float) -> bool:
     return True
 
 
-@pytest.fixture(scope="module")
+# One server and one offline engine per test process, shared by every file that does not
+# bring its own (each start costs a few CPU-seconds); the tests leave them as they found them.
+@pytest.fixture(scope="session")
 def server(llama_dir) -> Iterator[Server]:
     s = Server(
         llama_dir, "--max-total-tokens", "4096", "--body-timeout", "2",
@@ -314,11 +349,11 @@ def server(llama_dir) -> Iterator[Server]:
     s.stop()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="module")  # a file's own `server` may override the shared one
 def client(server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def offline(llama_dir) -> LLM:
     return LLM(str(llama_dir), max_total_tokens=4096)

@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.conftest import Server, eventually, http, random_prompts, running
-from tests.test_hicache import mixed_workload
+from tests.test_hicache import mixed_workload, mixed_workload_reference
 from tests.test_tp import _ranks_of
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.args import EngineArgs, default_model
@@ -41,12 +41,9 @@ def metrics_of(llm: LLM) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def references(checkpoints) -> dict[str, list[list[int]]]:
-    out = {}
-    for family in ("llama", "deepseek-v3"):
-        with LLM(str(checkpoints[family]), **HOST) as llm:
-            out[family] = mixed_workload(llm)
-    return out
+def references(checkpoints, run_dir) -> dict[str, list[list[int]]]:
+    families = ("llama", "deepseek-v3")
+    return {f: mixed_workload_reference(run_dir, checkpoints[f], **HOST) for f in families}
 
 
 @pytest.mark.parametrize(

@@ -3,13 +3,16 @@ multi-turn reuse, preemption by offload, and start-up sizing that refuses what c
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.conftest import random_prompts, serve_cmd
+from tests.conftest import once_per_run, random_prompts, serve_cmd, weights_hash
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.engine.kv_plan import startup_table
 from tierserve.units import format_bytes
@@ -34,6 +37,21 @@ def mixed_workload(llm: LLM) -> list[list[int]]:
         questions = random_prompts(6, [6], seed=30 + r)
         convs = [c + o.token_ids + q for c, o, q in zip(convs, round_outs, questions, strict=True)]
     return [o.token_ids for o in outs]
+
+
+def mixed_workload_reference(run_dir: Path, checkpoint: Path, **config: Any) -> list[list[int]]:
+    """`mixed_workload` on one process with `config`, run once for the whole test run (the
+    tensor- and data-parallel files compare against the same outputs)."""
+    import hashlib
+
+    settings = json.dumps(config, sort_keys=True)
+    name = f"mixed-{weights_hash(checkpoint)}-{hashlib.sha256(settings.encode()).hexdigest()[:12]}"
+
+    def compute() -> list[list[int]]:
+        with LLM(str(checkpoint), **config) as llm:
+            return mixed_workload(llm)
+
+    return once_per_run(run_dir, name, compute)
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -22,7 +22,7 @@ import pytest
 import torch.distributed as dist
 
 from tests.conftest import Server, http, make_checkpoint, random_prompts, running, serve_cmd
-from tests.test_hicache import mixed_workload
+from tests.test_hicache import mixed_workload, mixed_workload_reference
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.bench.client import parse_prometheus
 from tierserve.distributed import ranks as ranks_module
@@ -46,13 +46,10 @@ HOST = dict(
 
 
 @pytest.fixture(scope="module")
-def references(checkpoints) -> dict[str, list[list[int]]]:
+def references(checkpoints, run_dir) -> dict[str, list[list[int]]]:
     """TP 1 outputs of the mixed workload (prefix reuse, eviction to the host, multi-turn)."""
-    out = {}
-    for family in ("llama", "qwen3", "deepseek-v3"):
-        with LLM(str(checkpoints[family]), **HOST) as llm:
-            out[family] = mixed_workload(llm)
-    return out
+    families = ("llama", "qwen3", "deepseek-v3")
+    return {f: mixed_workload_reference(run_dir, checkpoints[f], **HOST) for f in families}
 
 
 @pytest.mark.parametrize(
