@@ -218,9 +218,14 @@ def run_dir(tmp_path_factory) -> Path:
 
 
 def weights_hash(checkpoint: Path) -> str:
+    """What a checkpoint computes, as a short hash: its weights and its config (two families'
+    tiny checkpoints can hold the same tensors and differ in rope scaling)."""
     import hashlib
 
-    return hashlib.sha256((checkpoint / "model.safetensors").read_bytes()).hexdigest()[:16]
+    digest = hashlib.sha256()
+    for name in ("config.json", "model.safetensors"):
+        digest.update((checkpoint / name).read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def random_prompts(n: int, lengths: list[int], seed: int = 0) -> list[list[int]]:
