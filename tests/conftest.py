@@ -15,6 +15,7 @@ import psutil
 import pytest
 import torch
 
+import tierserve
 from tierserve import LLM
 from tierserve.bench.client import parse_prometheus
 from tierserve.bench.server_process import ServerProcess, local_client
@@ -352,6 +353,14 @@ def server(llama_dir) -> Iterator[Server]:
     )  # fmt: skip
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="session")
+def demo_server() -> Iterator[Server]:
+    """The bundled demo model (a trained tokenizer and chat template) served with defaults,
+    shared as `server` is."""
+    with Server(Path(tierserve.__file__).parent / "demo_model", "--device", "cpu") as s:
+        yield s
 
 
 @pytest.fixture(scope="module")  # a file's own `server` may override the shared one

@@ -135,29 +135,6 @@ def test_the_limits_reach_http_clients_as_400s(patient):
     assert reply.status_code == 400 and "enum values" in reply.json()["error"]["message"]
 
 
-def test_sigterm_ends_compiles_in_flight_with_a_503_and_exits_cleanly(llama_dir):
-    """A compile holds no shutdown: SIGTERM ends it (starting or running), its client gets a
-    503 (not a 500 or a traceback), and the server exits without waiting for the compile's
-    time limit."""
-    s = Server(llama_dir, "--max-total-tokens", "2048", "--grammar-compile-timeout", "600")
-    try:
-
-        async def compile_then_term() -> int:
-            async with httpx.AsyncClient(base_url=s.url, timeout=120) as h:
-                sent = asyncio.ensure_future(h.post("/v1/completions", json=big_enum_body(7)))
-                in_flight = "tierserve_grammar_compiles_in_flight"
-                await asyncio.to_thread(s.wait_for, lambda m: m[in_flight] == 1, 120)
-                s.proc.send_signal(signal.SIGTERM)
-                return (await sent).status_code
-
-        assert asyncio.run(compile_then_term()) == 503
-        assert s.proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
-        log = s.log_tail(10**6)
-        assert "Traceback" not in log and "CancelledError" not in log
-    finally:
-        s.stop()
-
-
 # --- workers that die -------------------------------------------------------------------------
 
 
@@ -211,3 +188,26 @@ def test_a_worker_killed_between_compiles_costs_the_next_request_nothing(patient
     assert eventually(lambda: not compile_workers(patient), 30)
     reply = _regex_request(patient, "[d-f]{3}")
     assert reply.status_code == 200, reply.text
+
+
+def test_sigterm_ends_compiles_in_flight_with_a_503_and_exits_cleanly(patient):
+    """A compile holds no shutdown: SIGTERM ends it (starting or running), its client gets a
+    503 (not a 500 or a traceback), and the server exits without waiting for the compile's
+    time limit. The module's last test: it ends the module's server."""
+    s = patient
+    try:
+
+        async def compile_then_term() -> int:
+            async with httpx.AsyncClient(base_url=s.url, timeout=120) as h:
+                sent = asyncio.ensure_future(h.post("/v1/completions", json=big_enum_body(7)))
+                in_flight = "tierserve_grammar_compiles_in_flight"
+                await asyncio.to_thread(s.wait_for, lambda m: m[in_flight] == 1, 120)
+                s.proc.send_signal(signal.SIGTERM)
+                return (await sent).status_code
+
+        assert asyncio.run(compile_then_term()) == 503
+        assert s.proc.wait(timeout=60) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal
+        log = s.log_tail(10**6)
+        assert "Traceback" not in log and "CancelledError" not in log
+    finally:
+        s.stop()

@@ -139,9 +139,9 @@ def test_a_capturing_server_speaks_vllms_hidden_states_protocol(checkpoints, tmp
         assert again.status_code == 200 and "kv_transfer_params" in again.json()
 
 
-def test_chat_returns_token_ids_and_continues_a_final_message():
-    with Server(DEMO_DIR, "--device", "cpu") as server:
-        _chat_switches(openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0))
+def test_chat_returns_token_ids_and_continues_a_final_message(demo_server):
+    client = openai.OpenAI(base_url=f"{demo_server.url}/v1", api_key="x", max_retries=0)
+    _chat_switches(client)
 
 
 def _chat_switches(client: openai.OpenAI) -> None:

@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 import tierserve
-from tests.conftest import Server, eventually
+from tests.conftest import eventually
 from tierserve import TierserveError
 from tierserve.server.regenerate import prefix_order, read_done, read_rows
 
@@ -52,9 +52,8 @@ def rows_in(path: Path) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def server():
-    with Server(DEMO_DIR, "--device", "cpu") as s:
-        yield s
+def server(demo_server):
+    return demo_server
 
 
 def test_regenerated_rows_replace_every_assistant_turn(server, tmp_path):
