@@ -12,6 +12,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from tests.conftest import make_checkpoint
+from tierserve import LLM
 from tierserve.args import default_model
 from tierserve.engine.tokenizer import _eos_from_files, eos_token_id, lazy_tokenizer
 from tierserve.errors import TierserveError
@@ -82,3 +83,18 @@ def test_a_missing_tokenizer_is_still_refused_by_name(tmp_path):
     with pytest.raises(TierserveError) as err:
         eos_token_id(str(tmp_path), lazy_tokenizer(str(tmp_path)))
     assert err.value.field == "tokenizer" and "--tokenizer" in err.value.message
+
+
+def test_an_offline_engine_without_a_tokenizer_is_refused_at_construction(tmp_path):
+    """Its eos id is stated plainly, so the engine itself would start; the LLM reads text and
+    refuses at once, as before the tokenizer became lazy."""
+    model = make_checkpoint(tmp_path / "llama", "llama")
+    # Enough for the files' reading of the eos id, not for transformers.
+    (model / "tokenizer.json").write_text(
+        json.dumps({"added_tokens": [{"id": 1, "content": "</s>"}]})
+    )
+    (model / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    assert _eos_from_files(model) == 1
+    with pytest.raises(TierserveError) as err:
+        LLM(str(model), max_total_tokens=256)
+    assert err.value.field == "tokenizer"

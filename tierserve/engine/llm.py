@@ -31,6 +31,11 @@ class LLM:
         # group, and so does one left open at interpreter exit. The finalizer holds the engine
         # only: holding the LLM would keep it alive.
         self._finalizer = weakref.finalize(self, self.engine.close)
+        try:  # offline, every output is text: a tokenizer that cannot load is refused now
+            _ = self.engine.tokenizer
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def tokenizer(self) -> Any:
