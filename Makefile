@@ -51,8 +51,11 @@ serve: $(STAMP)
 # two cores. tests/conftest.py groups the tests (a file's servers start once).
 PYTEST_ARGS ?= -n 2 --dist loadgroup --durations 25
 
+# The suite runs two workers, their servers and their ranks on two cores: many more OpenMP
+# threads than cores. Spinning while they wait (libgomp's default) takes the core from a process
+# that has work; passive waiting ran the TP, DP and DeepSeek files 8 % faster on 12 % less CPU.
 test: $(STAMP) $(SPEC_STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
