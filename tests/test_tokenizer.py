@@ -79,6 +79,27 @@ def test_files_in_doubt_load_the_tokenizer_and_agree_with_it(tmp_path, case):
     assert loads == ([] if case == "added" else [1]), case
 
 
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"added_tokens": "<|eos|>"},
+        {"added_tokens": ["<|eos|>"]},
+        {"added_tokens": [], "model": "bpe"},
+        {"added_tokens": [], "model": {"vocab": ["<|eos|>"]}},
+        ["not", "an", "object"],
+    ],
+)
+def test_a_tokenizer_json_of_the_wrong_shape_leaves_it_to_transformers(tmp_path, body):
+    """Never a traceback from the cheap read: it steps aside, and loading the tokenizer says
+    what is wrong in one line."""
+    root = _demo_copy(tmp_path)
+    (root / "tokenizer.json").write_text(json.dumps(body))
+    assert _eos_from_files(root) is None
+    with pytest.raises(TierserveError) as err:
+        eos_token_id(str(root), lazy_tokenizer(str(root)))
+    assert err.value.field == "tokenizer"
+
+
 def test_a_missing_tokenizer_is_still_refused_by_name(tmp_path):
     with pytest.raises(TierserveError) as err:
         eos_token_id(str(tmp_path), lazy_tokenizer(str(tmp_path)))

@@ -60,9 +60,12 @@ def _eos_from_files(root: Path) -> int | None:
         token = token.get("content")
     if not isinstance(token, str) or not isinstance(vocab, dict):
         return None
-    ids = {t.get("id") for t in vocab.get("added_tokens") or [] if t.get("content") == token}
+    added, model = vocab.get("added_tokens") or [], vocab.get("model") or {}
+    if not isinstance(added, list) or not all(isinstance(t, dict) for t in added):
+        return None  # a damaged file: transformers' load gives the error
+    ids = {t.get("id") for t in added if t.get("content") == token}
     if not ids:
-        model_vocab = (vocab.get("model") or {}).get("vocab")
+        model_vocab = model.get("vocab") if isinstance(model, dict) else None
         if isinstance(model_vocab, dict) and token in model_vocab:
             ids = {model_vocab[token]}
     if len(ids) != 1:
