@@ -85,8 +85,8 @@ def test_absorbed_decode_equals_expanded_and_never_up_projects_the_cache():
     cos, sin = v3.DeepseekV3RotaryEmbedding(config)(x[None], torch.arange(n)[None])
     cos, sin = cos[0], sin[0]
     with torch.no_grad():
-        latent = mla.latent(x, cos, sin)  # what the pool holds: [tokens, rank + rope]
-        q_nope, q_rope = mla.queries(x[-3:], cos[-3:], sin[-3:])  # three decode-like queries
+        latent = mla.project(x, cos, sin)[2]  # what the pool holds: [tokens, rank + rope]
+        q_nope, q_rope, _ = mla.project(x[-3:], cos[-3:], sin[-3:])  # three decode-like queries
         calls = []
         hook = mla.kv_b_proj.register_forward_hook(lambda *a: calls.append(a[1][0].shape))
         expanded = mla.attend_expanded(q_nope, q_rope, latent, None)

@@ -253,3 +253,40 @@ def test_a_checkpoint_that_does_not_match_names_the_tensors(checkpoints, tmp_pat
         LLM(str(broken), max_total_tokens=256)
     assert "model.layers.0.mlp.up_proj.weight" in err.value.message
     assert "model.layers.0.mlp.extra.weight" in err.value.message
+
+
+@pytest.mark.parametrize("family", ["qwen2", "deepseek-v3"])
+def test_linears_that_share_an_input_run_as_one_gemm(checkpoints, family):
+    """q, k, v (with Qwen2's biases) are one packed weight, gate and up another, MLA's two
+    down-projections a third: a decode step runs one GEMM for each, and the packed rows equal
+    the checkpoint's tensors side by side."""
+    from safetensors.torch import load_file
+
+    path = checkpoints[family]
+    llm = LLM(str(path), max_total_tokens=512)
+    model = llm.engine.runner.model
+    names = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    leaves = {n.rpartition(".")[2] for n in names}
+    layer = "model.layers.0"
+    state = load_file(str(path / "model.safetensors"))
+    if family == "qwen2":
+        assert not leaves & {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+        for p in ("weight", "bias"):
+            packed = model.get_parameter(f"{layer}.self_attn.qkv_proj.{p}")
+            parts = [state[f"{layer}.self_attn.{x}_proj.{p}"] for x in "qkv"]
+            torch.testing.assert_close(packed, torch.cat(parts), rtol=0, atol=0)
+    else:
+        assert f"{layer}.self_attn.fused_qkv_a_proj_with_mqa" in names
+        assert not leaves & {"q_a_proj", "kv_a_proj_with_mqa"}
+    calls: list[str] = []
+    hooks = [
+        m.register_forward_hook(lambda m, *_, n=n: calls.append(n))
+        for n, m in model.named_modules()
+        if isinstance(m, torch.nn.Linear) and n.startswith(f"{layer}.")
+    ]
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))
+    for h in hooks:
+        h.remove()
+    # A prefill, then one decode step, each qkv, o, gate_up, down; MLA adds q_b, and kv_b in
+    # the prefill only (decode attends in the latent space). Its first layer's MLP is dense.
+    assert len(calls) == (2 * 4 if family == "qwen2" else 6 + 5), calls

@@ -24,7 +24,14 @@ from torch import nn
 
 from tierserve.layers.batch import causal_mask
 from tierserve.layers.norm import RMSNorm
-from tierserve.layers.parallel import ColumnParallelLinear, RowParallelLinear, shard_size, tp_group
+from tierserve.layers.parallel import (
+    ColumnParallelLinear,
+    PackedColumnLinear,
+    RowParallelLinear,
+    load_unpacked,
+    shard_size,
+    tp_group,
+)
 from tierserve.layers.rotary import yarn_mscale
 
 
@@ -71,13 +78,17 @@ class MLA(nn.Module):
         h, heads, qk = cfg.hidden_size, cfg.num_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
         # With TP a rank runs a slice of the heads; the latent (kv_a) is every rank's whole.
         self.num_heads = shard_size(heads, tp_group().size, "num_attention_heads")
+        # The query's first projection and the latent's read the same input: one GEMM (SGLang's
+        # fused_qkv_a_proj_with_mqa). The latent's part is whole on every rank.
+        latent = ("kv_a_proj_with_mqa", cfg.kv_lora_rank + cfg.qk_rope_head_dim, None)
         if cfg.q_lora_rank:
-            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=False)
+            query = ("q_a_proj", cfg.q_lora_rank, None)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
             self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, heads * qk, bias=False)
         else:
-            self.q_proj = ColumnParallelLinear(h, heads * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+            query = ("q_proj", heads * qk, 1)
+        self.fused_qkv_a_proj_with_mqa = PackedColumnLinear(h, [query, latent], bias=False)
+        load_unpacked(self)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         out = cfg.qk_nope_head_dim + cfg.v_head_dim
         self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, heads * out, bias=False)
@@ -85,27 +96,21 @@ class MLA(nn.Module):
 
     # --- what goes in --------------------------------------------------------------------------
 
-    def queries(
+    def project(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """([tokens, heads, nope], [tokens, heads, rope]) of hidden states x [tokens, hidden]."""
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Of hidden states x [tokens, hidden]: the queries ([tokens, heads, nope], [tokens,
+        heads, rope]) and the latent [tokens, kv_lora_rank + rope] a KV pool stores."""
         cfg = self.cfg
+        q, kv_a = self.fused_qkv_a_proj_with_mqa(x)
         if cfg.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        else:
-            q = self.q_proj(x)
-        q = q.view(len(x), self.num_heads, -1)
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q = q.reshape(len(x), self.num_heads, -1)
         q_nope, q_rope = q.split([cfg.qk_nope_head_dim, cfg.qk_rope_head_dim], dim=-1)
-        return q_nope, rotate(q_rope, cos, sin, cfg.interleave)
-
-    def latent(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """[tokens, kv_lora_rank + rope]: what a KV pool stores for these tokens."""
-        cfg = self.cfg
-        c_kv, k_rope = self.kv_a_proj_with_mqa(x).split(
-            [cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1
-        )
+        c_kv, k_rope = kv_a.split([cfg.kv_lora_rank, cfg.qk_rope_head_dim], dim=-1)
         k_rope = rotate(k_rope.unsqueeze(1), cos, sin, cfg.interleave).squeeze(1)
-        return torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)
+        latent = torch.cat([self.kv_a_layernorm(c_kv), k_rope], dim=-1)
+        return q_nope, rotate(q_rope, cos, sin, cfg.interleave), latent
 
     def _up(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b_proj as [heads, nope, rank] (keys) and [heads, v, rank] (values)."""
@@ -168,6 +173,6 @@ class MLA(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Causal self-attention of x [tokens, hidden] over itself (a prefill with no cache)."""
-        q_nope, q_rope = self.queries(x, cos, sin)
-        out = self.attend_expanded(q_nope, q_rope, self.latent(x, cos, sin), None)
+        q_nope, q_rope, latent = self.project(x, cos, sin)
+        out = self.attend_expanded(q_nope, q_rope, latent, None)
         return self.o_proj(out.reshape(len(x), -1))

@@ -1,5 +1,5 @@
 """The gated MLP (SwiGLU) of Llama's layers and DeepSeek's dense layers and shared experts:
-gate and up column-parallel, down row-parallel, so a rank holds 1/tp of each."""
+gate and up packed column-parallel (one GEMM), down row-parallel, so a rank holds 1/tp of each."""
 
 from __future__ import annotations
 
@@ -7,15 +7,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierserve.layers.parallel import ColumnParallelLinear, RowParallelLinear
+from tierserve.layers.parallel import PackedColumnLinear, RowParallelLinear, load_unpacked
 
 
 class GatedMLP(nn.Module):
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_proj = ColumnParallelLinear(hidden, intermediate, bias=False)
-        self.up_proj = ColumnParallelLinear(hidden, intermediate, bias=False)
+        parts = [("gate_proj", intermediate, 1), ("up_proj", intermediate, 1)]
+        self.gate_up_proj = PackedColumnLinear(hidden, parts, bias=False)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=False)
+        load_unpacked(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate) * up)

@@ -18,12 +18,16 @@ parameter's size, so a checkpoint loads the same way at any TP size (kept on the
 parameters are remade when the model leaves `meta`).
 A KV head that more ranks need than the model has (tp > kv_heads) is `replicas` ranks' shared
 slice.
+
+Linears that read the same input run as one GEMM (`PackedColumnLinear`: q, k and v; gate and
+up; MLA's two down-projections): the checkpoint's separate tensors load straight into their
+rows of the packed weight, each sliced for this rank as its own linear would be.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,6 +115,91 @@ class ColumnParallelLinear(nn.Linear):
         mark_shard(self, "weight", -2, index)
         if self.bias is not None:
             mark_shard(self, "bias", -1, index)
+
+
+@dataclass(frozen=True)
+class PackedPart:
+    """One checkpoint linear inside a packed one: `name` is its module's name beside the packed
+    module (`q_proj` beside `qkv_proj`); this rank holds slice `index` of `shards` of its output
+    features (1 shard: the whole), at `rows` of the packed output."""
+
+    name: str
+    rows: slice
+    index: int
+    shards: int
+
+    def of(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of the checkpoint's whole tensor (weight or bias)."""
+        size = tensor.shape[0] // self.shards
+        return tensor.narrow(0, self.index * size, size) if self.shards > 1 else tensor
+
+
+class PackedColumnLinear(nn.Linear):
+    """Several column-parallel linears of one input, side by side in one weight; `forward`
+    returns each one's output. A part is (checkpoint name, output features, replicas): split
+    over the ranks as `ColumnParallelLinear(..., replicas)` splits it, or whole on every rank
+    when replicas is None (MLA's latent projection)."""
+
+    def __init__(
+        self, in_features: int, parts: Sequence[tuple[str, int, int | None]], bias: bool
+    ) -> None:
+        tp = tp_group()
+        packed, start = [], 0
+        for name, features, replicas in parts:
+            shards = 1 if replicas is None else max(1, tp.size // replicas)
+            rows = shard_size(features, shards, f"{name} output features")
+            index = tp.rank // replicas if replicas and shards > 1 else 0
+            packed.append(PackedPart(name, slice(start, start + rows), index, shards))
+            start += rows
+        super().__init__(in_features, start, bias)
+        self.parts = tuple(packed)
+        self.sizes = [p.rows.stop - p.rows.start for p in packed]
+        if any(p.shards > 1 for p in packed):  # a slice of the whole: listed as sharded
+            mark_shard(self, "weight", -2, tp.rank)
+            if self.bias is not None:
+                mark_shard(self, "bias", -1, tp.rank)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+
+    def pack(self, state_dict: dict[str, torch.Tensor], parent: str, name: str) -> None:
+        """Replace the parts' tensors in `state_dict` (a module's, keys under `parent`) by this
+        rank's packed ones, so `load_state_dict` takes checkpoint names."""
+        for param in ["weight"] + (["bias"] if self.bias is not None else []):
+            keys = [f"{parent}{part.name}.{param}" for part in self.parts]
+            if all(k in state_dict for k in keys):
+                parts = [
+                    part.of(state_dict.pop(k)) for part, k in zip(self.parts, keys, strict=True)
+                ]
+                state_dict[f"{parent}{name}.{param}"] = torch.cat(parts)
+
+
+def load_unpacked(module: nn.Module) -> None:
+    """Let `module.load_state_dict` take its packed linears' parts by their checkpoint names
+    (`q_proj.weight`, ...), as transformers' modules name them."""
+
+    def hook(m: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str, *_: Any) -> None:
+        for name, child in m.named_children():
+            if isinstance(child, PackedColumnLinear):
+                child.pack(state_dict, prefix, name)
+
+    module.register_load_state_dict_pre_hook(hook)
+
+
+def packed_by_name(model: nn.Module) -> dict[str, tuple[str, PackedPart]]:
+    """Checkpoint tensor name → (the packed parameter it loads into, its part), for every part
+    of every packed linear of `model`."""
+    found = {}
+    for prefix, module in model.named_modules():
+        if not isinstance(module, PackedColumnLinear):
+            continue
+        parent = prefix.rpartition(".")[0]
+        params = ["weight"] + (["bias"] if module.bias is not None else [])
+        for part in module.parts:
+            for param in params:
+                key = f"{parent}.{part.name}.{param}" if parent else f"{part.name}.{param}"
+                found[key] = (f"{prefix}.{param}", part)
+    return found
 
 
 class RowParallelLinear(nn.Linear):

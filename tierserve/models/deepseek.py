@@ -73,8 +73,8 @@ class DeepseekAttention(MLA):
         self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         cos, sin = self.rotary[0].tables(positions)
-        q_nope, q_rope = self.queries(x, cos, sin)
-        out = attn.forward_latent(self.layer_id, self, q_nope, q_rope, self.latent(x, cos, sin))
+        q_nope, q_rope, latent = self.project(x, cos, sin)
+        out = attn.forward_latent(self.layer_id, self, q_nope, q_rope, latent)
         return self.o_proj(out.reshape(len(x), -1))
 
 

@@ -11,11 +11,12 @@ from torch import nn
 
 from tierserve.layers import (
     AttentionBackend,
-    ColumnParallelLinear,
     GatedMLP,
+    PackedColumnLinear,
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
+    load_unpacked,
     shard_size,
     tp_group,
 )
@@ -35,10 +36,15 @@ class LlamaAttention(nn.Module):
         replicas = max(1, tp // cfg.num_kv_heads)
         self.num_kv_heads = shard_size(cfg.num_kv_heads * replicas, tp, "num_key_value_heads")
         self.head_dim = dim
-        bias = cfg.attention_bias
-        self.q_proj = ColumnParallelLinear(hidden, cfg.num_heads * dim, bias)
-        self.k_proj = ColumnParallelLinear(hidden, cfg.num_kv_heads * dim, bias, replicas)
-        self.v_proj = ColumnParallelLinear(hidden, cfg.num_kv_heads * dim, bias, replicas)
+        # q, k and v in one GEMM; an EAGLE-3 draft layer (2 × hidden in) packs the same way.
+        kv = cfg.num_kv_heads * dim
+        parts = [
+            ("q_proj", cfg.num_heads * dim, 1),
+            ("k_proj", kv, replicas),
+            ("v_proj", kv, replicas),
+        ]
+        self.qkv_proj = PackedColumnLinear(hidden, parts, cfg.attention_bias)
+        load_unpacked(self)
         self.o_proj = RowParallelLinear(cfg.num_heads * dim, hidden, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -50,9 +56,10 @@ class LlamaAttention(nn.Module):
         self, positions: torch.Tensor, x: torch.Tensor, attn: AttentionBackend
     ) -> torch.Tensor:
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x)
+        q = q.reshape(tokens, self.num_heads, self.head_dim)
+        k = k.reshape(tokens, self.num_kv_heads, self.head_dim)
+        v = v.reshape(tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](positions, q, k)

@@ -27,7 +27,7 @@ from torch import nn
 from tqdm import tqdm
 
 from tierserve.errors import TierserveError
-from tierserve.layers import rotary_for, shards_by_name
+from tierserve.layers import packed_by_name, rotary_for, shards_by_name
 from tierserve.model_config import ModelConfig, read_hf_config, text_config
 from tierserve.models.registry import model_class
 
@@ -172,6 +172,8 @@ def load_model(
     unexpected: list[str] = []
     place = getattr(model, "checkpoint_target", lambda name: None)
     shards = shards_by_name(model)  # tensor parallelism: this rank's slices
+    packed = packed_by_name(model)  # q/k/v, gate/up, ...: rows of one packed weight
+    seen_parts: set[str] = set()
     layout = CheckpointLayout.of(path, cfg.num_layers)
     total = sum(1 for f in weight_files(path) for _ in _keys(f, layout))
     bar = tqdm(total=total, desc="loading weights", unit="tensor", leave=False)
@@ -180,10 +182,16 @@ def load_model(
             bar.update(1)
             if cfg.tie_word_embeddings and name == "lm_head.weight":
                 continue
-            target_name, index = place(name) or (name, ())
+            if name in packed:
+                target_name, part = packed[name]
+                index: tuple[int | slice, ...] = (part.rows,)
+                tensor = part.of(tensor)
+                seen_parts.add(name)
+            else:
+                target_name, index = place(name) or (name, ())
             target = targets.get(target_name)
             view = target[index] if target is not None else None
-            if view is not None and target_name in shards:
+            if view is not None and target_name in shards and name not in packed:
                 tensor = _rank_slice(tensor, view.shape, shards[target_name])
             if view is None or view.shape != tensor.shape:
                 if not name.endswith("rotary_emb.inv_freq"):
@@ -192,8 +200,11 @@ def load_model(
             view.copy_(tensor)  # converts to the model's dtype and device in place
             filled[target_name] += tensor.numel()
     bar.close()
-    # A target is loaded when exactly its elements arrived (a stacked one: every expert once).
-    missing = [n for n, t in targets.items() if filled[n] != t.numel()]
+    # A target is loaded when exactly its elements arrived (a stacked one: every expert once);
+    # a packed one's missing parts are named as the checkpoint names them.
+    missing = sorted(set(packed) - seen_parts)
+    packed_targets = {target for target, _ in packed.values()}
+    missing += [n for n, t in targets.items() if filled[n] != t.numel() and n not in packed_targets]
     if missing or unexpected:
         raise TierserveError(
             f"checkpoint {path} does not match {cfg.architecture}: "
