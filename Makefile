@@ -3,6 +3,7 @@ PY      ?= python3
 VENV    := .venv
 BIN     := $(VENV)/bin
 STAMP   := $(VENV)/.installed
+KERNELS := $(VENV)/.kernels
 # Two cores are the norm here; more threads than cores only adds contention.
 export OMP_NUM_THREADS ?= 2
 export HF_HUB_OFFLINE := 1
@@ -25,13 +26,20 @@ $(STAMP): pyproject.toml
 	  $(BIN)/pip install -q torch==2.13.0 || \
 	  $(BIN)/pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; \
 	fi
-	# Mooncake Store's client links against libibverbs and libnuma, even over TCP.
-	if command -v apt-get >/dev/null 2>&1 && ! dpkg -s libibverbs1 libnuma1 >/dev/null 2>&1; then \
+	# Mooncake Store's client links against libibverbs and libnuma, even over TCP; the CPU
+	# attention kernel is built with g++.
+	if command -v apt-get >/dev/null 2>&1 && ! { dpkg -s libibverbs1 libnuma1 >/dev/null 2>&1 && command -v g++ >/dev/null; }; then \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q libibverbs1 libnuma1; \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q libibverbs1 libnuma1 g++; \
 	fi
 	$(BIN)/pip install -q -e '.[dev,bench,storage]'
 	touch $(STAMP)
+
+# The CPU attention kernel, compiled for this CPU and torch (~15 s) into ~/.cache/tierserve;
+# without it --attention-backend auto falls back to torch.
+$(KERNELS): $(STAMP) $(wildcard tierserve/layers/kernels/*.cpp)
+	$(BIN)/python -m tierserve.layers.kernels || echo "CPU kernels not built: attention runs on torch"
+	touch $(KERNELS)
 
 $(SPEC_STAMP):
 	test -x $(SPEC)/bin/python || $(PY) -m venv $(SPEC)
@@ -42,9 +50,9 @@ $(SPEC_STAMP):
 	$(SPEC)/bin/pip uninstall -q -y torchvision torchaudio
 	touch $(SPEC_STAMP)
 
-install: $(STAMP)
+install: $(STAMP) $(KERNELS)
 
-serve: $(STAMP)
+serve: $(STAMP) $(KERNELS)
 	$(BIN)/tierserve serve $(ARGS)
 
 # Two workers: most of the suite's time is servers and ranks starting, which overlap well on
@@ -54,7 +62,7 @@ PYTEST_ARGS ?= -n 2 --dist loadgroup --durations 25
 # The suite runs two workers, their servers and their ranks on two cores: many more OpenMP
 # threads than cores. Spinning while they wait (libgomp's default) takes the core from a process
 # that has work; passive waiting ran the TP, DP and DeepSeek files 8 % faster on 12 % less CPU.
-test: $(STAMP) $(SPEC_STAMP)
+test: $(STAMP) $(KERNELS) $(SPEC_STAMP)
 	OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-PASSIVE} $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: $(STAMP)

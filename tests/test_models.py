@@ -126,19 +126,23 @@ def test_sharded_checkpoint_loads(tmp_path, checkpoints):
 
 
 def test_long_decode_matches_transformers(checkpoints):
-    """Past the decode workspace's slack, so it is rebuilt mid-generation."""
+    """Past the torch backend's decode workspace slack, so it is rebuilt mid-generation; the
+    CPU kernel over the same 150 steps."""
     path = checkpoints["llama"]
     prompts = random_prompts(3, [10, 70, 33], seed=12)
-    llm = LLM(str(path), page_size=16, max_total_tokens=4096)
-    outs = llm.generate(prompts, SamplingParams(max_tokens=150, temperature=0, ignore_eos=True))
-    assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 150)
+    for backend in ("torch", "cpu"):
+        llm = LLM(str(path), page_size=16, max_total_tokens=4096, attention_backend=backend)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=150, temperature=0, ignore_eos=True))
+        assert [o.token_ids for o in outs] == hf_greedy(path, prompts, 150), backend
+        llm.close()
 
 
 def _decode_watching_the_workspace(
     path: Path, prompts: list[list[int]], max_tokens: int, watch: Callable[[DecodeWorkspace], None]
 ) -> list[list[int]]:
-    """Greedy outputs of `prompts` decoded together, with `watch(workspace)` after each step."""
-    llm = LLM(str(path), page_size=16, max_total_tokens=4096)
+    """Greedy outputs of `prompts` decoded together, with `watch(workspace)` after each step
+    (the torch backend's: the CPU kernel keeps none)."""
+    llm = LLM(str(path), page_size=16, max_total_tokens=4096, attention_backend="torch")
     ws = llm.engine.runner.attn.workspace
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for p in prompts:
@@ -284,9 +288,10 @@ def test_linears_that_share_an_input_run_as_one_gemm(checkpoints, family):
         for n, m in model.named_modules()
         if isinstance(m, torch.nn.Linear) and n.startswith(f"{layer}.")
     ]
-    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2, temperature=0))
+    llm.generate([list(range(5, 45))], SamplingParams(max_tokens=2, temperature=0))
     for h in hooks:
         h.remove()
     # A prefill, then one decode step, each qkv, o, gate_up, down; MLA adds q_b, and kv_b in
-    # the prefill only (decode attends in the latent space). Its first layer's MLP is dense.
+    # the 40-token prefill only (decode attends in the latent space). Its first layer's MLP
+    # is dense.
     assert len(calls) == (2 * 4 if family == "qwen2" else 6 + 5), calls

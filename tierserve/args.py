@@ -175,7 +175,13 @@ class EngineArgs:
         ),
     )
     attention_backend: str = field(
-        default="torch", metadata=_flag("attention kernel backend", choices=["torch"])
+        default="auto",
+        metadata=_flag(
+            "attention kernels: cpu (paged C++ kernel, CPU only; built by make or on first "
+            "use), torch (SDPA over gathered KV; the oracle); auto = cpu on CPU when built, "
+            "else torch",
+            choices=["auto", "cpu", "torch"],
+        ),
     )
     seed: int = field(default=0, metadata=_flag("seed for requests that do not give their own"))
     tp_size: int = field(

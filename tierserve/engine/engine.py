@@ -88,7 +88,8 @@ class Engine:
             running = args.max_running_requests // args.dp_groups
             sched_cfg = SchedulerConfig(running, args.chunked_prefill_size, self.context_length)
             self.scheduler = Scheduler(sched_cfg, self.kv)
-            attn = ATTENTION_BACKENDS[args.attention_backend](pool, cfg.num_layers)
+            attn = ATTENTION_BACKENDS[startup.attention_backend](pool, cfg.num_layers)
+            logger.info("attention backend: %s", startup.attention_backend)
             writes = self.ranks is None or self.ranks.group_leader
             self.capture = HiddenStateCapture.of(args, cfg, self.dtype, writes)
             self.runner = ModelRunner(model, attn, args.page_size, self.device, self.capture.layers)

@@ -18,7 +18,7 @@ from tierserve.cache import check_pool_size
 from tierserve.dtypes import COMPUTE_DTYPES, torch_dtype
 from tierserve.engine.kv_plan import KVPlan, check_cpu_ram, size_host_tier
 from tierserve.errors import TierserveError
-from tierserve.layers import DecodeWorkspace
+from tierserve.layers import DecodeWorkspace, resolve_backend
 from tierserve.model_config import ModelConfig
 from tierserve.models import checkpoint_numels
 from tierserve.sizing import KVSpec, device_pool_bytes
@@ -57,6 +57,7 @@ class Startup:
     # One rank's share of a token's forward pass: 2 FLOPs per parameter (every expert of a MoE
     # counted, so estimates from it err slow).
     flops_per_token: float = 0.0
+    attention_backend: str = "torch"  # resolved: never "auto"
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> Startup:
@@ -75,10 +76,15 @@ class Startup:
         weight_bytes = node_numel * dtype.itemsize + extra
         rank_weights = rank_numel * dtype.itemsize + extra // args.tp_size
         storage = _storage_config(args)
-        plan = _kv_plan(args, device, spec, (weight_bytes, rank_weights), dtype.itemsize, storage)
+        backend = resolve_backend(args.attention_backend, device)
+        # Only the torch backend keeps a decode workspace (on CPU); the CPU kernel reads pages.
+        width = dtype.itemsize if backend == "torch" else 0
+        plan = _kv_plan(args, device, spec, (weight_bytes, rank_weights), width, storage)
         context = _context_length(args, cfg)
         flops = 2.0 * node_numel / args.tp_size
-        return cls(model_path, cfg, device, dtype, context, weight_bytes, plan, storage, flops)
+        return cls(
+            model_path, cfg, device, dtype, context, weight_bytes, plan, storage, flops, backend
+        )
 
 
 def weight_numel(args: EngineArgs, model_path: str, num_layers: int) -> tuple[int, int]:
@@ -128,7 +134,7 @@ def _kv_plan(
     device: torch.device,
     spec: KVSpec,
     weights: tuple[int, int],  # bytes on the node, on one rank
-    compute_width: int,
+    workspace_width: int,  # bytes per element of a decode workspace; 0: the backend has none
     storage: StorageConfig | None,
 ) -> KVPlan:
     weight_bytes, rank_weights = weights
@@ -137,7 +143,7 @@ def _kv_plan(
     on_cpu = device.type == "cpu"
     # On CPU the decode workspace keeps a padded copy of the decode batch's KV (bounded), in
     # the compute dtype: with fp8 KV it is 4× the pool's bytes per token in float32.
-    per_token = spec.bytes_per_token // spec.dtype_bytes * compute_width
+    per_token = spec.bytes_per_token // spec.dtype_bytes * workspace_width
     workspace = DecodeWorkspace.MAX_PADDING * device_tokens * per_token
     workspace = workspace if on_cpu else 0
     plan = KVPlan(spec, device_tokens, None, args.hicache_write_policy, workspace)

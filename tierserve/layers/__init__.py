@@ -6,7 +6,7 @@ from tierserve.lazy import lazy_exports
 # What outsiders import from this package, and the module that defines each (loaded on
 # first use: tierserve/lazy.py).
 EXPORTS = {
-    "ATTENTION_BACKENDS": "attention",
+    "ATTENTION_BACKENDS": "backends",
     "AttentionBackend": "attention",
     "ColumnParallelLinear": "parallel",
     "DPAttention": "data_parallel",
@@ -28,6 +28,7 @@ EXPORTS = {
     "attention_group": "parallel",
     "building_attention": "parallel",
     "dp_attention": "data_parallel",
+    "resolve_backend": "backends",
     "rotary_for": "rotary",
     "sample": "sampler",
     "set_dp_attention": "data_parallel",

@@ -10,7 +10,6 @@ layers and later requests sharing the prefix need them). The torch backend (gath
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -70,7 +69,13 @@ class TorchAttention(AttentionBackend):
             self.workspace.plan(decode, device)
         else:
             self.workspace.reset()
-        self.extend_masks = [_bottom_right_causal(s.q_len, s.kv_len, device) for s in self.extend]
+        self._prepare_extend(self.extend)
+
+    def _prepare_extend(self, spans: list[SeqSpan]) -> None:
+        """The masks of the spans attended one by one with SDPA."""
+        self.extend = spans
+        device = self.batch.out_slots.device
+        self.extend_masks = [_bottom_right_causal(s.q_len, s.kv_len, device) for s in spans]
         # Sliding-window masks by window, one per extend span: built by the first layer that
         # needs them and shared by the step's other layers with that window.
         self.window_masks: dict[int, list[torch.Tensor | None]] = {}
@@ -91,10 +96,22 @@ class TorchAttention(AttentionBackend):
         out = torch.empty_like(q)
         if nd:
             out[:nd] = self._decode(layer, q[:nd], k[:nd], v[:nd], window)
+        self._attend_extend(layer, q, k, v, window, out)
+        return out
+
+    def _attend_extend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None,
+        out: torch.Tensor,
+    ) -> None:
+        """The extend spans' rows of `out`, each span with one SDPA call."""
         for span, mask in zip(self.extend, self._extend_masks(window), strict=True):
             rows = slice(span.q_start, span.q_start + span.q_len)
             out[rows] = self._extend(layer, span, q[rows], k[rows], v[rows], mask)
-        return out
 
     def _extend_masks(self, window: int | None) -> list[torch.Tensor | None]:
         """Each extend span's mask for a layer with this sliding window (None: causal only)."""
@@ -123,13 +140,25 @@ class TorchAttention(AttentionBackend):
                 for a, b, n in g.bands
             ]
             out[g.rows] = torch.cat(bands).squeeze(1)
+        self._attend_extend_latent(layer, mla, q_nope, q_rope, latent, out)
+        return out
+
+    def _attend_extend_latent(
+        self,
+        layer: int,
+        mla: MLA,
+        q_nope: torch.Tensor,
+        q_rope: torch.Tensor,
+        latent: torch.Tensor,
+        out: torch.Tensor,
+    ) -> None:
+        """The extend spans' rows of `out` (MLA), each span in the expanded form."""
         for span, mask in zip(self.extend, self.extend_masks, strict=True):
             rows = slice(span.q_start, span.q_start + span.q_len)
             context = latent[rows]
             if span.kv_len > span.q_len:  # a cached prefix or earlier chunks: from the pool
                 context = self.pool.gather(layer, span.pages)[0, 0, : span.kv_len]
             out[rows] = mla.attend_expanded(q_nope[rows], q_rope[rows], context, mask)
-        return out
 
     def _decode(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
@@ -203,8 +232,3 @@ def _windowed_causal(
     if kv_len <= window:
         return _bottom_right_causal(q_len, kv_len, device)
     return causal_mask(q_len, kv_len, device, window)
-
-
-ATTENTION_BACKENDS: dict[str, Callable[[PagedKV, int], AttentionBackend]] = {
-    "torch": TorchAttention
-}

@@ -118,6 +118,17 @@ class MLA(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, -1, cfg.kv_lora_rank)
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim :]
 
+    def absorbed_query(self, q_nope: torch.Tensor, q_rope: torch.Tensor) -> torch.Tensor:
+        """[tokens, heads, rank + rope]: queries that score the stored latents as keys (the key
+        half of kv_b_proj folded into q_nope), for a kernel that attends over the pool."""
+        w_k, _ = self._up()
+        return torch.cat([torch.einsum("qhn,hnr->qhr", q_nope, w_k), q_rope], dim=-1)
+
+    def absorbed_output(self, context: torch.Tensor) -> torch.Tensor:
+        """[tokens, heads, v] of the attention-weighted latents [tokens, heads, rank]."""
+        _, w_v = self._up()
+        return torch.einsum("qhr,hvr->qhv", context, w_v)
+
     # --- the two forms -------------------------------------------------------------------------
 
     def _context(

@@ -1,0 +1,158 @@
+"""The CPU paged attention kernel (`--attention-backend cpu`) against the torch backend, its
+oracle, on the same pool: GQA and MLA, a sliding window, float32, bf16 and fp8 KV, page sizes
+1 and 16, ragged lengths, 1 to 5 query tokens per sequence (and a span long enough for SDPA)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tierserve.cache import PagedKV
+from tierserve.layers.attention import TorchAttention
+from tierserve.layers.batch import ForwardBatch, SeqSpan
+from tierserve.layers.mla import MLA, MLAConfig
+from tierserve.layers.paged_attention import CPUPagedAttention
+from tierserve.sizing import KVSpec
+
+LAYERS = 2
+# (new query tokens, context length incl. them) per sequence: decode rows, verification-like
+# blocks of 2-5, a prefix-less block, and one span past the kernel's limit (SDPA's, as torch).
+SPANS = [(1, 1), (1, 17), (1, 40), (1, 100), (2, 2), (3, 33), (4, 16), (5, 71), (20, 57)]
+
+
+def _batch(pool: PagedKV, spans: list[tuple[int, int]], seed: int) -> ForwardBatch:
+    """Sequences on shuffled pages (as a long-running pool hands them out), decode rows first
+    as the runner lays them out."""
+    rng = random.Random(seed)
+    ps = pool.page_size
+    free = list(range(pool.num_pages))
+    rng.shuffle(free)
+    out, slots, positions = [], [], []
+    q_start = 0
+    for i, (q_len, kv_len) in enumerate(sorted(spans)):
+        pages = [free.pop() for _ in range(-(-kv_len // ps))]
+        out.append(SeqSpan(i, q_start, q_len, kv_len, torch.tensor(pages)))
+        for pos in range(kv_len - q_len, kv_len):
+            slots.append(pages[pos // ps] * ps + pos % ps)
+            positions.append(pos)
+        q_start += q_len
+    return ForwardBatch(
+        input_ids=torch.zeros(q_start, dtype=torch.long),
+        positions=torch.tensor(positions),
+        out_slots=torch.tensor(slots),
+        spans=out,
+    )
+
+
+def _fill_context(pool: PagedKV, batch: ForwardBatch, parts: int, seed: int) -> None:
+    """Random cached KV for every context position before each span's new tokens."""
+    g = torch.Generator().manual_seed(seed)
+    ps, spec = pool.page_size, pool.spec
+    for layer in range(LAYERS):
+        for s in batch.spans:
+            cached = s.kv_len - s.q_len
+            if cached == 0:
+                continue
+            slots = torch.tensor([int(s.pages[p // ps]) * ps + p % ps for p in range(cached)])
+            xs = [torch.randn(cached, spec.heads, spec.dim, generator=g) for _ in range(parts)]
+            pool.write(layer, slots, *(x.to(pool.compute_dtype) for x in xs))
+
+
+def _pool(kind: str, heads: int, dim: int, kv_dtype: str, page_size: int, compute: torch.dtype):
+    spec = KVSpec(kind, LAYERS, heads, dim, kv_dtype, page_size)  # type: ignore[arg-type]
+    pages = sum(-(-n // page_size) for _, n in SPANS) + 3
+    return PagedKV(spec, pages, torch.device("cpu"), compute_dtype=compute)
+
+
+KV_CASES = [
+    ("float32", torch.float32, 1e-5),
+    ("bfloat16", torch.float32, 1e-5),  # stored bf16, attended in float32
+    ("fp8_e4m3", torch.float32, 1e-5),
+    ("fp8_e5m2", torch.float32, 1e-5),
+    ("bfloat16", torch.bfloat16, 3e-2),  # a bf16 model: the torch path computes in bf16
+]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("kv_dtype", "compute", "tol"), KV_CASES)
+@pytest.mark.parametrize("window", [None, 7])
+def test_gqa_equals_the_torch_path(page_size, kv_dtype, compute, tol, window):
+    heads, kv_heads, dim = 8, 2, 32
+    pool = _pool("kv", kv_heads, dim, kv_dtype, page_size, compute)
+    batch = _batch(pool, SPANS, seed=page_size)
+    _fill_context(pool, batch, parts=2, seed=1)
+    g = torch.Generator().manual_seed(2)
+    tokens = len(batch.input_ids)
+    q = torch.randn(tokens, heads, dim, generator=g).to(compute)
+    k, v = (torch.randn(tokens, kv_heads, dim, generator=g).to(compute) for _ in range(2))
+    got, want = [], []
+    for backend, outs in (
+        (CPUPagedAttention(pool, LAYERS), got),
+        (TorchAttention(pool, LAYERS), want),
+    ):
+        backend.prepare(batch)
+        for layer in range(LAYERS):
+            outs.append(backend.forward(layer, q, k, v, window=window))
+    for layer in range(LAYERS):
+        assert got[layer].dtype == compute
+        torch.testing.assert_close(got[layer], want[layer], atol=tol, rtol=tol)
+    assert not torch.equal(got[0], got[1])  # the layers' contexts differ: each was read
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16", "fp8_e4m3"])
+def test_mla_in_the_latent_space_equals_the_torch_path(page_size, kv_dtype):
+    cfg = MLAConfig(
+        hidden_size=64,
+        num_heads=4,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        scaling=24**-0.5,
+    )
+    torch.manual_seed(3)
+    mla = MLA(cfg)
+    width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    pool = _pool("latent", 1, width, kv_dtype, page_size, torch.float32)
+    batch = _batch(pool, SPANS, seed=page_size + 1)
+    _fill_context(pool, batch, parts=1, seed=4)
+    g = torch.Generator().manual_seed(5)
+    tokens = len(batch.input_ids)
+    q_nope = torch.randn(tokens, cfg.num_heads, cfg.qk_nope_head_dim, generator=g)
+    q_rope = torch.randn(tokens, cfg.num_heads, cfg.qk_rope_head_dim, generator=g)
+    latent = torch.randn(tokens, width, generator=g)
+    outs = []
+    with torch.no_grad():
+        for backend in (CPUPagedAttention(pool, LAYERS), TorchAttention(pool, LAYERS)):
+            backend.prepare(batch)
+            outs.append(backend.forward_latent(1, mla, q_nope, q_rope, latent))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+
+
+def test_one_long_sequence_is_split_over_the_threads():
+    """Batch 1 over a long context: the kernel splits the context between threads and merges
+    the parts (the result must not depend on how many)."""
+    pool = _pool("kv", 2, 32, "float32", 16, torch.float32)
+    spans = [(1, 1500), (3, 900)]
+    pool = PagedKV(pool.spec, 200, torch.device("cpu"))
+    batch = _batch(pool, spans, seed=9)
+    _fill_context(pool, batch, parts=2, seed=10)
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(4, 8, 32, generator=g)
+    k, v = torch.randn(4, 2, 32, generator=g), torch.randn(4, 2, 32, generator=g)
+    want = TorchAttention(pool, LAYERS)
+    want.prepare(batch)
+    reference = want.forward(0, q, k, v)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            got = CPUPagedAttention(pool, LAYERS)
+            got.prepare(batch)
+            torch.testing.assert_close(got.forward(0, q, k, v), reference, atol=1e-5, rtol=1e-5)
+    finally:
+        torch.set_num_threads(threads)

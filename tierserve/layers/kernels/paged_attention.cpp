@@ -1,0 +1,273 @@
+// Multi-query attention over the paged KV pool, on CPU: 1 ... n query tokens per sequence,
+// causal within the block, each query over its sequence's context read straight from the pool's
+// pages (no gathered or padded copy). One op serves decode, short chunks of prefill and
+// speculative verification; the torch backend (layers/attention.py) is its oracle.
+//
+// The pool is [pages, layers, parts, kv_heads, page_size, dim] (cache/pool.py): one head's
+// tokens of a page are one contiguous page_size x dim block, read once per (sequence, KV head)
+// for all the query heads that share it (GQA) and all the block's query tokens. MLA attends in
+// the latent space: one "KV head" whose keys are the whole latent (rank + rope) and whose values
+// are its first `v_dim` values, so keys and values are the same block.
+//
+// Work items are (sequence, KV head, split of the context); a long context is split so that
+// every thread has work at batch 1. Each item keeps a running max, sum and weighted sum per
+// query row (online softmax); a second pass merges the splits.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// How the pool's bytes are read: its own dtype, or float8 values stored as bytes.
+enum KVFormat : int64_t { kNative = 0, kFloat8E4M3 = 1, kFloat8E5M2 = 2 };
+
+constexpr int64_t kPagesPerSplit = 16;  // the least context one split is worth
+
+struct Item {
+  int64_t seq, head, first_page, end_page, scratch;  // scratch: first row of its partials
+};
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+inline void axpy(float* y, float a, const float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+inline void scale_row(float* y, float a, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] *= a;
+}
+
+// A page block of `n` rows of `dim` as float32: a view of a float32 pool, else converted into
+// `buffer`.
+template <typename T>
+const float* as_float(const T* src, int64_t n, int64_t dim, float* buffer, const float* lut) {
+  if constexpr (std::is_same_v<T, float>) {
+    return src;
+  } else if constexpr (std::is_same_v<T, uint8_t>) {
+    for (int64_t i = 0; i < n * dim; ++i) buffer[i] = lut[src[i]];
+  } else {
+    for (int64_t i = 0; i < n * dim; ++i) buffer[i] = static_cast<float>(src[i]);
+  }
+  return buffer;
+}
+
+template <typename T>
+void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t k_part,
+            int64_t v_part, int64_t v_dim, const at::Tensor& page_table,
+            const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_len,
+            int64_t window, double scale, int64_t kv_format, at::Tensor& out) {
+  const int64_t seqs = q_start.size(0);
+  const int64_t heads = q.size(1), dim_k = q.size(2);
+  const int64_t layers = cache.size(1), parts = cache.size(2), kv_heads = cache.size(3);
+  const int64_t page_size = cache.size(4), dim = cache.size(5);
+  const int64_t group = heads / kv_heads;
+  const int64_t table_width = page_table.size(1);
+  const T* kv = reinterpret_cast<const T*>(cache.data_ptr());
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t* table = page_table.data_ptr<int64_t>();
+  const int64_t* qs = q_start.data_ptr<int64_t>();
+  const int64_t* ql = q_len.data_ptr<int64_t>();
+  const int64_t* kl = kv_len.data_ptr<int64_t>();
+  const int64_t q_row = q.stride(0), out_row = out.stride(0);
+  const int64_t block = page_size * dim;  // one head's tokens of one page
+  const bool same_block = k_part == v_part;
+
+  float lut[256];
+  if (kv_format != kNative) {
+    for (int i = 0; i < 256; ++i) {
+      lut[i] = kv_format == kFloat8E4M3
+                   ? static_cast<float>(c10::Float8_e4m3fn(i, c10::Float8_e4m3fn::from_bits()))
+                   : static_cast<float>(c10::Float8_e5m2(i, c10::Float8_e5m2::from_bits()));
+    }
+  }
+
+  // Work items: the pages a sequence's queries can see, split when long; with a window, the
+  // pages before every query's window are never read.
+  const int64_t threads = at::get_num_threads();
+  std::vector<Item> items;
+  int64_t scratch_rows = 0;
+  for (int64_t s = 0; s < seqs; ++s) {
+    const int64_t first_query = kl[s] - ql[s];  // the block's first position
+    const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_query - window + 1) : 0;
+    const int64_t first_page = first_key / page_size;
+    const int64_t end_page = (kl[s] + page_size - 1) / page_size;
+    const int64_t pages = end_page - first_page;
+    const int64_t want = std::max<int64_t>(1, 2 * threads / std::max<int64_t>(1, seqs * kv_heads));
+    const int64_t splits =
+        std::max<int64_t>(1, std::min(want, pages / kPagesPerSplit));
+    const int64_t per_split = (pages + splits - 1) / splits;
+    for (int64_t h = 0; h < kv_heads; ++h) {
+      for (int64_t p = first_page; p < end_page; p += per_split) {
+        items.push_back({s, h, p, std::min(end_page, p + per_split), scratch_rows});
+        scratch_rows += group * ql[s];
+      }
+    }
+  }
+  // Per partial row: running max, sum of weights, then the weighted sum of values.
+  std::vector<float> scratch(scratch_rows * (v_dim + 2));
+  const int64_t stride = v_dim + 2;
+
+  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> k_buf(block), v_buf(block), scores(page_size);
+    std::vector<float> queries;
+    for (int64_t it = begin; it < end; ++it) {
+      const Item& w = items[it];
+      const int64_t n_q = ql[w.seq], rows = group * n_q;
+      const int64_t first_query = kl[w.seq] - n_q;
+      // This item's queries, scaled once: row r is token r / group, head r % group.
+      queries.resize(rows * dim_k);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* src = qp + (qs[w.seq] + r / group) * q_row + (w.head * group + r % group) * dim_k;
+        for (int64_t d = 0; d < dim_k; ++d) queries[r * dim_k + d] = src[d] * scale;
+      }
+      float* part = scratch.data() + w.scratch * stride;
+      for (int64_t r = 0; r < rows; ++r) {
+        part[r * stride] = -std::numeric_limits<float>::infinity();
+        std::fill(part + r * stride + 1, part + (r + 1) * stride, 0.f);
+      }
+      for (int64_t p = w.first_page; p < w.end_page; ++p) {
+        const int64_t page = table[w.seq * table_width + p];
+        const int64_t base = ((page * layers + layer) * parts) * kv_heads;
+        const int64_t n = std::min(page_size, kl[w.seq] - p * page_size);
+        const float* keys = as_float(kv + (base + k_part * kv_heads + w.head) * block, n, dim,
+                                     k_buf.data(), lut);
+        const float* values =
+            same_block ? keys
+                       : as_float(kv + (base + v_part * kv_heads + w.head) * block, n, dim,
+                                  v_buf.data(), lut);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t pos = first_query + r / group;  // this query's position
+          const int64_t lo = window > 0 ? pos - window + 1 : 0;
+          float* row = part + r * stride;
+          float best = row[0];
+          int64_t visible = 0;
+          for (int64_t j = 0; j < n; ++j) {
+            const int64_t key = p * page_size + j;
+            if (key > pos || key < lo) {
+              scores[j] = -std::numeric_limits<float>::infinity();
+              continue;
+            }
+            scores[j] = dot(queries.data() + r * dim_k, keys + j * dim, dim_k);
+            best = std::max(best, scores[j]);
+            ++visible;
+          }
+          if (visible == 0) continue;
+          const float rescale = std::exp(row[0] - best);  // 0 on the first visible keys
+          float sum = row[1] * rescale;
+          float* acc = row + 2;
+          scale_row(acc, rescale, v_dim);
+          for (int64_t j = 0; j < n; ++j) {
+            if (scores[j] == -std::numeric_limits<float>::infinity()) continue;
+            const float e = std::exp(scores[j] - best);
+            sum += e;
+            axpy(acc, e, values + j * dim, v_dim);
+          }
+          row[0] = best;
+          row[1] = sum;
+        }
+      }
+    }
+  });
+
+  // Merge each (sequence, KV head)'s splits into the output rows.
+  std::vector<int64_t> first_item;  // the first item of each (sequence, head), then the end
+  for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
+    if (i == 0 || items[i].seq != items[i - 1].seq || items[i].head != items[i - 1].head)
+      first_item.push_back(i);
+  }
+  first_item.push_back(items.size());
+  const int64_t groups = static_cast<int64_t>(first_item.size()) - 1;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const Item& head_item = items[first_item[g]];
+      const int64_t n_q = ql[head_item.seq], rows = group * n_q;
+      for (int64_t r = 0; r < rows; ++r) {
+        float best = -std::numeric_limits<float>::infinity();
+        for (int64_t i = first_item[g]; i < first_item[g + 1]; ++i)
+          best = std::max(best, scratch[(items[i].scratch + r) * stride]);
+        float* dst = op + (qs[head_item.seq] + r / group) * out_row +
+                     (head_item.head * group + r % group) * v_dim;
+        std::fill(dst, dst + v_dim, 0.f);
+        float total = 0.f;
+        for (int64_t i = first_item[g]; i < first_item[g + 1]; ++i) {
+          const float* row = scratch.data() + (items[i].scratch + r) * stride;
+          if (row[1] == 0.f) continue;
+          const float w = std::exp(row[0] - best);
+          total += row[1] * w;
+          axpy(dst, w, row + 2, v_dim);
+        }
+        scale_row(dst, 1.f / total, v_dim);
+      }
+    }
+  });
+}
+
+void paged_attention(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t k_part,
+                     int64_t v_part, int64_t v_dim, const at::Tensor& page_table,
+                     const at::Tensor& q_start, const at::Tensor& q_len,
+                     const at::Tensor& kv_len, int64_t window, double scale, int64_t kv_format,
+                     at::Tensor out) {
+  TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "paged_attention runs on CPU");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "queries and output are float32");
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [T, H, D]");
+  TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1 && out.stride(1) == v_dim, "out: [T, H, Dv]");
+  TORCH_CHECK(cache.dim() == 6 && cache.is_contiguous(), "cache: the pool's page buffer");
+  TORCH_CHECK(q.size(2) <= cache.size(5) && v_dim <= cache.size(5), "head dims exceed the pool's");
+  TORCH_CHECK(q.size(1) % cache.size(3) == 0, "query heads are a multiple of KV heads");
+  TORCH_CHECK(page_table.scalar_type() == at::kLong && page_table.is_contiguous(), "page table");
+  for (const at::Tensor* t : {&q_start, &q_len, &kv_len})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "int64 index tensors");
+  if (q_start.size(0) == 0) return;
+  switch (cache.scalar_type()) {
+    case at::kFloat:
+      attend<float>(q, cache, layer, k_part, v_part, v_dim, page_table, q_start, q_len, kv_len,
+                    window, scale, kv_format, out);
+      break;
+    case at::kBFloat16:
+      attend<c10::BFloat16>(q, cache, layer, k_part, v_part, v_dim, page_table, q_start, q_len,
+                            kv_len, window, scale, kv_format, out);
+      break;
+    case at::kHalf:
+      attend<c10::Half>(q, cache, layer, k_part, v_part, v_dim, page_table, q_start, q_len,
+                        kv_len, window, scale, kv_format, out);
+      break;
+    case at::kByte:
+      TORCH_CHECK(kv_format != kNative, "a byte pool holds float8 values");
+      attend<uint8_t>(q, cache, layer, k_part, v_part, v_dim, page_table, q_start, q_len, kv_len,
+                      window, scale, kv_format, out);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported KV dtype ", cache.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(tierserve, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor cache, int layer, int k_part, int v_part, int v_dim, "
+      "Tensor page_table, Tensor q_start, Tensor q_len, Tensor kv_len, int window, float scale, "
+      "int kv_format, Tensor(a!) out) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(tierserve, CPU, m) { m.impl("paged_attention", &paged_attention); }

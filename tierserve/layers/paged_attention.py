@@ -1,0 +1,127 @@
+"""The CPU paged attention backend (`--attention-backend cpu`): every sequence of up to
+`MAX_KERNEL_QUERIES` new tokens (decode, speculative verification, short prefill chunks)
+attends in one kernel call per layer over the pool's pages as they lie (layers/kernels/);
+longer prefill spans go to SDPA as in the torch backend, where the attention's arithmetic, not
+its KV reads, is the cost. No decode workspace: nothing is gathered, padded or kept between
+steps, so the backend adds no memory to the plan.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierserve.cache import PagedKV
+from tierserve.errors import TierserveError
+from tierserve.layers import kernels
+from tierserve.layers.attention import AttentionBackend, TorchAttention
+from tierserve.layers.batch import ForwardBatch, SeqSpan
+
+if TYPE_CHECKING:
+    from tierserve.layers.mla import MLA
+
+# How the kernel reads the pool's bytes (layers/kernels/paged_attention.cpp's KVFormat).
+_KV_FORMAT = {None: 0, torch.float8_e4m3fn: 1, torch.float8_e5m2: 2}
+
+
+class CPUPagedAttention(TorchAttention):
+    # A span this long is a prefill chunk: SDPA's blocked matmuls beat the kernel's dot
+    # products there, and its gather is small next to its arithmetic.
+    MAX_KERNEL_QUERIES = 16
+
+    def __init__(self, pool: PagedKV, num_layers: int) -> None:
+        AttentionBackend.__init__(self, pool)  # no decode workspace: the kernel reads pages
+        if pool.device.type != "cpu":
+            raise TierserveError(
+                "--attention-backend cpu runs on CPU; on CUDA use torch", field="attention_backend"
+            )
+        kernels.load(build_if_missing=True)
+        self.kv_format = _KV_FORMAT[pool.spec.float8()]
+        self.workspace = None
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        self.batch = batch
+        short = [s for s in batch.spans if s.q_len <= self.MAX_KERNEL_QUERIES]
+        self._prepare_extend([s for s in batch.spans if s.q_len > self.MAX_KERNEL_QUERIES])
+        self.short = short
+        if short:
+            self.table = _page_table(short)
+            self.q_start = torch.tensor([s.q_start for s in short])
+            self.q_len = torch.tensor([s.q_len for s in short])
+            self.kv_len = torch.tensor([s.kv_len for s in short])
+
+    def _kernel(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k_part: int,
+        v_part: int,
+        v_dim: int,
+        window: int | None,
+        scale: float,
+    ) -> torch.Tensor:
+        """[tokens, heads, v_dim] float32; rows of the short spans only."""
+        q = q.float().contiguous()
+        out = q.new_empty(*q.shape[:2], v_dim)
+        torch.ops.tierserve.paged_attention(
+            q,
+            self.pool.data,
+            layer,
+            k_part,
+            v_part,
+            v_dim,
+            self.table,
+            self.q_start,
+            self.q_len,
+            self.kv_len,
+            window or 0,
+            scale,
+            self.kv_format,
+            out,
+        )
+        return out
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        self.pool.write(layer, self.batch.out_slots, k, v)
+        if self.short:
+            out = self._kernel(layer, q, 0, 1, q.shape[-1], window, q.shape[-1] ** -0.5)
+            out = out.to(q.dtype)
+        else:
+            out = torch.empty_like(q)
+        if self.extend:
+            k, v = self.pool.as_stored(k), self.pool.as_stored(v)
+            self._attend_extend(layer, q, k, v, window, out)
+        return out
+
+    def forward_latent(
+        self, layer: int, mla: MLA, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor
+    ) -> torch.Tensor:
+        self.pool.write(layer, self.batch.out_slots, latent.unsqueeze(1))
+        rank = mla.cfg.kv_lora_rank
+        if self.short:
+            context = self._kernel(
+                layer, mla.absorbed_query(q_nope, q_rope), 0, 0, rank, None, mla.cfg.scaling
+            )
+            out = mla.absorbed_output(context.to(q_nope.dtype))
+        else:
+            out = q_nope.new_empty(*q_nope.shape[:2], mla.cfg.v_head_dim)
+        if self.extend:
+            self._attend_extend_latent(layer, mla, q_nope, q_rope, self.pool.as_stored(latent), out)
+        return out
+
+
+def _page_table(spans: list[SeqSpan]) -> torch.Tensor:
+    """[spans, most pages] int64; the padding is never read (the kernel stops at kv_len)."""
+    width = max(len(s.pages) for s in spans)
+    table = torch.zeros(len(spans), width, dtype=torch.long)
+    for i, s in enumerate(spans):
+        table[i, : len(s.pages)] = s.pages
+    return table
