@@ -27,7 +27,19 @@ from tierserve.errors import TierserveError
 logger = logging.getLogger("tierserve")
 
 SOURCES = (Path(__file__).with_name("paged_attention.cpp"),)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c++17", "-shared", "-fPIC")
+# Fast math without -ffinite-math-only: masked scores are -inf and must stay so.
+FLAGS = (
+    "-O3",
+    "-march=native",
+    "-fopenmp",
+    "-fno-math-errno",
+    "-fno-trapping-math",
+    "-fassociative-math",
+    "-fno-signed-zeros",
+    "-std=c++17",
+    "-shared",
+    "-fPIC",
+)
 LIBRARY = "tierserve_kernels.so"
 _loaded = False
 

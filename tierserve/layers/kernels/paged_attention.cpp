@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -50,6 +51,27 @@ inline void axpy(float* y, float a, const float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+// e^x for x <= 0 (a score minus its row's running max), in arithmetic the compiler vectorises
+// (libm's expf is a call per element, and it was most of a decode step): 2^n x a degree-6
+// polynomial of the remainder (Cephes' expf coefficients), within about an ulp; exactly 0 below
+// -87, so a masked (-inf) score weighs nothing.
+inline float exp_nonpositive(float x) {
+  const float t = std::max(x, -87.f);
+  const float n = std::floor(t * 1.44269504088896341f + 0.5f);
+  const float r = t - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return x < -87.f ? 0.f : p * scale;
+}
+
 inline void scale_row(float* y, float a, int64_t n) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] *= a;
@@ -69,13 +91,17 @@ const float* as_float(const T* src, int64_t n, int64_t dim, float* buffer, const
   return buffer;
 }
 
-template <typename T>
+// DIM > 0: keys and values are DIM wide (GQA with a common head size), known to the compiler
+// so its loops unroll into whole vectors; 0: any widths (MLA's latent).
+template <typename T, int DIM>
 void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t k_part,
-            int64_t v_part, int64_t v_dim, const at::Tensor& page_table,
+            int64_t v_part, int64_t v_dim_arg, const at::Tensor& page_table,
             const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_len,
             int64_t window, double scale, int64_t kv_format, at::Tensor& out) {
   const int64_t seqs = q_start.size(0);
-  const int64_t heads = q.size(1), dim_k = q.size(2);
+  const int64_t heads = q.size(1);
+  const int64_t dim_k = DIM > 0 ? DIM : q.size(2);
+  const int64_t v_dim = DIM > 0 ? DIM : v_dim_arg;
   const int64_t layers = cache.size(1), parts = cache.size(2), kv_heads = cache.size(3);
   const int64_t page_size = cache.size(4), dim = cache.size(5);
   const int64_t group = heads / kv_heads;
@@ -157,32 +183,29 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t pos = first_query + r / group;  // this query's position
           const int64_t lo = window > 0 ? pos - window + 1 : 0;
+          // The page's keys this query sees: [j_lo, j_hi) of its n tokens.
+          const int64_t j_lo = std::clamp<int64_t>(lo - p * page_size, 0, n);
+          const int64_t j_hi = std::clamp<int64_t>(pos + 1 - p * page_size, 0, n);
+          if (j_lo >= j_hi) continue;
           float* row = part + r * stride;
+          const float* query = queries.data() + r * dim_k;
           float best = row[0];
-          int64_t visible = 0;
-          for (int64_t j = 0; j < n; ++j) {
-            const int64_t key = p * page_size + j;
-            if (key > pos || key < lo) {
-              scores[j] = -std::numeric_limits<float>::infinity();
-              continue;
-            }
-            scores[j] = dot(queries.data() + r * dim_k, keys + j * dim, dim_k);
+          for (int64_t j = j_lo; j < j_hi; ++j) {
+            scores[j] = dot(query, keys + j * dim, dim_k);
             best = std::max(best, scores[j]);
-            ++visible;
           }
-          if (visible == 0) continue;
-          const float rescale = std::exp(row[0] - best);  // 0 on the first visible keys
-          float sum = row[1] * rescale;
+          const float rescale = exp_nonpositive(row[0] - best);  // 0 on the first keys
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = j_lo; j < j_hi; ++j) {
+            scores[j] = exp_nonpositive(scores[j] - best);
+            sum += scores[j];
+          }
           float* acc = row + 2;
           scale_row(acc, rescale, v_dim);
-          for (int64_t j = 0; j < n; ++j) {
-            if (scores[j] == -std::numeric_limits<float>::infinity()) continue;
-            const float e = std::exp(scores[j] - best);
-            sum += e;
-            axpy(acc, e, values + j * dim, v_dim);
-          }
+          for (int64_t j = j_lo; j < j_hi; ++j) axpy(acc, scores[j], values + j * dim, v_dim);
           row[0] = best;
-          row[1] = sum;
+          row[1] = row[1] * rescale + sum;
         }
       }
     }
@@ -211,7 +234,7 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
         for (int64_t i = first_item[g]; i < first_item[g + 1]; ++i) {
           const float* row = scratch.data() + (items[i].scratch + r) * stride;
           if (row[1] == 0.f) continue;
-          const float w = std::exp(row[0] - best);
+          const float w = exp_nonpositive(row[0] - best);
           total += row[1] * w;
           axpy(dst, w, row + 2, v_dim);
         }
@@ -219,6 +242,34 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
       }
     }
   });
+}
+
+template <int DIM>
+void dispatch(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t k_part,
+              int64_t v_part, int64_t v_dim, const at::Tensor& page_table,
+              const at::Tensor& q_start, const at::Tensor& q_len, const at::Tensor& kv_len,
+              int64_t window, double scale, int64_t kv_format, at::Tensor& out) {
+  switch (cache.scalar_type()) {
+    case at::kFloat:
+      attend<float, DIM>(q, cache, layer, k_part, v_part, v_dim, page_table, q_start, q_len,
+                         kv_len, window, scale, kv_format, out);
+      break;
+    case at::kBFloat16:
+      attend<c10::BFloat16, DIM>(q, cache, layer, k_part, v_part, v_dim, page_table, q_start,
+                                 q_len, kv_len, window, scale, kv_format, out);
+      break;
+    case at::kHalf:
+      attend<c10::Half, DIM>(q, cache, layer, k_part, v_part, v_dim, page_table, q_start, q_len,
+                             kv_len, window, scale, kv_format, out);
+      break;
+    case at::kByte:
+      TORCH_CHECK(kv_format != kNative, "a byte pool holds float8 values");
+      attend<uint8_t, DIM>(q, cache, layer, k_part, v_part, v_dim, page_table, q_start, q_len,
+                           kv_len, window, scale, kv_format, out);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported KV dtype ", cache.scalar_type());
+  }
 }
 
 void paged_attention(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t k_part,
@@ -238,26 +289,19 @@ void paged_attention(const at::Tensor& q, const at::Tensor& cache, int64_t layer
   for (const at::Tensor* t : {&q_start, &q_len, &kv_len})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(), "int64 index tensors");
   if (q_start.size(0) == 0) return;
-  switch (cache.scalar_type()) {
-    case at::kFloat:
-      attend<float>(q, cache, layer, k_part, v_part, v_dim, page_table, q_start, q_len, kv_len,
-                    window, scale, kv_format, out);
-      break;
-    case at::kBFloat16:
-      attend<c10::BFloat16>(q, cache, layer, k_part, v_part, v_dim, page_table, q_start, q_len,
-                            kv_len, window, scale, kv_format, out);
-      break;
-    case at::kHalf:
-      attend<c10::Half>(q, cache, layer, k_part, v_part, v_dim, page_table, q_start, q_len,
-                        kv_len, window, scale, kv_format, out);
-      break;
-    case at::kByte:
-      TORCH_CHECK(kv_format != kNative, "a byte pool holds float8 values");
-      attend<uint8_t>(q, cache, layer, k_part, v_part, v_dim, page_table, q_start, q_len, kv_len,
-                      window, scale, kv_format, out);
-      break;
-    default:
-      TORCH_CHECK(false, "unsupported KV dtype ", cache.scalar_type());
+  const int64_t fixed = q.size(2) == v_dim ? v_dim : 0;
+  if (fixed == 32) {
+    dispatch<32>(q, cache, layer, k_part, v_part, v_dim, page_table, q_start, q_len, kv_len,
+                 window, scale, kv_format, out);
+  } else if (fixed == 64) {
+    dispatch<64>(q, cache, layer, k_part, v_part, v_dim, page_table, q_start, q_len, kv_len,
+                 window, scale, kv_format, out);
+  } else if (fixed == 128) {
+    dispatch<128>(q, cache, layer, k_part, v_part, v_dim, page_table, q_start, q_len, kv_len,
+                  window, scale, kv_format, out);
+  } else {
+    dispatch<0>(q, cache, layer, k_part, v_part, v_dim, page_table, q_start, q_len, kv_len,
+                window, scale, kv_format, out);
   }
 }
 
