@@ -1,6 +1,6 @@
 """A decode step against its floor, at batch 1, 8 and 64 (offline engine, demo model, float32).
 
-    .venv/bin/python benchmarks/step_floor.py [--rounds 3] [--attention-backend torch]
+    .venv/bin/python benchmarks/step_floor.py [--rounds 3] [--attention-backend torch,cpu]
 
 The floor of a decode step is what its arithmetic and its KV reads need on this machine, with
 the threads the engine uses (offline: torch's threads, every core; a served engine core gets the
@@ -18,8 +18,9 @@ model ops (norms, rotary, activations, embedding), Python in the forward outside
 (LM head and sampler), and scheduling with bookkeeping (schedule, batch building, attention
 planning, output collection). Profiled shares are scaled to the unprofiled median.
 
-Rounds alternate the batch sizes; each figure is the median of the rounds. Writes
-benchmarks/results/step-floor/report.md (report-BACKEND.md for another backend).
+Rounds alternate the backends (one engine each in this process) and the batch sizes; each
+figure is the median of the rounds. Writes benchmarks/results/step-floor/report.md
+(report-BACKENDS.md for another list).
 """
 
 from __future__ import annotations
@@ -229,73 +230,92 @@ def measure(llm: LLM, batch: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--attention-backend", default="torch")
-    ns = ap.parse_args()
-    llm = LLM(
-        default_model(),
-        max_running_requests=64,
-        max_total_tokens=65536,
-        attention_backend=ns.attention_backend,
+    ap.add_argument(
+        "--attention-backend",
+        default="torch,cpu",
+        help="backends to compare, comma-separated; each round runs them in turn",
     )
-    model = llm.engine.runner.model
+    ns = ap.parse_args()
+    backends = ns.attention_backend.split(",")
+    llms = {
+        b: LLM(
+            default_model(), max_running_requests=64, max_total_tokens=65536, attention_backend=b
+        )
+        for b in backends
+    }
     bandwidth = memcpy_bandwidth()
-    rounds: dict[int, list[dict[str, float]]] = {b: [] for b in BATCHES}
+    rounds: dict[tuple[str, int], list[dict[str, float]]] = {}
     for r in range(ns.rounds):
-        for b in BATCHES if r % 2 == 0 else reversed(BATCHES):
-            m = measure(llm, b)
-            m["gemm_floor"] = gemm_floor(model, b)
-            m["kv_floor"] = m["kv_bytes"] / bandwidth
-            rounds[b].append(m)
-            print(f"round {r} batch {b}: step {m['step'] * 1e3:.2f} ms", flush=True)
-    llm.close()
-    write_report(ns, rounds, bandwidth)
+        order = backends if r % 2 == 0 else backends[::-1]
+        for backend in order:
+            llm = llms[backend]
+            for b in BATCHES if r % 2 == 0 else reversed(BATCHES):
+                m = measure(llm, b)
+                m["gemm_floor"] = gemm_floor(llm.engine.runner.model, b)
+                m["kv_floor"] = m["kv_bytes"] / bandwidth
+                rounds.setdefault((backend, b), []).append(m)
+                print(f"round {r} {backend} batch {b}: step {m['step'] * 1e3:.2f} ms", flush=True)
+    for llm in llms.values():
+        llm.close()
+    write_report(ns, backends, rounds, bandwidth)
 
 
 def write_report(
-    ns: argparse.Namespace, rounds: dict[int, list[dict[str, float]]], bw: float
+    ns: argparse.Namespace,
+    backends: list[str],
+    rounds: dict[tuple[str, int], list[dict[str, float]]],
+    bw: float,
 ) -> None:
-    med = {b: {k: statistics.median(m[k] for m in ms) for k in ms[0]} for b, ms in rounds.items()}
+    med = {
+        key: {k: statistics.median(m[k] for m in ms) for k in ms[0]} for key, ms in rounds.items()
+    }
     ms = lambda s: f"{s * 1e3:.2f}"  # noqa: E731
-    backend = ns.attention_backend
     lines = [
         "# A decode step against its floor",
         "",
         f"`.venv/bin/python benchmarks/step_floor.py --rounds {ns.rounds} --attention-backend "
-        f"{backend}` (demo model, float32, offline engine, {torch.get_num_threads()} torch "
-        f"threads; memcpy {bw / 1e9:.1f} GB/s; medians of {ns.rounds} rounds, batch sizes "
-        "alternating). Times in ms per decode step.",
+        f"{ns.attention_backend}` (demo model, float32, offline engine, "
+        f"{torch.get_num_threads()} torch threads; memcpy {bw / 1e9:.1f} GB/s; medians of "
+        f"{ns.rounds} rounds, backends and batch sizes alternating). Times in ms per decode "
+        "step; the breakdown is a torch profile's shares of the step.",
         "",
-        "| batch | step | floor | step / floor | GEMM floor | KV floor (MB) | "
+        "| backend | batch | step | floor | step / floor | GEMM floor | KV floor (MB) | "
         + " | ".join(CATEGORIES)
         + " |",
-        "| ---: " * (6 + len(CATEGORIES)) + "|",
+        "| --- " + "| ---: " * (6 + len(CATEGORIES)) + "|",
     ]
-    for b in BATCHES:
-        m = med[b]
-        floor = m["gemm_floor"] + m["kv_floor"]
-        cells = [
-            str(b),
-            ms(m["step"]),
-            ms(floor),
-            f"{m['step'] / floor:.2f}×",
-            ms(m["gemm_floor"]),
-            f"{ms(m['kv_floor'])} ({m['kv_bytes'] / 1e6:.1f})",
-            *(ms(m[c]) for c in CATEGORIES),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
+    for backend in backends:
+        for b in BATCHES:
+            m = med[(backend, b)]
+            floor = m["gemm_floor"] + m["kv_floor"]
+            cells = [
+                backend,
+                str(b),
+                ms(m["step"]),
+                ms(floor),
+                f"{m['step'] / floor:.2f}×",
+                ms(m["gemm_floor"]),
+                f"{ms(m['kv_floor'])} ({m['kv_bytes'] / 1e6:.1f})",
+                *(ms(m[c]) for c in CATEGORIES),
+            ]
+            lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
         "Every round (step / floor):",
         "",
-        "| batch | " + " | ".join(f"round {i}" for i in range(ns.rounds)) + " |",
-        "| ---: " * (ns.rounds + 1) + "|",
+        "| backend | batch | " + " | ".join(f"round {i}" for i in range(ns.rounds)) + " |",
+        "| --- " + "| ---: " * (ns.rounds + 1) + "|",
     ]
-    for b in BATCHES:
-        ratios = [m["step"] / (m["gemm_floor"] + m["kv_floor"]) for m in rounds[b]]
-        lines.append(f"| {b} | " + " | ".join(f"{x:.2f}×" for x in ratios) + " |")
+    for backend in backends:
+        for b in BATCHES:
+            ratios = [m["step"] / (m["gemm_floor"] + m["kv_floor"]) for m in rounds[(backend, b)]]
+            cells = " | ".join(f"{x:.2f}×" for x in ratios)
+            lines.append(f"| {backend} | {b} | {cells} |")
     OUT.mkdir(parents=True, exist_ok=True)
-    name = "report.md" if backend == "torch" else f"report-{backend}.md"
-    (OUT / name).write_text("\n".join(lines) + "\n")
+    name = (
+        "report.md" if ns.attention_backend == "torch,cpu" else f"report-{ns.attention_backend}.md"
+    )
+    (OUT / name.replace(",", "-")).write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

@@ -104,28 +104,39 @@ class ModelRunner:
         return rows.to("cpu", non_blocking=rows.device.type == "cuda")
 
     def _build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
-        """The step's flat batch. Ids, positions and slots are gathered as Python ints and
-        become one tensor each: a decode step of 64 rows once made ~5 small tensors per row."""
+        """The step's flat batch. Ids, positions, slots and the page table are gathered as
+        Python ints and become one tensor each: a decode step of 64 rows once made ~5 small
+        tensors per row."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        spans = []
+        tables: list[list[int]] = []
         ps = self.page_size
         for c in chunks:
             req = c.req
             start, end = req.num_computed, req.num_computed + c.num_tokens
             page_list = req.kv.pages[: -(-end // ps)]
-            pages = torch.tensor(page_list, device=self.device)
-            spans.append(SeqSpan(req.arrival, len(ids), c.num_tokens, end, pages))
+            tables.append(page_list)
             ids.extend(_token_ids(req.prompt_ids, req.output_ids, start, end))
             positions.extend(range(start, end))
             slots.extend(page_list[i // ps] * ps + i % ps for i in range(start, end))
+        width = max(map(len, tables), default=0)
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+        table = table.view(len(tables), width).to(self.device)
+        spans, q_start = [], 0
+        for i, (c, pages) in enumerate(zip(chunks, tables, strict=True)):
+            kv_len = c.req.num_computed + c.num_tokens
+            spans.append(
+                SeqSpan(c.req.arrival, q_start, c.num_tokens, kv_len, table[i, : len(pages)])
+            )
+            q_start += c.num_tokens
         return ForwardBatch(
             # int64 even when empty: an idle attention group's batch (DP attention)
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
             out_slots=torch.tensor(slots, dtype=torch.long, device=self.device),
             spans=spans,
+            page_table=table,
         )
 
 

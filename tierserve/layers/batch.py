@@ -26,6 +26,19 @@ class ForwardBatch:
     positions: torch.Tensor  # [tokens]
     out_slots: torch.Tensor  # [tokens]: where each new token's K/V goes
     spans: list[SeqSpan]
+    # [spans, most pages]: row i is spans[i].pages, padded with page 0 (never read); None
+    # when built without one (tests), then made from the spans on first use.
+    page_table: torch.Tensor | None = None
+
+    def table(self) -> torch.Tensor:
+        if self.page_table is not None:
+            return self.page_table
+        width = max((len(s.pages) for s in self.spans), default=0)
+        table = torch.zeros(len(self.spans), width, dtype=torch.long)
+        for i, s in enumerate(self.spans):
+            table[i, : len(s.pages)] = s.pages
+        object.__setattr__(self, "page_table", table)
+        return table
 
 
 def causal_mask(

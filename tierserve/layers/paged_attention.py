@@ -16,7 +16,7 @@ from tierserve.cache import PagedKV
 from tierserve.errors import TierserveError
 from tierserve.layers import kernels
 from tierserve.layers.attention import AttentionBackend, TorchAttention
-from tierserve.layers.batch import ForwardBatch, SeqSpan
+from tierserve.layers.batch import ForwardBatch
 
 if TYPE_CHECKING:
     from tierserve.layers.mla import MLA
@@ -42,14 +42,15 @@ class CPUPagedAttention(TorchAttention):
 
     def prepare(self, batch: ForwardBatch) -> None:
         self.batch = batch
-        short = [s for s in batch.spans if s.q_len <= self.MAX_KERNEL_QUERIES]
-        self._prepare_extend([s for s in batch.spans if s.q_len > self.MAX_KERNEL_QUERIES])
-        self.short = short
-        if short:
-            self.table = _page_table(short)
-            self.q_start = torch.tensor([s.q_start for s in short])
-            self.q_len = torch.tensor([s.q_len for s in short])
-            self.kv_len = torch.tensor([s.kv_len for s in short])
+        limit = self.MAX_KERNEL_QUERIES
+        rows = [i for i, s in enumerate(batch.spans) if s.q_len <= limit]
+        self._prepare_extend([s for s in batch.spans if s.q_len > limit])
+        self.short = [batch.spans[i] for i in rows]
+        if rows:
+            table = batch.table()
+            self.table = table if len(rows) == len(batch.spans) else table[rows].contiguous()
+            meta = torch.tensor([[s.q_start, s.q_len, s.kv_len] for s in self.short])
+            self.q_start, self.q_len, self.kv_len = meta.T.contiguous()
 
     def _kernel(
         self,
@@ -116,12 +117,3 @@ class CPUPagedAttention(TorchAttention):
         if self.extend:
             self._attend_extend_latent(layer, mla, q_nope, q_rope, self.pool.as_stored(latent), out)
         return out
-
-
-def _page_table(spans: list[SeqSpan]) -> torch.Tensor:
-    """[spans, most pages] int64; the padding is never read (the kernel stops at kv_len)."""
-    width = max(len(s.pages) for s in spans)
-    table = torch.zeros(len(spans), width, dtype=torch.long)
-    for i, s in enumerate(spans):
-        table[i, : len(s.pages)] = s.pages
-    return table
