@@ -133,26 +133,44 @@ def test_mla_in_the_latent_space_equals_the_torch_path(page_size, kv_dtype):
     torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
 
 
-def test_one_long_sequence_is_split_over_the_threads():
-    """Batch 1 over a long context: the kernel splits the context between threads and merges
-    the parts (the result must not depend on how many)."""
-    pool = _pool("kv", 2, 32, "float32", 16, torch.float32)
-    spans = [(1, 1500), (3, 900)]
-    pool = PagedKV(pool.spec, 200, torch.device("cpu"))
+def test_a_long_context_is_split_and_merged_the_same_in_any_batch_and_thread_count():
+    """Batch 1 over a long context: the kernel splits it (every 512 tokens) and merges the
+    parts, equal to the torch path; and a sequence's result is the same bits whatever else is
+    in the batch and however many threads run it, so greedy outputs cannot depend on batching
+    through attention."""
+    spec = KVSpec("kv", LAYERS, 2, 32, "float32", 16)
+    pool = PagedKV(spec, 300, torch.device("cpu"))
+    spans = [(1, 1500), (3, 900), (1, 40), (2, 600)]
     batch = _batch(pool, spans, seed=9)
     _fill_context(pool, batch, parts=2, seed=10)
     g = torch.Generator().manual_seed(11)
-    q = torch.randn(4, 8, 32, generator=g)
-    k, v = torch.randn(4, 2, 32, generator=g), torch.randn(4, 2, 32, generator=g)
+    tokens = len(batch.input_ids)
+    q = torch.randn(tokens, 8, 32, generator=g)
+    k, v = torch.randn(tokens, 2, 32, generator=g), torch.randn(tokens, 2, 32, generator=g)
     want = TorchAttention(pool, LAYERS)
     want.prepare(batch)
     reference = want.forward(0, q, k, v)
     threads = torch.get_num_threads()
+    outs = []
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
             got = CPUPagedAttention(pool, LAYERS)
             got.prepare(batch)
-            torch.testing.assert_close(got.forward(0, q, k, v), reference, atol=1e-5, rtol=1e-5)
+            outs.append(got.forward(0, q, k, v))
     finally:
         torch.set_num_threads(threads)
+    torch.testing.assert_close(outs[0], reference, atol=1e-5, rtol=1e-5)
+    assert torch.equal(outs[0], outs[1])
+    # The longest sequence alone (the same pages, its rows of q) gives the same bits.
+    longest = max(batch.spans, key=lambda s: s.kv_len)
+    rows = slice(longest.q_start, longest.q_start + longest.q_len)
+    alone = ForwardBatch(
+        batch.input_ids[rows],
+        batch.positions[rows],
+        batch.out_slots[rows],
+        [SeqSpan(0, 0, longest.q_len, longest.kv_len, longest.pages)],
+    )
+    single = CPUPagedAttention(pool, LAYERS)
+    single.prepare(alone)
+    assert torch.equal(single.forward(0, q[rows], k[rows], v[rows]), outs[0][rows])

@@ -33,7 +33,10 @@ namespace {
 // How the pool's bytes are read: its own dtype, or float8 values stored as bytes.
 enum KVFormat : int64_t { kNative = 0, kFloat8E4M3 = 1, kFloat8E5M2 = 2 };
 
-constexpr int64_t kPagesPerSplit = 16;  // the least context one split is worth
+// A context is split every kSplitTokens, whatever the batch or the threads: a sequence's result
+// is then the same bits in any batch (the splits' merge order never changes), and a long one
+// still spreads over the threads at batch 1.
+constexpr int64_t kSplitTokens = 512;
 
 struct Item {
   int64_t seq, head, first_page, end_page, scratch;  // scratch: first row of its partials
@@ -128,7 +131,7 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
 
   // Work items: the pages a sequence's queries can see, split when long; with a window, the
   // pages before every query's window are never read.
-  const int64_t threads = at::get_num_threads();
+  const int64_t per_split = std::max<int64_t>(1, kSplitTokens / page_size);
   std::vector<Item> items;
   int64_t scratch_rows = 0;
   for (int64_t s = 0; s < seqs; ++s) {
@@ -136,11 +139,6 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
     const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_query - window + 1) : 0;
     const int64_t first_page = first_key / page_size;
     const int64_t end_page = (kl[s] + page_size - 1) / page_size;
-    const int64_t pages = end_page - first_page;
-    const int64_t want = std::max<int64_t>(1, 2 * threads / std::max<int64_t>(1, seqs * kv_heads));
-    const int64_t splits =
-        std::max<int64_t>(1, std::min(want, pages / kPagesPerSplit));
-    const int64_t per_split = (pages + splits - 1) / splits;
     for (int64_t h = 0; h < kv_heads; ++h) {
       for (int64_t p = first_page; p < end_page; p += per_split) {
         items.push_back({s, h, p, std::min(end_page, p + per_split), scratch_rows});
