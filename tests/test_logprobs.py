@@ -110,7 +110,10 @@ def test_openai_shapes_streamed_and_not(llama_dir, offline, client):
     chunks = c.chat.completions.create(logprobs=True, top_logprobs=2, stream=True, **chat)
     pieces = [t for ch in chunks if ch.choices and ch.choices[0].logprobs
               for t in ch.choices[0].logprobs.content]  # fmt: skip
-    assert [t.logprob for t in pieces] == pytest.approx([t.logprob for t in content])
+    # The second request finds the prompt in the radix cache: its last prompt token runs
+    # through the CPU kernel where the first ran SDPA over the whole prompt, a float32 rounding
+    # apart (the completions above compare at the same tolerance).
+    assert [t.logprob for t in pieces] == pytest.approx([t.logprob for t in content], abs=1e-5)
     with pytest.raises(openai.BadRequestError):
         c.chat.completions.create(top_logprobs=2, **chat)  # without logprobs: true
 
