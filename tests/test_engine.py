@@ -197,3 +197,36 @@ def test_cli_flags_and_llm_kwargs_are_one_config():
     assert EngineArgs.from_cli(ns) == EngineArgs.from_kwargs(
         "m", page_size=8, enable_hierarchical_cache=True, hicache_size="4GB"
     )
+
+
+@pytest.mark.parametrize("backend", ["cpu", "torch"])
+def test_a_step_carries_draft_tokens_and_samples_each_as_one_by_one_decoding(
+    llama_dir, prompts, backend
+):
+    """A request's step may hold tokens after its known ones (a speculative draft): the step
+    samples at its last known token and at each draft token, in one forward and one sampler
+    call, beside a plain decode row of another request. A correct draft gives the tokens that
+    decoding them one by one gives; a wrong draft token changes nothing before it."""
+    from tierserve.engine.scheduler import ScheduledChunk
+
+    llm = LLM(str(llama_dir), max_total_tokens=4096, attention_backend=backend)
+    a, b = prompts[1], prompts[3]
+    ref = [o.token_ids for o in llm.generate([a, b], GREEDY)]
+    engine = llm.engine
+    for p in (a, b):
+        engine.add_request(p, GREEDY)
+    while any(not r.output_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()  # prefill both: each has sampled its first token
+    req_a, req_b = sorted(engine.scheduler.running, key=lambda r: r.arrival)
+    assert req_a.output_ids == ref[0][:1] and req_b.output_ids == ref[1][:1]
+    for draft, expect in (
+        (tuple(ref[0][1:5]), ref[0][1:6]),  # every draft token right: 5 tokens from one step
+        ((ref[0][1], ref[0][2], 7, 7), ref[0][1:4]),  # right up to the third: 3 agree
+    ):
+        chunks = [ScheduledChunk(req_b, 1), ScheduledChunk(req_a, 1, draft)]
+        for c in chunks:  # the scheduler's job, here by hand: pages for every row
+            assert engine.kv.grow(c.req.kv, c.req.num_computed + c.num_rows)
+        plain, drafted = engine.runner.step(chunks)
+        assert plain.tokens == (ref[1][1],)
+        assert drafted.tokens[: len(expect)] == tuple(expect)
+        assert len(drafted.tokens) == 1 + len(draft)

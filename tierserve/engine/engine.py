@@ -262,10 +262,11 @@ class Engine:
         if self.storage is not None:
             seconds = time.perf_counter() - start
             self.storage.rates.observe_step([c.num_tokens for c in chunks], seconds)
-        outputs = [self._advance(c, t) for c, t in zip(chunks, sampled, strict=True)]
-        return [o for o in outputs if o is not None]
+        return [o for c, t in zip(chunks, sampled, strict=True) for o in self._advance(c, t)]
 
-    def _advance(self, chunk: ScheduledChunk, result: ChunkResult) -> StepOutput | None:
+    def _advance(self, chunk: ScheduledChunk, result: ChunkResult) -> list[StepOutput]:
+        """The chunk's tokens appended to its request, one StepOutput each, up to the first
+        that finishes it."""
         req = chunk.req
         self.scheduler.record_computed(req, chunk.num_tokens)
         req.prompt_logprobs += result.prompt_logprobs
@@ -273,9 +274,14 @@ class Engine:
             self.capture.keep(req, result.hidden)
         if chunk.num_tokens > 1:  # share the prompt with requests that arrive meanwhile
             self.kv.cache_prefix(req.kv, req.all_ids)
-        token = result.token
-        if token is None:
-            return None
+        outputs = []
+        for token, logprob in zip(result.tokens, result.logprobs, strict=True):
+            outputs.append(self._append(req, token, logprob))
+            if outputs[-1].finish_reason:
+                break
+        return outputs
+
+    def _append(self, req: Request, token: int, logprob: TokenLogprob | None) -> StepOutput:
         req.output_ids.append(token)
         if req.grammar is not None:
             req.grammar.accept(token)
@@ -291,7 +297,7 @@ class Engine:
             prompt_tokens=len(req.prompt_ids),
             cached_tokens=req.cached_tokens or 0,
             num_preemptions=req.num_preemptions,
-            logprob=result.logprob,
+            logprob=logprob,
             prompt_logprobs=self._prompt_logprobs(req),
             hidden_states_path=req.hidden_states_path if len(req.output_ids) == 1 else None,
         )

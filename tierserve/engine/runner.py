@@ -18,11 +18,12 @@ PROMPT_LOGITS_ROWS = 256
 
 @dataclass(frozen=True, slots=True)
 class ChunkResult:
-    """What one chunk produced: the sampled token when it reached its sequence's end (with its
-    logprobs when asked), and the logprobs of the prompt tokens it scored."""
+    """What one chunk produced: the tokens sampled when it reached its sequence's end (one per
+    sampled row: its last known token's, then each draft token's; with their logprobs when
+    asked), and the logprobs of the prompt tokens it scored."""
 
-    token: int | None = None
-    logprob: TokenLogprob | None = None
+    tokens: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob | None, ...] = ()
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     hidden: torch.Tensor | None = None  # captured rows of prompt positions not captured yet
 
@@ -57,12 +58,18 @@ class ModelRunner:
             rows = self._captured(c, batch.spans[i]) if capture else None
             if scored or rows is not None:
                 results[i] = ChunkResult(prompt_logprobs=scored, hidden=rows)
-        sampling = [i for i, c in enumerate(chunks) if c.samples]
-        if not sampling:
+        # Every sampled row of every chunk in one LM-head call and one sampler call; `owner`
+        # says whose row each is.
+        owner = [i for i, c in enumerate(chunks) for _ in range(c.sampled_rows)]
+        if not owner:
             return results
-        rows = torch.tensor([batch.spans[i].q_start + chunks[i].num_tokens - 1 for i in sampling])
-        logits = self.model.logits(hidden[rows.to(self.device)])
-        reqs = [chunks[i].req for i in sampling]
+        rows = [
+            batch.spans[i].q_start + c.num_rows - k
+            for i, c in enumerate(chunks)
+            for k in range(c.sampled_rows, 0, -1)
+        ]
+        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+        reqs = [chunks[i].req for i in owner]
         tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], reqs)
         logprobs: list[TokenLogprob | None] = [None] * len(reqs)
         asked = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
@@ -71,8 +78,14 @@ class ModelRunner:
             found = token_logprobs(logits[asked], [tokens[j] for j in asked], ks)
             for j, lp in zip(asked, found, strict=True):
                 logprobs[j] = lp
-        for i, token, lp in zip(sampling, tokens, logprobs, strict=True):
-            results[i] = ChunkResult(token, lp, results[i].prompt_logprobs, results[i].hidden)
+        start = 0
+        for i, c in enumerate(chunks):
+            end = start + c.sampled_rows
+            if end > start:
+                scored, rows_kept = results[i].prompt_logprobs, results[i].hidden
+                picked = tuple(tokens[start:end]), tuple(logprobs[start:end])
+                results[i] = ChunkResult(*picked, scored, rows_kept)
+            start = end
         return results
 
     def _scored(
@@ -114,10 +127,11 @@ class ModelRunner:
         ps = self.page_size
         for c in chunks:
             req = c.req
-            start, end = req.num_computed, req.num_computed + c.num_tokens
+            start, end = req.num_computed, req.num_computed + c.num_rows
             page_list = req.kv.pages[: -(-end // ps)]
             tables.append(page_list)
-            ids.extend(_token_ids(req.prompt_ids, req.output_ids, start, end))
+            ids.extend(_token_ids(req.prompt_ids, req.output_ids, start, end - len(c.draft)))
+            ids.extend(c.draft)
             positions.extend(range(start, end))
             slots.extend(page_list[i // ps] * ps + i % ps for i in range(start, end))
         width = max(map(len, tables), default=0)
@@ -125,11 +139,11 @@ class ModelRunner:
         table = table.view(len(tables), width).to(self.device)
         spans, q_start = [], 0
         for i, (c, pages) in enumerate(zip(chunks, tables, strict=True)):
-            kv_len = c.req.num_computed + c.num_tokens
+            kv_len = c.req.num_computed + c.num_rows
             spans.append(
-                SeqSpan(c.req.arrival, q_start, c.num_tokens, kv_len, table[i, : len(pages)])
+                SeqSpan(c.req.arrival, q_start, c.num_rows, kv_len, table[i, : len(pages)])
             )
-            q_start += c.num_tokens
+            q_start += c.num_rows
         return ForwardBatch(
             # int64 even when empty: an idle attention group's batch (DP attention)
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),

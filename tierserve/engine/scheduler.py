@@ -29,13 +29,28 @@ class SchedulerConfig:
 
 @dataclass
 class ScheduledChunk:
+    """`num_tokens` of `req`'s known tokens, then `draft`: proposed tokens after them (a
+    speculative verification; their KV slots are allocated like the known ones'). A chunk that
+    reaches the sequence's end samples at its last known token and at every draft token."""
+
     req: Request
     num_tokens: int
+    draft: tuple[int, ...] = ()
 
     @property
     def samples(self) -> bool:
         """True when this chunk reaches the end of the sequence, so its last logits are used."""
         return self.req.num_computed + self.num_tokens == self.req.num_tokens
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of the step's batch: the known tokens and the draft."""
+        return self.num_tokens + len(self.draft)
+
+    @property
+    def sampled_rows(self) -> int:
+        """How many of the chunk's last rows sample a token."""
+        return 1 + len(self.draft) if self.samples else 0
 
 
 @dataclass
@@ -91,7 +106,7 @@ class Scheduler:
         if self.kv.host is not None and self.kv.host.in_flight:
             self.stats.steps_with_copies_in_flight += 1
         # Decode tokens first: attention then treats them as one contiguous block of rows.
-        return sorted(ready, key=lambda c: c.num_tokens > 1)
+        return sorted(ready, key=lambda c: c.num_rows > 1)
 
     def _prefill_budget(self) -> int:
         size = self.cfg.chunked_prefill_size
