@@ -1,5 +1,5 @@
 """The CPU paged attention kernel (`--attention-backend cpu`) against the torch backend, its
-oracle, on the same pool: GQA and MLA, a sliding window, float32, bf16 and fp8 KV, page sizes
+oracle, on the same pool: GQA and MLA, a sliding window, float32, bf16, fp16 and fp8 KV, page sizes
 1 and 16, ragged lengths, 1 to 5 query tokens per sequence (and a span long enough for SDPA)."""
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ def _pool(kind: str, heads: int, dim: int, kv_dtype: str, page_size: int, comput
 KV_CASES = [
     ("float32", torch.float32, 1e-5),
     ("bfloat16", torch.float32, 1e-5),  # stored bf16, attended in float32
+    ("float16", torch.float32, 1e-5),
     ("fp8_e4m3", torch.float32, 1e-5),
     ("fp8_e5m2", torch.float32, 1e-5),
     ("bfloat16", torch.bfloat16, 3e-2),  # a bf16 model: the torch path computes in bf16
