@@ -162,16 +162,19 @@ class PackedColumnLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
+    def checkpoint_keys(self, parent: str) -> dict[str, list[tuple[str, PackedPart]]]:
+        """Per parameter ("weight", "bias"), the checkpoint names of its parts and the parts,
+        for a packed linear whose parent module's keys start with `parent` ("" or "a.b.")."""
+        params = ["weight"] + (["bias"] if self.bias is not None else [])
+        return {p: [(f"{parent}{part.name}.{p}", part) for part in self.parts] for p in params}
+
     def pack(self, state_dict: dict[str, torch.Tensor], parent: str, name: str) -> None:
         """Replace the parts' tensors in `state_dict` (a module's, keys under `parent`) by this
         rank's packed ones, so `load_state_dict` takes checkpoint names."""
-        for param in ["weight"] + (["bias"] if self.bias is not None else []):
-            keys = [f"{parent}{part.name}.{param}" for part in self.parts]
-            if all(k in state_dict for k in keys):
-                parts = [
-                    part.of(state_dict.pop(k)) for part, k in zip(self.parts, keys, strict=True)
-                ]
-                state_dict[f"{parent}{name}.{param}"] = torch.cat(parts)
+        for param, keys in self.checkpoint_keys(parent).items():
+            if all(k in state_dict for k, _ in keys):
+                rows = [part.of(state_dict.pop(k)) for k, part in keys]
+                state_dict[f"{parent}{name}.{param}"] = torch.cat(rows)
 
 
 def load_unpacked(module: nn.Module) -> None:
@@ -194,11 +197,8 @@ def packed_by_name(model: nn.Module) -> dict[str, tuple[str, PackedPart]]:
         if not isinstance(module, PackedColumnLinear):
             continue
         parent = prefix.rpartition(".")[0]
-        params = ["weight"] + (["bias"] if module.bias is not None else [])
-        for part in module.parts:
-            for param in params:
-                key = f"{parent}.{part.name}.{param}" if parent else f"{part.name}.{param}"
-                found[key] = (f"{prefix}.{param}", part)
+        for param, keys in module.checkpoint_keys(f"{parent}." if parent else "").items():
+            found |= {key: (f"{prefix}.{param}", part) for key, part in keys}
     return found
 
 
