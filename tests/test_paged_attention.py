@@ -175,3 +175,15 @@ def test_a_long_context_is_split_and_merged_the_same_in_any_batch_and_thread_cou
     single = CPUPagedAttention(pool, LAYERS)
     single.prepare(alone)
     assert torch.equal(single.forward(0, q[rows], k[rows], v[rows]), outs[0][rows])
+
+
+def test_the_backend_is_decided_at_start_up():
+    """`auto` is the kernel on CPU (make built it) and torch elsewhere; `cpu` on another device
+    is refused by start-up's decision, before any weight or pool exists."""
+    from tierserve.errors import TierserveError
+    from tierserve.layers import resolve_backend
+
+    assert resolve_backend("auto", torch.device("cpu")) == "cpu"
+    assert resolve_backend("auto", torch.device("cuda")) == "torch"
+    with pytest.raises(TierserveError, match="runs on CPU, not cuda"):
+        resolve_backend("cpu", torch.device("cuda"))

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import torch
 
 from tierserve.cache import PagedKV
+from tierserve.errors import TierserveError
 from tierserve.layers import kernels
 from tierserve.layers.attention import AttentionBackend, TorchAttention
 from tierserve.layers.paged_attention import CPUPagedAttention
@@ -19,7 +20,16 @@ ATTENTION_BACKENDS: dict[str, Callable[[PagedKV, int], AttentionBackend]] = {
 
 def resolve_backend(name: str, device: torch.device) -> str:
     """`auto`: the CPU kernel on CPU when it is built for this machine (make builds it), else
-    torch; any other name as given."""
-    if name != "auto":
-        return name
-    return "cpu" if device.type == "cpu" and kernels.load(build_if_missing=False) else "torch"
+    torch; any other name as given. Decided at start-up, before weights or pools: `cpu` on
+    another device is refused, and `cpu` asked for by name is built now if it is not yet
+    (a missing compiler is refused here, not after the model has loaded)."""
+    if name == "auto":
+        return "cpu" if device.type == "cpu" and kernels.load(build_if_missing=False) else "torch"
+    if name == "cpu":
+        if device.type != "cpu":
+            raise TierserveError(
+                f"--attention-backend cpu runs on CPU, not {device.type}; use torch",
+                field="attention_backend",
+            )
+        kernels.load(build_if_missing=True)
+    return name

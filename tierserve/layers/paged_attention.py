@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierserve.cache import PagedKV
-from tierserve.errors import TierserveError
 from tierserve.layers import kernels
 from tierserve.layers.attention import AttentionBackend, TorchAttention
 from tierserve.layers.batch import ForwardBatch
@@ -32,10 +31,8 @@ class CPUPagedAttention(TorchAttention):
 
     def __init__(self, pool: PagedKV, num_layers: int) -> None:
         AttentionBackend.__init__(self, pool)  # no decode workspace: the kernel reads pages
-        if pool.device.type != "cpu":
-            raise TierserveError(
-                "--attention-backend cpu runs on CPU; on CUDA use torch", field="attention_backend"
-            )
+        # Start-up (backends.resolve_backend) refused other devices and built the kernel; a
+        # rank's own process loads it here.
         kernels.load(build_if_missing=True)
         self.kv_format = _KV_FORMAT[pool.spec.float8()]
         self.workspace = None

@@ -68,7 +68,7 @@ def compiler() -> str | None:
 
 
 def build() -> Path:
-    """Compile the kernels for this machine (about a minute on two cores); the library's path."""
+    """Compile the kernels for this machine (12-15 s on two cores here); the library's path."""
     out = build_dir() / LIBRARY
     if out.exists():
         return out
