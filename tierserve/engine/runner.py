@@ -117,41 +117,55 @@ class ModelRunner:
         return rows.to("cpu", non_blocking=rows.device.type == "cuda")
 
     def _build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:
-        """The step's flat batch. Ids, positions, slots and the page table are gathered as
-        Python ints and become one tensor each: a decode step of 64 rows once made ~5 small
-        tensors per row."""
+        """The step's flat batch. Token ids and page lists are gathered as Python lists and
+        become one tensor each; positions and slots are computed from them as tensors (a
+        decode step of 64 rows once made ~5 small tensors per row, then a Python int each)."""
         ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
         tables: list[list[int]] = []
+        starts: list[int] = []
+        rows: list[int] = []
         ps = self.page_size
         for c in chunks:
-            req = c.req
-            start, end = req.num_computed, req.num_computed + c.num_rows
-            page_list = req.kv.pages[: -(-end // ps)]
+            req, n = c.req, c.num_rows
+            start = req.num_computed
+            page_list = req.kv.pages[: -(-(start + n) // ps)]
             tables.append(page_list)
-            ids.extend(_token_ids(req.prompt_ids, req.output_ids, start, end - len(c.draft)))
+            starts.append(start)
+            rows.append(n)
+            ids.extend(_token_ids(req.prompt_ids, req.output_ids, start, start + n - len(c.draft)))
             ids.extend(c.draft)
-            positions.extend(range(start, end))
-            slots.extend(page_list[i // ps] * ps + i % ps for i in range(start, end))
         width = max(map(len, tables), default=0)
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        table = table.view(len(tables), width).to(self.device)
+        table = table.view(len(tables), width)
         spans, q_start = [], 0
         for i, (c, pages) in enumerate(zip(chunks, tables, strict=True)):
-            kv_len = c.req.num_computed + c.num_rows
-            spans.append(
-                SeqSpan(c.req.arrival, q_start, c.num_rows, kv_len, table[i, : len(pages)])
-            )
-            q_start += c.num_rows
+            kv_len = starts[i] + rows[i]
+            spans.append(SeqSpan(c.req.arrival, q_start, rows[i], kv_len, table[i, : len(pages)]))
+            q_start += rows[i]
+        positions, slots = _positions_and_slots(table, starts, rows, ps)
+        device = self.device
         return ForwardBatch(
             # int64 even when empty: an idle attention group's batch (DP attention)
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            out_slots=torch.tensor(slots, dtype=torch.long, device=self.device),
+            input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+            positions=positions.to(device),
+            out_slots=slots.to(device),
             spans=spans,
-            page_table=table,
+            page_table=table.to(device),
         )
+
+
+def _positions_and_slots(
+    table: torch.Tensor, starts: list[int], rows: list[int], page_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's position (its sequence's start plus its place in the chunk) and KV slot
+    (the page the position falls in, from that sequence's row of `table`)."""
+    counts = torch.tensor(rows, dtype=torch.long)
+    seq = torch.repeat_interleave(torch.arange(len(rows)), counts)
+    first_row = torch.cumsum(counts, 0) - counts  # each sequence's first row in the batch
+    offset = torch.arange(len(seq)) - first_row[seq]
+    positions = torch.tensor(starts, dtype=torch.long)[seq] + offset
+    slots = table[seq, positions // page_size] * page_size + positions % page_size
+    return positions, slots
 
 
 def _needs_capture(chunk: ScheduledChunk) -> bool:

@@ -86,6 +86,7 @@ class RotaryEmbedding(torch.nn.Module):
         self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None
     ) -> None:
         super().__init__()
+        self._memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         if torch.get_default_device().type == "meta":
             # A shape-only construction (the loader rebuilds the tables for real): arithmetic
             # on meta tensors goes through torch's reference ops, whose first use imports
@@ -103,15 +104,23 @@ class RotaryEmbedding(torch.nn.Module):
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim/2]
-        sin = self.sin[positions].unsqueeze(1)
+        cos, sin = self._rows(positions)
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [tokens, 1, head_dim/2]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin as [tokens, head_dim] (each frequency twice, `cat(f, f)`), for layers
         that rotate in their own layout (MLA's interleaved pairs)."""
-        cos, sin = self.cos[positions], self.sin[positions]
+        cos, sin = self._rows(positions)
         return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+
+    def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables' rows at `positions`, gathered once per step: every layer shares this
+        module and is passed the step's one positions tensor (held here, so its identity
+        cannot be reused by another)."""
+        if self._memo is None or self._memo[0] is not positions:
+            self._memo = (positions, self.cos[positions], self.sin[positions])
+        return self._memo[1], self._memo[2]
 
 
 def rotary_for(cfg: ModelConfig) -> RotaryEmbedding:
