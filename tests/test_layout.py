@@ -19,7 +19,7 @@ ROOT = Path(tierserve.__file__).parent
 # groups; models above distributed because their loader reads the rank's shard.
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "units", "net", "dtypes", "console", "lazy"),
-    ("args", "model_config", "sampling_params", "outputs", "messages"),
+    ("args", "model_config", "sampling_params", "outputs", "messages", "parsers"),
     ("sizing",),
     ("storage",),
     ("cache",),

@@ -1,0 +1,179 @@
+"""Tool-call and reasoning parsers: one state machine for streamed and whole text, so every
+chunking of a reply (a character, a token, random pieces, all of it) parses the same."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierserve.parsers import (
+    REASONING_PARSERS,
+    TOOL_PARSERS,
+    ParsedDelta,
+    ReplyParser,
+    RequiredToolsReply,
+    ToolCall,
+)
+
+CALLS = [
+    ("get_weather", {"city": "Paris", "unit": "celsius"}),
+    ("search", {"query": "tool calls </tool_call> inside a string", "n": 3}),
+    ("noop", {}),
+]
+
+
+def qwen(name: str, args: dict) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': args})}\n</tool_call>\n"
+
+
+def kimi_calls(calls: list[tuple[str, dict]], bad: bool = False) -> str:
+    body = "".join(
+        f"<|tool_call_begin|>functions.{n}:{i}<|tool_call_argument_begin|>"
+        f"{'{oops' if bad and i == 1 else json.dumps(a)}<|tool_call_end|>"
+        for i, (n, a) in enumerate(calls)
+    )
+    return f"<|tool_calls_section_begin|>{body}<|tool_calls_section_end|>"
+
+
+def deepseek_calls(calls: list[tuple[str, dict]], v31: bool, bad: bool = False) -> str:
+    def one(i: int, name: str, args: dict) -> str:
+        text = "{oops" if bad and i == 1 else json.dumps(args)
+        if v31:
+            return f"<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{text}<｜tool▁call▁end｜>"
+        return (
+            f"<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n{text}\n```"
+            "<｜tool▁call▁end｜>"
+        )
+
+    body = "".join(one(i, n, a) for i, (n, a) in enumerate(calls))
+    return f"<｜tool▁calls▁begin｜>{body}<｜tool▁calls▁end｜>"
+
+
+def written(parser: str, calls: list[tuple[str, dict]], bad: bool = False) -> str:
+    """`calls` as the family writes them; with `bad`, the second call's arguments do not read."""
+    if parser == "qwen25":
+        texts = [qwen(n, a) for n, a in calls]
+        if bad and len(texts) > 1:
+            texts[1] = '<tool_call>\n{"name": "search", "arguments": {oops}\n</tool_call>\n'
+        return "".join(texts)
+    if parser == "kimi_k2":
+        return kimi_calls(calls, bad)
+    return deepseek_calls(calls, parser == "deepseekv31", bad)
+
+
+def parse(parser: str | None, reasoning: str | None, pieces: list[str], in_think: bool = False):
+    tools = TOOL_PARSERS[parser](None, lambda i: f"call_{i}") if parser else None
+    reply = ReplyParser(REASONING_PARSERS[reasoning](in_think) if reasoning else None, tools)
+    out = ParsedDelta()
+    for piece in pieces:
+        out += reply.feed(piece)
+    out += reply.finish()
+    return out, reply.calls
+
+
+def chunkings(text: str, cuts: list[int]) -> list[list[str]]:
+    """The text whole, a character at a time, and cut at the (sorted) `cuts`."""
+    bounds = sorted({c % (len(text) + 1) for c in cuts} | {0, len(text)})
+    pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
+    return [[text], list(text), pieces]
+
+
+def concatenated(out: ParsedDelta) -> dict[int, tuple[str, str, str]]:
+    """Each streamed call's id, name and its argument pieces joined."""
+    calls: dict[int, list[str]] = {}
+    for d in out.tool_calls:
+        if d.id is not None:
+            assert d.index not in calls, "a call's id and name come once, in its first delta"
+            calls[d.index] = [d.id, d.name or "", ""]
+        calls[d.index][2] += d.arguments
+    return {i: tuple(v) for i, v in calls.items()}  # type: ignore[misc]
+
+
+FAMILIES = ["qwen25", "kimi_k2", "deepseekv3", "deepseekv31"]
+REASONING = {"qwen25": "qwen3", "kimi_k2": "kimi_k2", "deepseekv3": "deepseek-r1"}
+
+
+@pytest.mark.parametrize("parser", FAMILIES)
+@pytest.mark.parametrize("count", [0, 1, 3])
+@settings(max_examples=25, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=30))
+def test_every_chunking_parses_the_same(parser: str, count: int, cuts: list[int]) -> None:
+    calls = CALLS[:count]
+    text = "I will look that up.\n" + written(parser, calls)
+    whole, whole_calls = parse(parser, None, [text])
+    assert whole.content.strip() == "I will look that up."
+    assert [(c.name, json.loads(c.arguments)) for c in whole_calls] == calls
+    expected_ids = [c.id for c in whole_calls]
+    if parser == "kimi_k2":  # Kimi's ids as the model wrote them
+        assert expected_ids == [f"functions.{n}:{i}" for i, (n, _) in enumerate(calls)]
+    for pieces in chunkings(text, cuts):
+        out, got = parse(parser, None, pieces)
+        assert out.content == whole.content and got == whole_calls
+        assert concatenated(out) == {i: (c.id, c.name, c.arguments) for i, c in enumerate(got)}
+
+
+@pytest.mark.parametrize("parser", ["qwen25", "kimi_k2", "deepseekv3"])
+@settings(max_examples=25, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=30))
+def test_calls_inside_thinking_are_reasoning(parser: str, cuts: list[int]) -> None:
+    inside = written(parser, CALLS[:1])
+    text = f"<think>First I plan: {inside} then act.</think>\n\nDone: " + written(parser, CALLS[1:])
+    whole, calls = parse(parser, REASONING[parser], [text])
+    assert whole.reasoning == f"First I plan: {inside} then act."
+    assert whole.content == "Done: "
+    assert [c.name for c in calls] == ["search", "noop"]
+    for pieces in chunkings(text, cuts):
+        out, got = parse(parser, REASONING[parser], pieces)
+        assert (out.reasoning, out.content, got) == (whole.reasoning, whole.content, calls)
+
+
+@pytest.mark.parametrize("parser", FAMILIES)
+@settings(max_examples=25, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=30))
+def test_a_malformed_call_is_content_and_spares_the_others(parser: str, cuts: list[int]) -> None:
+    text = "Calling. " + written(parser, CALLS, bad=True)
+    whole, calls = parse(parser, None, [text])
+    assert [c.name for c in calls] == ["get_weather", "noop"]
+    assert "{oops" in whole.content and whole.content.startswith("Calling. ")
+    for pieces in chunkings(text, cuts):
+        out, got = parse(parser, None, pieces)
+        assert (out.content, got) == (whole.content, calls)
+
+
+def test_a_prompt_that_opens_thinking_starts_the_reply_inside_it() -> None:
+    parser = REASONING_PARSERS["deepseek-r1"]()
+    assert parser.opened_in("<｜Assistant｜><think>\n")
+    assert not parser.opened_in("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    out, _ = parse(None, "deepseek-r1", ["still thinking</think>The answer is 4."], in_think=True)
+    assert (out.reasoning, out.content) == ("still thinking", "The answer is 4.")
+    unclosed, _ = parse(None, "qwen3", ["<think>never closed"])
+    assert (unclosed.reasoning, unclosed.content) == ("never closed", "")
+    plain, _ = parse(None, "qwen3", ["no block here <think>x</think>"])
+    assert (plain.reasoning, plain.content) == ("", "no block here <think>x</think>")
+
+
+def test_unknown_names_and_unclosed_calls_come_back_as_content() -> None:
+    tools = TOOL_PARSERS["qwen25"](frozenset({"get_weather"}), lambda i: f"call_{i}")
+    reply = ReplyParser(None, tools)
+    text = qwen("rm_rf", {}) + qwen("get_weather", {"city": "Oslo"}) + '<tool_call>\n{"name'
+    out = reply.feed(text)
+    out += reply.finish()
+    assert reply.calls == [ToolCall("call_0", "get_weather", '{"city": "Oslo"}')]
+    assert out.content == qwen("rm_rf", {}).rstrip() + '<tool_call>\n{"name'
+
+
+def test_required_without_a_parser_reads_the_json_array() -> None:
+    reply = RequiredToolsReply(lambda i: f"call_{i}")
+    text = json.dumps([{"name": n, "parameters": a} for n, a in CALLS])
+    for ch in text:
+        assert not reply.feed(ch)
+    out = reply.finish()
+    assert [(c.name, json.loads(c.arguments)) for c in reply.calls] == CALLS
+    assert len(concatenated(out)) == 3
+    cut = RequiredToolsReply()
+    cut.feed(text[:10])
+    assert cut.finish().content == text[:10] and not cut.calls

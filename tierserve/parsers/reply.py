@@ -1,0 +1,111 @@
+"""One reply's text split into reasoning, content and tool calls as it streams: the reasoning
+parser sees the text first (a call written while thinking is reasoning), the tool parser sees
+what it leaves as content."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from tierserve.parsers.base import (
+    ParsedDelta,
+    ReasoningParser,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+    arguments_text,
+    random_call_id,
+)
+
+
+class ReplyParser:
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
+        self.reasoning, self.tools = reasoning, tools
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return self.tools.calls if self.tools is not None else []
+
+    def feed(self, text: str) -> ParsedDelta:
+        return self._through(self.reasoning.feed(text) if self.reasoning else ParsedDelta(text))
+
+    def finish(self) -> ParsedDelta:
+        out = self._through(self.reasoning.finish() if self.reasoning else ParsedDelta())
+        if self.tools is not None:
+            out += self.tools.finish()
+        return out
+
+    def _through(self, delta: ParsedDelta) -> ParsedDelta:
+        if self.tools is None or not delta.content:
+            return delta
+        calls = self.tools.feed(delta.content)
+        calls.reasoning = delta.reasoning
+        return calls
+
+
+class NamedToolReply:
+    """`tool_choice` naming a function, on a server without a parser (vLLM's parser-free form):
+    the grammar makes the whole reply that function's arguments, streamed as they come."""
+
+    def __init__(self, name: str, make_id: Callable[[int], str] = random_call_id) -> None:
+        self.call_id, self.name = make_id(0), name
+        self._arguments: list[str] = []
+        self._started = False
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return [ToolCall(self.call_id, self.name, "".join(self._arguments))]
+
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
+        if not self._started:
+            self._started = True
+            out.tool_calls.append(ToolCallDelta(0, self.call_id, self.name))
+        if text:
+            self._arguments.append(text)
+            out.tool_calls.append(ToolCallDelta(0, arguments=text))
+        return out
+
+    def finish(self) -> ParsedDelta:
+        return self.feed("")
+
+
+class RequiredToolsReply:
+    """`tool_choice: required` without a parser (vLLM's parser-free form): the grammar makes
+    the reply a JSON array of `{"name", "parameters"}`, read whole at its end. A reply that
+    does not read (cut short by max_tokens) is content."""
+
+    def __init__(self, make_id: Callable[[int], str] = random_call_id) -> None:
+        self.make_id = make_id
+        self.calls: list[ToolCall] = []
+        self._text: list[str] = []
+
+    def feed(self, text: str) -> ParsedDelta:
+        self._text.append(text)
+        return ParsedDelta()
+
+    def finish(self) -> ParsedDelta:
+        text = "".join(self._text)
+        try:
+            items = json.loads(text)
+        except (ValueError, RecursionError):
+            return ParsedDelta(content=text)
+        if not isinstance(items, list) or not all(_is_call(i) for i in items):
+            return ParsedDelta(content=text)
+        out = ParsedDelta()
+        for index, item in enumerate(items):
+            call = ToolCall(self.make_id(index), item["name"], arguments_text(item["parameters"]))
+            self.calls.append(call)
+            out.tool_calls += [
+                ToolCallDelta(index, call.id, call.name),
+                ToolCallDelta(index, arguments=call.arguments),
+            ]
+        return out
+
+
+def _is_call(item: object) -> bool:
+    return (
+        isinstance(item, dict)
+        and isinstance(item.get("name"), str)
+        and isinstance(item.get("parameters"), dict)
+    )
