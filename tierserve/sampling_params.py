@@ -19,7 +19,7 @@ MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 
 
-STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "ebnf")
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,10 @@ class SamplingParams:
     # On a server with --hidden-states-dir (SGLang's name): None captures, as the server does
     # for every request (vLLM's way); False opts this request out.
     return_hidden_states: bool | None = None
+    # vLLM's: special tokens left out of the text. A tool-call parser whose format is written
+    # in special tokens (Kimi's, DeepSeek's) turns it off for its requests; the stop token
+    # that ends a request is never text.
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         # Accept lists and a single string the way OpenAI clients send them.

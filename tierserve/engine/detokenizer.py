@@ -29,8 +29,9 @@ def _rust_backend(tokenizer: Any) -> Any:
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self._backend = _rust_backend(tokenizer)
         self._unsettled: list[int] = []  # ids whose text has not been released yet
         self._settled_tail: list[int] = []  # the window's context: the last released ids
@@ -41,7 +42,7 @@ class IncrementalDetokenizer:
             return None
         from tokenizers.decoders import DecodeStream
 
-        return DecodeStream(skip_special_tokens=True)
+        return DecodeStream(skip_special_tokens=self.skip_special_tokens)
 
     def add(self, token_id: int) -> str:
         """Append one generated token; returns the text it completes ("" while a character is
@@ -80,4 +81,5 @@ class IncrementalDetokenizer:
         return full[len(prefix) :]
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
+        skip = self.skip_special_tokens
+        return self.tokenizer.decode(ids, skip_special_tokens=skip) if ids else ""

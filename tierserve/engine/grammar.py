@@ -164,6 +164,7 @@ def compile_spec(compiler: Any, spec: StructuredOutput) -> Any:
         "json_object": compiler.compile_builtin_json_grammar,
         "regex": lambda: compiler.compile_regex(spec.source),
         "ebnf": lambda: compiler.compile_grammar(spec.source),
+        "structural_tag": lambda: compiler.compile_structural_tag(spec.source),
     }
     try:
         return compile_by_kind[spec.kind]()

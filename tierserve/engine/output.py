@@ -31,7 +31,11 @@ class OutputBuilder:
         self.hidden_states_path: str | None = None
         self.stops = req.params.stop
         self._hold = max((len(s) for s in self.stops), default=1) - 1
-        self._detokenizer = IncrementalDetokenizer(tokenizer)
+        self._detokenizer = IncrementalDetokenizer(tokenizer, req.params.skip_special_tokens)
+        # Text of special tokens kept: the stop token that ends the request is left out.
+        self._special = (
+            frozenset() if req.params.skip_special_tokens else frozenset(tokenizer.all_special_ids)
+        )
         self._ids: list[int] = []
         self._logprobs: list[TokenLogprob] = []
         self._parts: list[str] = []  # text already released
@@ -52,7 +56,8 @@ class OutputBuilder:
             self.hidden_states_path = step.hidden_states_path
         new_logprobs = [step.logprob] if step.logprob is not None else []
         self._logprobs += new_logprobs
-        text = self._detokenizer.add(step.token_id)
+        ends = step.finish_reason == "stop" and step.token_id in self._special
+        text = "" if ends else self._detokenizer.add(step.token_id)
         if step.finished:
             text += self._detokenizer.flush()
         reason = step.finish_reason

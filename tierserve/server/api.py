@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from tierserve.args import EngineArgs
 from tierserve.errors import StorageFull, TierserveError
 from tierserve.sampling_params import SamplingParams
-from tierserve.server import chat_template, choices
+from tierserve.server import chat_template, choices, tools
 from tierserve.server.async_engine import AsyncEngine, EngineDeadError
 from tierserve.server.completion import Completion
 from tierserve.server.generate_protocol import GenerateRequest
@@ -33,6 +33,7 @@ from tierserve.server.protocol import (
     error_body,
     now,
 )
+from tierserve.server.tools import ChatParsers
 from tierserve.server.worker_info import loads, model_info, server_info
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -61,7 +62,10 @@ class QueueFull(Exception):
 
 
 def create_app(
-    engine: AsyncEngine, model_name: str, limits: ServerLimits = ServerLimits()
+    engine: AsyncEngine,
+    model_name: str,
+    limits: ServerLimits = ServerLimits(),
+    parsers: ChatParsers | None = None,
 ) -> FastAPI:
     metrics = ServerMetrics(engine.grammar_pool)
 
@@ -78,7 +82,7 @@ def create_app(
     app.add_middleware(BodyLimit, max_bytes=MAX_BODY_BYTES, timeout_s=limits.body_timeout_s)
     if limits.api_key is not None:
         app.add_middleware(ApiKey, key=limits.api_key)
-    _add_routes(app, engine, metrics, model_name, limits)
+    _add_routes(app, engine, metrics, model_name, limits, parsers or ChatParsers())
     return app
 
 
@@ -135,7 +139,12 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_routes(
-    app: FastAPI, engine: AsyncEngine, metrics: ServerMetrics, model: str, limits: ServerLimits
+    app: FastAPI,
+    engine: AsyncEngine,
+    metrics: ServerMetrics,
+    model: str,
+    limits: ServerLimits,
+    parsers: ChatParsers,
 ) -> None:
     def check_model(name: str | None) -> None:
         if name is not None and name != model:
@@ -227,10 +236,15 @@ def _add_routes(
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         admit(request)
         check_model(body.model)
-        params = body.sampling_params()
+        reply = tools.plan(body, parsers, engine.tokenizer)
+        params = tools.constrained(body.sampling_params(), reply)
         trusted = limits.trust_request_chat_template
-        prompt_ids = await asyncio.to_thread(_apply_chat_template, engine, body, trusted)
-        stream = Completion(engine, metrics, model, body, "chat.completion", params)
+        prompt_ids, text = await asyncio.to_thread(_render, engine, body, trusted)
+        make_reply = reply.make_reply
+        stream = Completion(
+            engine, metrics, model, body, "chat.completion", params,
+            make_reply=(lambda: make_reply(text)) if make_reply is not None else None,
+        )  # fmt: skip
         if body.n == 1:
             return await stream.respond(prompt_ids, params, request)
         todo = choices.jobs([prompt_ids], params, body.n)
@@ -240,7 +254,7 @@ def _add_routes(
     async def render(body: ChatRenderRequest) -> dict[str, Any]:
         check_model(body.model)
         trusted = limits.trust_request_chat_template
-        ids = await asyncio.to_thread(_apply_chat_template, engine, body, trusted)
+        ids, _ = await asyncio.to_thread(_render, engine, body, trusted)
         return {"token_ids": body.truncated(ids)}
 
     @app.post("/generate")
@@ -250,7 +264,8 @@ def _add_routes(
         return await stream.respond(body.prompt(), body.params(), request, stream=body.stream)
 
 
-def _apply_chat_template(engine: AsyncEngine, body: ChatTemplateFields, trusted: bool) -> list[int]:
+def _render(engine: AsyncEngine, body: ChatTemplateFields, trusted: bool) -> tuple[list[int], str]:
+    """The request's prompt as token ids, and as the text they came from."""
     preparer = engine.preparer
     preparer.check_text_length(sum(len(m.text()) for m in body.messages), "messages")
     text = chat_template.render(engine.tokenizer, body, trusted)
@@ -258,4 +273,4 @@ def _apply_chat_template(engine: AsyncEngine, body: ChatTemplateFields, trusted:
     ids = engine.tokenizer(text, add_special_tokens=False).input_ids
     if not ids:
         raise TierserveError("messages are empty", "messages")
-    return ids
+    return ids, text

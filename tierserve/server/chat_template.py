@@ -87,7 +87,7 @@ def render(tokenizer: Any, body: ChatTemplateFields, trust_request_template: boo
         template = body.chat_template
     switches = body.template_switches()
     extra = template_kwargs(body.chat_template_kwargs, template)
-    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    messages = [m.for_template() for m in body.messages]
     try:
         text = tokenizer.apply_chat_template(
             messages, chat_template=template, tokenize=False, **extra, **switches

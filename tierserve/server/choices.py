@@ -135,8 +135,10 @@ async def _sse(
         while item is not None:
             index, out = item
             if out.text_delta or out.finished or index not in seen or c.logprobs:
-                yield f"data: {json.dumps(c.chunk(out, index not in seen, index))}\n\n"
-                seen.add(index)
+                chunk = c.chunk(out, index not in seen, index)
+                if chunk is not None:
+                    yield f"data: {json.dumps(chunk)}\n\n"
+                    seen.add(index)
             if out.finished:
                 finals[index] = out
             try:

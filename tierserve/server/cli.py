@@ -15,6 +15,7 @@ from types import FrameType
 
 from tierserve.args import EngineArgs
 from tierserve.errors import TierserveError
+from tierserve.parsers import REASONING_PARSERS, TOOL_PARSERS
 from tierserve.server.grammar_worker import DEFAULT_COMPILE_TIMEOUT_S
 from tierserve.server.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
 
@@ -38,6 +39,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="let a chat request bring its own chat_template (vLLM's flag; a template is a "
         "program whose work nothing bounds: only for clients you trust)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        choices=sorted(TOOL_PARSERS),
+        default=None,
+        help="read tool calls in this family's format (SGLang's names; vLLM's hermes is "
+        "qwen25): qwen25 for Qwen2.5 and Qwen3, kimi_k2 for Kimi-K2 and K2.5, deepseekv3 for "
+        "DeepSeek-V3 and R1, deepseekv31 for DeepSeek-V3.1 and later. Needed for "
+        'tool_choice "auto" (docs/tools.md)',
+    )
+    parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='vLLM\'s switch for tool_choice "auto": accepted; here --tool-call-parser alone '
+        "enables it, as in SGLang",
+    )
+    parser.add_argument(
+        "--reasoning-parser",
+        choices=sorted(REASONING_PARSERS),
+        default=None,
+        help="return the reply's <think> block as reasoning_content (and vLLM's reasoning), "
+        "apart from its content: qwen3, deepseek-r1, kimi_k2",
     )
     parser.add_argument(
         "--dry-run",
@@ -104,6 +127,9 @@ def run(ns: argparse.Namespace) -> int:
 
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     args = EngineArgs.from_cli(ns)
+    if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
+        message = "--enable-auto-tool-choice needs --tool-call-parser (the format to read)"
+        raise TierserveError(message, field="tool_call_parser")
     if ns.max_queued_requests is not None and ns.max_queued_requests < 1:
         raise TierserveError(
             f"max_queued_requests must be >= 1, got {ns.max_queued_requests}",
@@ -129,6 +155,7 @@ def run(ns: argparse.Namespace) -> int:
 
         from tierserve.server.api import ServerLimits, create_app
         from tierserve.server.async_engine import AsyncEngine
+        from tierserve.server.tools import ChatParsers
     except BaseException:
         core.kill()
         raise
@@ -150,7 +177,8 @@ def run(ns: argparse.Namespace) -> int:
         ns.body_timeout,
         ns.trust_request_chat_template,
     )
-    app = create_app(async_engine, name, limits)
+    parsers = ChatParsers(ns.tool_call_parser, ns.reasoning_parser)
+    app = create_app(async_engine, name, limits, parsers)
     logger = logging.getLogger("tierserve")
     logger.info(
         "serving %s on http://%s:%d/v1 (engine core: pid %d)",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -15,11 +15,13 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tierserve.errors import TierserveError
 from tierserve.outputs import RequestOutput, TokenLogprob
 from tierserve.sampling_params import SamplingParams
+from tierserve.server import tools
 from tierserve.server.async_engine import AsyncEngine, EngineDeadError
 from tierserve.server.disconnect import unless_disconnected
 from tierserve.server.logprobs import chat_logprobs, completion_logprobs, join
 from tierserve.server.metrics import ServerMetrics
 from tierserve.server.protocol import SamplingFields, error_body, new_id, now, usage
+from tierserve.server.tools import Reply
 
 
 class Completion:
@@ -35,8 +37,10 @@ class Completion:
         kind: str,
         params: SamplingParams | None = None,
         request_id: str | None = None,
+        make_reply: Callable[[], Reply] | None = None,
     ) -> None:
-        """`request_id`: the client's own (SGLang's `rid`), else one made here."""
+        """`request_id`: the client's own (SGLang's `rid`), else one made here. `make_reply`:
+        a chat reply's reader (tool calls, reasoning; server/tools.py), one per choice."""
         self.engine, self.metrics, self.model, self.kind = engine, metrics, model, kind
         self.include_usage = bool(body and body.include_usage)
         self.stream = bool(body and body.stream)
@@ -49,6 +53,8 @@ class Completion:
         self._text, self._ids = "", []  # a /generate stream's output so far
         self.logprobs = params is not None and params.logprobs is not None
         self._offsets: dict[int, int] = {}  # per choice: characters streamed so far
+        self.make_reply = make_reply
+        self._replies: dict[int, Reply] = {}  # per streamed choice
 
     async def respond(
         self,
@@ -115,12 +121,19 @@ class Completion:
 
     def whole_choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
         echo_text, echo_logprobs = self._echoed(out, index)
-        if self.kind == "chat.completion":
+        reason = out.finish_reason
+        if self.kind == "chat.completion" and self.make_reply is not None:
+            reply = self.make_reply()
+            parsed = reply.feed(out.text)
+            parsed += reply.finish()
+            choice = {"index": index, "message": tools.message(reply, parsed)}
+            reason = tools.finish_reason(reply, reason)
+        elif self.kind == "chat.completion":
             choice = {"index": index, "message": {"role": "assistant", "content": out.text}}
         else:
             choice = {"index": index, "text": echo_text + out.text}
         choice["logprobs"] = join(echo_logprobs, self._logprobs(out.logprobs, index))
-        choice["finish_reason"] = out.finish_reason
+        choice["finish_reason"] = reason
         if self.return_token_ids:  # vLLM's: the output's ids; a completion's prompt's too
             choice["token_ids"] = out.token_ids
             if self.kind != "chat.completion":
@@ -155,19 +168,34 @@ class Completion:
         body = {"id": self.id, "object": obj, "created": self.created, "model": self.model}
         return {**body, "choices": choices, **extra}
 
-    def chunk(self, out: RequestOutput, first: bool, index: int = 0) -> dict[str, Any]:
+    def chunk(self, out: RequestOutput, first: bool, index: int = 0) -> dict[str, Any] | None:
+        """The chunk for one output, or None when a reply's reader holds all of its text
+        (it may begin a marker) and there is nothing else to say."""
         if self.kind == "generate":
             return _native(out, self._text, self._ids)
         echo_text, echo_logprobs = self._echoed(out, index) if first else ("", None)
-        if self.kind == "chat.completion":
-            delta: dict[str, Any] = {"content": out.text_delta}
+        reason = out.finish_reason if out.finished else None
+        if self.kind == "chat.completion" and self.make_reply is not None:
+            reply = self._replies.setdefault(index, self.make_reply())
+            parsed = reply.feed(out.text_delta)
+            if out.finished:
+                parsed += reply.finish()
+                reason = tools.finish_reason(reply, reason)
+            delta: dict[str, Any] = tools.delta_fields(parsed)
+            if not (delta or first or out.finished or self.logprobs):
+                return None
+            if first:
+                delta = {"role": "assistant", "content": "", **delta}
+            choice = {"index": index, "delta": delta}
+        elif self.kind == "chat.completion":
+            delta = {"content": out.text_delta}
             if first:
                 delta["role"] = "assistant"
             choice = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": echo_text + out.text_delta}
         choice["logprobs"] = join(echo_logprobs, self._logprobs(out.new_logprobs, index))
-        choice["finish_reason"] = out.finish_reason if out.finished else None
+        choice["finish_reason"] = reason
         extra = {"usage": None} if self.include_usage else {}
         return self.envelope(self.chunk_object(), [choice], **extra)
 
@@ -181,8 +209,10 @@ class Completion:
                     self._text += out.text_delta
                     self._ids += out.new_token_ids
                 if out.text_delta or out.finished or is_first or self.logprobs:
-                    yield f"data: {json.dumps(self.chunk(out, is_first))}\n\n"
-                    is_first = False
+                    chunk = self.chunk(out, is_first)
+                    if chunk is not None:
+                        yield f"data: {json.dumps(chunk)}\n\n"
+                        is_first = False
                 if out.finished:
                     break
                 try:

@@ -12,10 +12,18 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    model_validator,
+)
 
 from tierserve.errors import TierserveError
 from tierserve.sampling_params import SamplingParams, StructuredOutput
+from tierserve.server.chat_messages import ChatMessage, NamedToolChoice, ToolDefinition
 
 MAX_CHOICES = 128  # prompts × n in one request: bounded work per request
 
@@ -25,11 +33,8 @@ UNSUPPORTED_FIELDS = frozenset(
     {
         "best_of",
         "suffix",
-        "tools",
-        "tool_choice",
-        "functions",
+        "functions",  # OpenAI's deprecated form of tools
         "function_call",
-        "parallel_tool_calls",
         "audio",
         "modalities",
         "prediction",
@@ -94,6 +99,7 @@ class SamplingKnobs(TextBody):
     return_hidden_states: StrictBool | None = None
     regex: str | None = None  # SGLang's structured output beside OpenAI's response_format
     ebnf: str | None = None
+    skip_special_tokens: StrictBool = True  # vLLM's
 
     def _structured(self, given: StructuredOutput | None) -> StructuredOutput | None:
         """At most one grammar: `given` (the route's own field) or SGLang's regex or ebnf."""
@@ -125,6 +131,7 @@ class SamplingKnobs(TextBody):
             logit_bias=self.logit_bias or (),
             structured_output=self._structured(structured),
             return_hidden_states=self.return_hidden_states,
+            skip_special_tokens=self.skip_special_tokens,
         )
 
 
@@ -136,7 +143,7 @@ class JsonSchema(BaseModel):
 
     name: str | None = None
     schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(BaseModel):
@@ -228,53 +235,6 @@ class CompletionRequest(SamplingFields):
         return batch  # type: ignore[return-value]
 
 
-class ContentPart(BaseModel):
-    """An OpenAI content part; only text parts reach the model, and their text is a string."""
-
-    model_config = ConfigDict(extra="allow")
-
-    type: str
-    text: Any = None
-
-    @model_validator(mode="after")
-    def _text_is_a_string(self) -> ContentPart:
-        if self.type == "text" and not isinstance(self.text, str):
-            raise ValueError("a text content part needs a string 'text'")
-        return self
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[ContentPart] | None = None
-
-    def text(self) -> str:
-        if isinstance(self.content, list):  # OpenAI content parts: keep the text ones
-            return "".join(p.text for p in self.content if p.type == "text")
-        return self.content or ""
-
-
-class FunctionDefinition(BaseModel):
-    """OpenAI's function tool: what the model may call and the JSON schema of its arguments."""
-
-    model_config = ConfigDict(extra="allow")
-
-    name: str = Field(min_length=1, max_length=256)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ToolDefinition(BaseModel):
-    """One entry of a chat request's `tools` (OpenAI's shape; the only type is a function)."""
-
-    model_config = ConfigDict(extra="allow")
-
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
 class ChatTemplateFields(BaseModel):
     """What a chat template renders: the messages, the tools and documents it may show, and
     vLLM's switches (server/chat_template.py renders them)."""
@@ -327,6 +287,9 @@ class ChatRenderRequest(ChatTemplateFields):
 
 class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     max_completion_tokens: int | None = None
+    # Unset: "auto" when tools are given, "none" when not (OpenAI's).
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True
 
     def sampling_params(self) -> SamplingParams:
         if self.max_tokens is None and self.max_completion_tokens is not None:

@@ -1,0 +1,282 @@
+"""Tools through the official `openai` client against real servers with the demo model: the
+parser-free JSON form (no --tool-call-parser) and a family's own format (--tool-call-parser
+qwen25), forced by tool_choice, streamed and whole; bad definitions are 400s naming the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+from transformers import AutoTokenizer
+
+import tierserve
+from tests.conftest import Server
+from tierserve.server.chat_template import render
+from tierserve.server.protocol import ChatTemplateFields
+
+DEMO = Path(tierserve.__file__).parent / "demo_model"
+# Bounded arguments: the demo model writes no tool format of its own, and a grammar it follows
+# must still end (unbounded numbers or strings could run to max_tokens).
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 12},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99}},
+            "required": ["a"],
+            "additionalProperties": False,
+        },
+    },
+}
+TOOLS = [WEATHER, ADD]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def family_server():
+    with Server(DEMO, "--device", "cpu", "--tool-call-parser", "qwen25") as s:
+        yield s
+
+
+def client_of(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+
+
+def calls_of(message) -> list[tuple[str, dict]]:
+    """Each call's name and arguments, checked against its tool's schema."""
+    out = []
+    for call in message.tool_calls or []:
+        arguments = json.loads(call.function.arguments)
+        jsonschema.validate(arguments, SCHEMAS[call.function.name])
+        assert call.id and call.type == "function"
+        out.append((call.function.name, arguments))
+    return out
+
+
+def whole_and_streamed(client: openai.OpenAI, **request) -> tuple:
+    """The same greedy request whole and through the client's stream helper."""
+    request = {
+        "model": "demo_model",
+        "messages": ASK,
+        "temperature": 0,
+        "max_tokens": 120,
+        **request,
+    }
+    whole = client.chat.completions.create(**request).choices[0]
+    with client.chat.completions.stream(**request) as stream:
+        for _ in stream:
+            pass
+        streamed = stream.get_final_completion().choices[0]
+    return whole, streamed
+
+
+@pytest.mark.parametrize(
+    "choice",
+    ["required", {"type": "function", "function": {"name": "add"}}],
+    ids=["required", "named"],
+)
+def test_forced_calls_without_a_parser_follow_the_schema(demo_server, choice) -> None:
+    """vLLM's parser-free form: one call (parallel_tool_calls false) whose arguments validate,
+    the same streamed as whole."""
+    client = client_of(demo_server)
+    whole, streamed = whole_and_streamed(
+        client, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False
+    )
+    calls = calls_of(whole.message)
+    assert len(calls) == 1 and whole.finish_reason == "tool_calls"
+    if isinstance(choice, dict):
+        assert calls[0][0] == "add"
+    assert calls_of(streamed.message) == calls and streamed.finish_reason == "tool_calls"
+    assert whole.message.content is None
+
+
+def test_forced_calls_in_the_family_format_are_parsed(family_server) -> None:
+    """With --tool-call-parser qwen25 the grammar writes the family's <tool_call> blocks and
+    the parser reads them back; streamed calls accumulate to the whole reply's."""
+    client = client_of(family_server)
+    for parallel in (True, False):
+        whole, streamed = whole_and_streamed(
+            client, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel
+        )
+        calls = calls_of(whole.message)
+        assert calls and whole.finish_reason == "tool_calls"
+        assert parallel or len(calls) == 1
+        assert calls_of(streamed.message) == calls
+        assert "<tool_call>" not in (whole.message.content or "")
+    text = client.chat.completions.create(
+        model="demo_model", messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=8
+    ).choices[0]
+    assert text.finish_reason in ("stop", "length")  # auto: the model may answer in text
+
+
+def test_parse_returns_a_strict_pydantic_tools_arguments(demo_server) -> None:
+    class Lookup(pydantic.BaseModel):
+        city: str = pydantic.Field(max_length=12)
+        celsius: bool
+
+    tool = openai.pydantic_function_tool(Lookup, name="lookup")
+    reply = client_of(demo_server).chat.completions.parse(
+        model="demo_model",
+        messages=ASK,
+        tools=[tool],
+        tool_choice={"type": "function", "function": {"name": "lookup"}},
+        temperature=0,
+        max_tokens=60,
+    )
+    (call,) = reply.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, Lookup)
+
+
+def test_a_history_with_calls_and_results_is_rendered(demo_server) -> None:
+    """Assistant turns with content null and tool_calls, tool results with ids: accepted, and
+    the template is given the arguments as an object."""
+    history = [
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C and sunny"},
+    ]
+    template = (
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}[{{ c.id }} {{ c.function.name }} "
+        "{{ c.function.arguments.city }}]{% endfor %}"
+        "{% if m.tool_call_id %}<{{ m.tool_call_id }}>{% endif %}\n{% endfor %}"
+    )
+    url = f"{demo_server.url}/v1/chat/completions"
+    reply = httpx.post(url, json={"messages": history, "tools": TOOLS, "tool_choice": "none",
+                                  "max_tokens": 4}, timeout=60)  # fmt: skip
+    assert reply.status_code == 200, reply.text
+    tokenizer = AutoTokenizer.from_pretrained(DEMO)
+    body = ChatTemplateFields(messages=history, chat_template=template)
+    text = render(tokenizer, body, trust_request_template=True)
+    assert "assistant:[call_1 get_weather Paris]" in text
+    assert "tool:18 C and sunny<call_1>" in text
+
+
+BAD = [
+    ({"tool_choice": "auto"}, "tool_choice"),  # no tools
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS}, "tool_choice"),  # auto by default, and no parser here
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function"}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "tool", "function": {"name": "add"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": 3}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": "no"},
+     "parallel_tool_calls"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "regex": "a+"}, "tool_choice"),
+    ({"tools": "add"}, "tools"),
+    ({"tools": [{}]}, "tools.0"),
+    ({"tools": [{"type": "retrieval", "function": ADD["function"]}]}, "tools.0.type"),
+    ({"tools": [{"type": "function"}]}, "tools.0.function"),
+    ({"tools": [{"type": "function", "function": {}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "x" * 300}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": 5}}]}, "tools.0.function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
+     "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
+     "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f",
+                 "parameters": {"type": "object", "required": "a"}}}]},
+     "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f",
+                 "parameters": {"type": "object", "properties": {"a": {"minimum": "x"}}}}}]},
+     "tools.0.function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "strict": "yes"}}]},
+     "tools.0.function.strict"),
+    ({"messages": [{"role": "user", "content": "hi", "tool_calls": []}]}, "messages.0"),
+    ({"messages": [{"role": "tool", "content": "18 C"}]}, "messages.0"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"type": "function"}]}]},
+     "messages.0.tool_calls.0.function"),
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        {"function": {"name": "f", "arguments": "{not json"}}]}]},
+     "messages.0.tool_calls.0"),
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        {"function": {"name": "f", "arguments": "[1, 2]"}}]}]},
+     "messages.0.tool_calls.0"),
+    ({"messages": [{"role": "assistant", "tool_calls": [
+        {"function": {"name": "", "arguments": "{}"}}]}]},
+     "messages.0.tool_calls.0.function.name"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"type": "web", "function": {
+        "name": "f", "arguments": "{}"}}]}]}, "messages.0.tool_calls.0.type"),
+    ({"functions": [ADD["function"]]}, "functions"),
+]  # fmt: skip
+
+
+def test_bad_tools_choices_and_histories_are_400s_naming_the_field(demo_server) -> None:
+    assert len(BAD) >= 30
+    with httpx.Client(base_url=demo_server.url, timeout=60) as http:
+        for extra, field in BAD:
+            body = {"messages": ASK, "max_tokens": 2, **extra}
+            reply = http.post("/v1/chat/completions", json=body)
+            assert reply.status_code == 400, (extra, reply.text)
+            error = reply.json()["error"]
+            assert field in error["message"] or field == error["param"], (extra, error)
+    assert http.is_closed
+
+
+def test_a_langchain_agent_round_trip(demo_server) -> None:
+    """LangChain's OpenAI chat model, unmodified, with its forced-tool setting: the call comes
+    back as a tool call, and the history it sends with the tool's result is accepted."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+
+    class Number(pydantic.BaseModel):
+        a: int = pydantic.Field(ge=0, le=99)  # bounded: the demo model's digits must end
+
+    @tool(args_schema=Number)
+    def add(a: int) -> int:
+        """Add one to a number."""
+        return a + 1
+
+    llm = ChatOpenAI(
+        base_url=f"{demo_server.url}/v1", api_key="x", model="demo_model", temperature=0,
+        max_tokens=60, max_retries=0,
+    )  # fmt: skip
+    forced = llm.bind_tools([add], tool_choice="add")
+    question = HumanMessage("What is 2 plus 1?")
+    ai = forced.invoke([question])
+    (call,) = ai.tool_calls
+    assert call["name"] == "add" and isinstance(call["args"]["a"], int)
+    result = ToolMessage(str(add.invoke(call["args"])), tool_call_id=call["id"])
+    answer = llm.bind_tools([add], tool_choice="none").invoke([question, ai, result])
+    assert isinstance(answer.content, str) and not answer.tool_calls

@@ -1,0 +1,227 @@
+"""What a chat request's `tools` and `tool_choice` do on this server, and how its replies read.
+
+- `none`: the tools reach the chat template; the reply is text.
+- `auto` (the default with tools): the model chooses; its calls are read by the server's
+  `--tool-call-parser`. Without one, a 400 naming the flags (as vLLM).
+- `required` and a named function: generation is constrained. With a parser, in the family's
+  own format (xgrammar's builtin structural tag for it); without one, in vLLM's parser-free
+  JSON form: a JSON array of `{"name", "parameters"}` for `required`, the function's
+  arguments object for a named one.
+`parallel_tool_calls: false` allows one call. With `--reasoning-parser`, the reply's reasoning
+is read first; a call written while thinking is reasoning text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from tierserve.errors import TierserveError
+from tierserve.parsers import (
+    REASONING_PARSERS,
+    TOOL_PARSERS,
+    NamedToolReply,
+    ParsedDelta,
+    ReplyParser,
+    RequiredToolsReply,
+    ToolCall,
+    ToolCallDelta,
+    ToolParser,
+)
+from tierserve.sampling_params import SamplingParams, StructuredOutput
+from tierserve.server.chat_messages import NamedToolChoice, ToolDefinition
+from tierserve.server.protocol import ChatCompletionRequest
+
+# The formats whose markers xgrammar can match as tokens (its `token_markers`), and the markers.
+TOKEN_MARKERS = {"qwen_3": ("<think>", "</think>", "<tool_call>", "</tool_call>")}
+
+
+class Reply(Protocol):
+    calls: list[ToolCall]
+
+    def feed(self, text: str) -> ParsedDelta: ...
+
+    def finish(self) -> ParsedDelta: ...
+
+
+@dataclass(frozen=True)
+class ChatParsers:
+    """The server's `--tool-call-parser` and `--reasoning-parser`."""
+
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, known, flag in (
+            (self.tool_call_parser, TOOL_PARSERS, "tool_call_parser"),
+            (self.reasoning_parser, REASONING_PARSERS, "reasoning_parser"),
+        ):
+            if name is not None and name not in known:
+                message = f"{flag} must be one of {', '.join(sorted(known))}, got {name!r}"
+                raise TierserveError(message, flag)
+
+
+@dataclass(frozen=True)
+class ReplyPlan:
+    """How one chat request's replies are generated and read."""
+
+    grammar: StructuredOutput | None
+    skip_special_tokens: bool
+    make_reply: Callable[[str], Reply] | None  # from the rendered prompt; None: plain text
+
+
+def plan(body: ChatCompletionRequest, parsers: ChatParsers, tokenizer: Any) -> ReplyPlan:
+    """The request's reply plan; a tool choice that cannot be honoured is a 400 naming it."""
+    tools = body.tools or []
+    choice = body.tool_choice or ("auto" if tools else "none")
+    reasoning = REASONING_PARSERS.get(parsers.reasoning_parser or "")
+    family = TOOL_PARSERS.get(parsers.tool_call_parser or "")
+    names = frozenset(t.function.name for t in tools)
+    if choice != "none" and not tools:
+        raise TierserveError(f"tool_choice {_shown(choice)} needs tools", "tool_choice")
+    if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+        message = f"tool_choice names {choice.function.name!r}, which is not in tools"
+        raise TierserveError(message, "tool_choice")
+    if choice == "auto" and family is None:
+        message = (
+            'tool_choice "auto" needs a tool-call parser: start the server with '
+            "--tool-call-parser (vLLM: --enable-auto-tool-choice --tool-call-parser), or "
+            'send tool_choice "required", "none" or a named function'
+        )
+        raise TierserveError(message, "tool_choice")
+
+    def thinking(prompt: str) -> Any:
+        return reasoning(reasoning().opened_in(prompt)) if reasoning else None
+
+    if choice == "none" or (family is None and choice == "auto"):
+        make = (lambda prompt: ReplyParser(thinking(prompt), None)) if reasoning else None
+        return ReplyPlan(None, True, make)
+    if family is not None:
+        grammar = None if choice == "auto" else _family_grammar(body, family, reasoning, tokenizer)
+        return ReplyPlan(
+            grammar,
+            not family.needs_special_tokens,
+            lambda prompt: ReplyParser(thinking(prompt), family(names)),
+        )
+    if isinstance(choice, NamedToolChoice):
+        tool = next(t for t in tools if t.function.name == choice.function.name)
+        grammar = StructuredOutput.json(_parameters(tool))
+        name = tool.function.name
+        return ReplyPlan(grammar, True, lambda prompt: NamedToolReply(name))
+    grammar = StructuredOutput.json(_calls_schema(tools, body.parallel_tool_calls))
+    return ReplyPlan(grammar, True, lambda prompt: RequiredToolsReply())
+
+
+def constrained(params: SamplingParams, reply: ReplyPlan) -> SamplingParams:
+    """The request's sampling with its reply plan's grammar and detokenization."""
+    if reply.grammar is not None:
+        if params.structured_output is not None:
+            message = "tool_choice required or named constrains the reply: give no other grammar"
+            raise TierserveError(message, "tool_choice")
+        params = dataclasses.replace(params, structured_output=reply.grammar)
+    if not reply.skip_special_tokens:
+        params = dataclasses.replace(params, skip_special_tokens=False)
+    return params
+
+
+def _shown(choice: object) -> str:
+    return json.dumps(choice) if isinstance(choice, str) else "naming a function"
+
+
+def _parameters(tool: ToolDefinition) -> dict[str, Any]:
+    return tool.function.parameters or {"type": "object"}
+
+
+def _calls_schema(tools: list[ToolDefinition], parallel: bool) -> dict[str, Any]:
+    """vLLM's parser-free form of `required`: an array of one call or more (one at most when
+    calls may not run in parallel), each naming a tool and giving its parameters."""
+    one_of = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
+            "required": ["name", "parameters"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_of}}
+    if not parallel:
+        schema["maxItems"] = 1
+    return schema
+
+
+def _family_grammar(
+    body: ChatCompletionRequest, family: type[ToolParser], reasoning: Any, tokenizer: Any
+) -> StructuredOutput:
+    """The family's own format for `required` or a named function: xgrammar's builtin
+    structural tag, which knows each format's markers. Where xgrammar can match the markers
+    as their own tokens and this tokenizer has them, it does: the model cannot spell a
+    marker out of pieces."""
+    import xgrammar
+
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    choice = body.tool_choice
+    tool_choice = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
+    markers = TOKEN_MARKERS.get(family.structural_tag, ())
+    token_markers = bool(markers) and all(_one_token(tokenizer, m) for m in markers)
+    try:
+        tag = xgrammar.get_builtin_structural_tag(
+            family.structural_tag,
+            tools=tools,
+            tool_choice=tool_choice,
+            reasoning="auto" if reasoning else "disabled",
+            parallel_tool_calls=body.parallel_tool_calls,
+            token_markers=token_markers,
+            max_whitespace_cnt=1,  # as our JSON: a small model fills unbounded whitespace
+        )
+    except ValueError as err:
+        raise TierserveError(f"tools do not make a grammar: {err}", "tools") from None
+    return StructuredOutput("structural_tag", tag.model_dump_json())
+
+
+def _one_token(tokenizer: Any, text: str) -> bool:
+    return len(tokenizer.encode(text, add_special_tokens=False)) == 1
+
+
+def message(reply: Reply, delta: ParsedDelta) -> dict[str, Any]:
+    """A whole reply's message fields: content, reasoning (under SGLang's and vLLM's names),
+    calls in OpenAI's shape."""
+    body: dict[str, Any] = {"role": "assistant", "content": delta.content or None}
+    if delta.reasoning:
+        body["reasoning_content"] = body["reasoning"] = delta.reasoning
+    if reply.calls:
+        body["tool_calls"] = [_call(c) for c in reply.calls]
+    return body
+
+
+def delta_fields(delta: ParsedDelta) -> dict[str, Any]:
+    """A streamed chunk's delta fields for what this piece of the reply settled."""
+    body: dict[str, Any] = {}
+    if delta.content:
+        body["content"] = delta.content
+    if delta.reasoning:
+        body["reasoning_content"] = body["reasoning"] = delta.reasoning
+    if delta.tool_calls:
+        body["tool_calls"] = [_call_delta(d) for d in delta.tool_calls]
+    return body
+
+
+def finish_reason(reply: Reply, reason: str | None) -> str | None:
+    """OpenAI's "tool_calls" for a reply that stopped after calling."""
+    return "tool_calls" if reply.calls and reason == "stop" else reason
+
+
+def _call_delta(d: ToolCallDelta) -> dict[str, Any]:
+    """A call's first piece carries its index, id and name; later ones argument text."""
+    if d.id is None:
+        return {"index": d.index, "function": {"arguments": d.arguments}}
+    function = {"name": d.name, "arguments": d.arguments}
+    return {"index": d.index, "id": d.id, "type": "function", "function": function}
+
+
+def _call(call: ToolCall) -> dict[str, Any]:
+    function = {"name": call.name, "arguments": call.arguments}
+    return {"id": call.id, "type": "function", "function": function}
