@@ -280,3 +280,81 @@ def test_a_langchain_agent_round_trip(demo_server) -> None:
     result = ToolMessage(str(add.invoke(call["args"])), tool_call_id=call["id"])
     answer = llm.bind_tools([add], tool_choice="none").invoke([question, ai, result])
     assert isinstance(answer.content, str) and not answer.tool_calls
+
+
+TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+LOOKUP = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+LOOKUP_JSON = (
+    '{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", '
+    '"properties": {"city": {"type": "string"}}}}}'
+)
+QWEN25_GOLDEN = f"""<|im_start|>system
+Be brief.
+
+# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{LOOKUP_JSON}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call><|im_end|>
+<|im_start|>user
+Weather in Paris?<|im_end|>
+<|im_start|>assistant
+<tool_call>
+{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}
+</tool_call><|im_end|>
+<|im_start|>user
+<tool_response>
+18 C
+</tool_response><|im_end|>
+<|im_start|>assistant
+"""
+KIMI_K2_GOLDEN = (
+    f"<|im_system|>tool_declare<|im_middle|>[{LOOKUP_JSON}]<|im_end|>"
+    "<|im_system|>system<|im_middle|>Be brief.<|im_end|>"
+    "<|im_user|>user<|im_middle|>Weather in Paris?<|im_end|>"
+    "<|im_assistant|>assistant<|im_middle|><|tool_calls_section_begin|><|tool_call_begin|>"
+    'functions.get_weather:0<|tool_call_argument_begin|>{"city": "Paris"}<|tool_call_end|>'
+    "<|tool_calls_section_end|><|im_end|>"
+    "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\n18 C<|im_end|>"
+    "<|im_assistant|>assistant<|im_middle|>"
+)
+
+
+@pytest.mark.parametrize(
+    ("template", "call_id", "golden"),
+    [
+        ("qwen25_style.jinja", "call_7", QWEN25_GOLDEN),
+        ("kimi_k2_style.jinja", "functions.get_weather:0", KIMI_K2_GOLDEN),
+    ],
+)
+def test_family_templates_render_an_openai_history(template, call_id, golden) -> None:
+    """An OpenAI-shaped request (string arguments, a tool result with its id, content null)
+    rendered by templates written from Qwen2.5's and Kimi-K2's documented formats."""
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text",
+                                     "text": "Paris?"}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": call_id, "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": "18 C"},
+    ]  # fmt: skip
+    body = ChatTemplateFields(
+        messages=messages, tools=[LOOKUP], chat_template=(TEMPLATES / template).read_text()
+    )
+    tokenizer = AutoTokenizer.from_pretrained(DEMO)
+    assert render(tokenizer, body, trust_request_template=True) == golden
