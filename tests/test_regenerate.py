@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 from safetensors.torch import load_file
 
@@ -23,9 +24,51 @@ SYSTEMS = ["You answer briefly.", "You are a careful assistant who explains."]
 WORDS = ("the", "a", "code", "list", "sort", "function", "value", "error", "test", "file")
 
 
-def dataset(path: Path, rows: int = 8) -> Path:
-    """ShareGPT rows (two system prompts, two user turns each) and two OpenAI-format rows."""
-    lines = []
+# Bounded arguments: the demo model has no tool format, and its forced calls must end.
+WEATHER = {
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}, "unit": {"enum": ["c", "f"]}},
+        "required": ["city", "unit"],
+        "additionalProperties": False,
+    },
+}
+ASKED = {"city": "Paris", "unit": "c"}
+
+
+def tool_rows() -> list[dict]:
+    """An agentic row in each format: a call, its result, then a text answer."""
+    openai_row = {
+        "id": "tools-openai",
+        "tools": [{"type": "function", "function": WEATHER}],
+        "messages": [
+            {"role": "user", "content": "weather in Paris?"},
+            {"role": "assistant", "content": None, "tool_calls": [{"id": "call_a",
+             "type": "function", "function": {"name": "get_weather",
+             "arguments": json.dumps(ASKED)}}]},
+            {"role": "tool", "tool_call_id": "call_a", "content": "18 C"},
+            {"role": "assistant", "content": "old"},
+        ],
+    }  # fmt: skip
+    sharegpt_row = {  # LLaMA-Factory's form: tools as JSON text, calls as function_call turns
+        "id": "tools-sharegpt",
+        "tools": json.dumps([WEATHER]),
+        "conversations": [
+            {"from": "human", "value": "weather in Oslo?"},
+            {"from": "function_call", "value": json.dumps({"name": "get_weather",
+                                                           "arguments": ASKED})},
+            {"from": "observation", "value": "3 C"},
+            {"from": "gpt", "value": "old answer"},
+        ],
+    }  # fmt: skip
+    return [openai_row, sharegpt_row]
+
+
+def dataset(path: Path, rows: int = 8, tools: bool = False) -> Path:
+    """ShareGPT rows (two system prompts, two user turns each) and two OpenAI-format rows;
+    with `tools`, an agentic row in each format too."""
+    lines = tool_rows() if tools else []
     for i in range(rows):
         ask = [" ".join(WORDS[(i + j) % len(WORDS)] for j in range(k, k + 5)) for k in (0, 3)]
         turns = [{"from": "system", "value": SYSTEMS[i % 2]}]
@@ -77,8 +120,36 @@ def test_regenerated_rows_replace_every_assistant_turn(server, tmp_path):
     assert server.metrics()["tierserve_cached_tokens_total{tier=device}"] > 0
 
 
+def test_agentic_rows_are_regenerated_in_their_own_format(server, tmp_path):
+    """Tool-call turns called again (forced: tool_choice required) in the row's format, the
+    tool results kept, the call ids the results name kept, divergent calls counted."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(row) + "\n" for row in tool_rows()))
+    out = tmp_path / "out.jsonl"
+    proc = regenerate(server.url, src, out, "--max-tokens", "120")
+    assert proc.wait(timeout=300) == 0, proc.stderr.read().decode()
+    rows = {r["id"]: r for r in rows_in(out)}
+    messages = rows["tools-openai"]["messages"]
+    (call,) = messages[1]["tool_calls"]
+    assert call["id"] == "call_a" and call["function"]["name"] == "get_weather"
+    jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["parameters"])
+    assert messages[2] == tool_rows()[0]["messages"][2]  # the tool's result, as it was
+    assert messages[3]["content"] not in ("old", None) and "tool_calls" not in messages[3]
+    turns = rows["tools-sharegpt"]["conversations"]
+    assert turns[1]["from"] == "function_call"
+    value = json.loads(turns[1]["value"])
+    assert value["name"] == "get_weather"
+    jsonschema.validate(value["arguments"], WEATHER["parameters"])
+    assert turns[2] == {"from": "observation", "value": "3 C"}
+    assert turns[3]["from"] == "gpt" and turns[3]["value"] != "old answer"
+    made = {"tools-openai": call["function"]["arguments"], "tools-sharegpt": value["arguments"]}
+    for row_id, arguments in made.items():
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        assert rows[row_id]["divergent_tool_calls"] == (arguments != ASKED)
+
+
 def test_a_killed_run_resumes_by_row_id_exactly_once(server, tmp_path):
-    src = dataset(tmp_path / "in.jsonl")
+    src = dataset(tmp_path / "in.jsonl", tools=True)
     clean = tmp_path / "clean.jsonl"
     assert regenerate(server.url, src, clean).wait(timeout=300) == 0
     want = {r["id"]: r for r in rows_in(clean)}

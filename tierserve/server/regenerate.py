@@ -3,11 +3,15 @@ model, turn by turn: the first step of making EAGLE-3 training data (SpecForge's
 `regenerate_train_data.py`, speculators' `regenerate-responses`).
 
 Each input row is a conversation: ShareGPT `conversations` ({"from", "value"}) or OpenAI
-`messages` ({"role", "content"}), with an optional `id`. Every assistant turn is replaced by the
-model's answer to the conversation so far (its earlier turns already regenerated), so each
-turn's prompt extends the last one's and the radix cache serves the history. An output line is
-the input row with its turns replaced, in the input's own format, plus `status` ("success", or
-"error" and an `error`).
+`messages` ({"role", "content"}), with an optional `id` and optional `tools` (dataset_rows.py
+reads both formats' tool turns). Every assistant turn is replaced by the model's answer to the
+conversation so far (its earlier turns already regenerated), so each turn's prompt extends the
+last one's and the radix cache serves the history. With tools, a turn that called tools is
+called again (`tool_choice: required`) and a text turn answered in text (`none`); the tool
+results stay as they are, so a row counts the turns whose calls changed
+(`divergent_tool_calls`): its later results no longer answer them. An output line is the input
+row with its turns replaced, in the input's own format, plus `status` ("success", or "error"
+and an `error`).
 
 With `--hidden-states-dir DIR` each row's regenerated conversation, as the chat template renders
 it, is sent once more (one token) asking for its hidden states, and the server's file becomes
@@ -35,69 +39,10 @@ from typing import Any
 import httpx
 
 from tierserve.errors import TierserveError
+from tierserve.server.dataset_rows import Row, Transcript, id_key, prefix_order, read_rows
 from tierserve.server.job_usage import JobUsage
-from tierserve.server.jsonl import read_json_lines
 
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant"}
-
-
-@dataclass
-class Row:
-    id: Any  # as the input gave it (any JSON value), else the row's index
-    index: int  # its place among the input's rows
-    raw: dict[str, Any]
-    sharegpt: bool  # `conversations` with from/value, else OpenAI `messages`
-
-    @property
-    def key(self) -> str:
-        """What identifies the row on resume: its id as JSON, so 1, "1" and null differ."""
-        return id_key(self.id)
-
-    @property
-    def turns(self) -> list[dict[str, Any]]:
-        return self.raw["conversations" if self.sharegpt else "messages"]
-
-    def message(self, turn: dict[str, Any]) -> dict[str, str]:
-        if not self.sharegpt:
-            return {"role": turn["role"], "content": turn["content"]}
-        role = SHAREGPT_ROLES.get(turn["from"], turn["from"])
-        return {"role": role, "content": turn["value"]}
-
-    def is_assistant(self, turn: dict[str, Any]) -> bool:
-        return self.message(turn)["role"] == "assistant"
-
-    def with_answer(self, turn: dict[str, Any], text: str) -> dict[str, Any]:
-        return {**turn, "value" if self.sharegpt else "content": text}
-
-
-def id_key(row_id: Any) -> str:
-    return json.dumps(row_id, sort_keys=True)
-
-
-def read_rows(path: Path) -> list[Row]:
-    """The input's rows; a row without an `id` takes its index (an int) as its id."""
-    rows: list[Row] = []
-    seen: dict[str, str] = {}  # id key -> where it first came
-    for where, line in read_json_lines(path):
-        sharegpt = isinstance(line, dict) and isinstance(line.get("conversations"), list)
-        if not sharegpt and not (isinstance(line, dict) and isinstance(line.get("messages"), list)):
-            raise TierserveError(f"{where}: needs `conversations` or `messages` (a list)", "input")
-        row = Row(line["id"] if "id" in line else len(rows), len(rows), line, sharegpt)
-        _check_turns(row, where)
-        if row.key in seen:
-            implicit = "" if "id" in line else " (a row without an id takes its index)"
-            message = f"{where}: id {row.key} repeats the one at {seen[row.key]}{implicit}"
-            raise TierserveError(message, "input")
-        seen[row.key] = where
-        rows.append(row)
-    return rows
-
-
-def _check_turns(row: Row, where: str) -> None:
-    keys = ("from", "value") if row.sharegpt else ("role", "content")
-    for turn in row.turns:
-        if not isinstance(turn, dict) or not all(isinstance(turn.get(k), str) for k in keys):
-            raise TierserveError(f"{where}: every turn needs string {keys[0]} and {keys[1]}")
+__all__ = ["Regenerator", "prefix_order", "read_done", "read_rows"]
 
 
 def read_done(path: Path) -> set[str]:
@@ -123,18 +68,6 @@ def read_done(path: Path) -> set[str]:
         tmp.write_bytes(b"".join(raw for _, raw in good))
         tmp.replace(path)
     return {row_id for row_id, _ in good}
-
-
-def prefix_order(rows: list[Row]) -> list[Row]:
-    """Rows that open with the same turn, one after another (in their first row's place)."""
-    first_seen: dict[str, int] = {}
-    for i, row in enumerate(rows):
-        key = json.dumps(row.message(row.turns[0])) if row.turns else ""
-        first_seen.setdefault(key, i)
-    return sorted(
-        rows,
-        key=lambda r: first_seen[json.dumps(r.message(r.turns[0])) if r.turns else ""],
-    )
 
 
 @dataclass
@@ -176,34 +109,53 @@ class Regenerator:
         self.bar.close()
 
     async def _regenerate(self, row: Row) -> dict[str, Any]:
-        messages: list[dict[str, str]] = []
-        turns = []
+        transcript, turns, divergent = Transcript(row), [], 0
         for turn in row.turns:
             if not row.is_assistant(turn):
-                messages.append(row.message(turn))
+                transcript.add(turn)
                 turns.append(turn)
                 continue
+            original = row.calls_in(turn)
             try:
-                text = await self._answer(messages)
+                message = await self._answer(transcript.messages, row, turn, original)
             except TierserveError as err:
                 return {**row.raw, "id": row.id, "status": "error", "error": err.message}
-            messages.append({"role": "assistant", "content": text})
-            turns.append(row.with_answer(turn, text))
+            calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+                     for c in message.get("tool_calls") or []]  # fmt: skip
+            divergent += calls != original
+            transcript.add_reply(message)
+            turns.append(row.written(turn, message))
         key = "conversations" if row.sharegpt else "messages"
         record = {**row.raw, "id": row.id, key: turns, "status": "success"}
+        if row.tools is not None:  # later tool results answer the original calls, not these
+            record["divergent_tool_calls"] = divergent
         if self.ns.hidden_states_dir:
             try:
-                record["hidden_states_path"] = await self._capture(row, messages)
+                record["hidden_states_path"] = await self._capture(row, transcript.messages)
             except TierserveError as err:
                 return {**row.raw, "id": row.id, "status": "error", "error": err.message}
         return record
 
-    async def _answer(self, messages: list[dict[str, str]]) -> str:
-        body = {"messages": messages, "max_tokens": self.ns.max_tokens}
+    async def _answer(
+        self, messages: list[dict[str, Any]], row: Row, turn: dict[str, Any], original: list
+    ) -> dict[str, Any]:
+        """The turn answered again. With the row's tools, a turn that called tools is asked to
+        call them again (`required`, as many calls may run at once as it made) and a text turn
+        for text (`none`): the row's later turns keep answering a turn of the same kind."""
+        body: dict[str, Any] = {"messages": messages, "max_tokens": self.ns.max_tokens}
+        if row.tools is not None:
+            body["tools"] = row.tools
+            body["tool_choice"] = "required" if original else "none"
+            body["parallel_tool_calls"] = len(original) > 1
         data = await self._chat({**body, "temperature": self.ns.temperature})
-        return data["choices"][0]["message"]["content"] or ""
+        message = data["choices"][0]["message"]
+        for k, call in enumerate(message.get("tool_calls") or []):
+            ids = [c.get("id") for c in turn.get("tool_calls") or []]
+            if k < len(ids) and ids[k]:  # the row's tool results name these ids
+                call["id"] = ids[k]
+        return message
 
-    async def _capture(self, row: Row, messages: list[dict[str, str]]) -> str:
+    async def _capture(self, row: Row, messages: list[dict[str, Any]]) -> str:
         """The conversation's hidden states, as `DIR/hs_{index}.safetensors`."""
         body = {"messages": messages, "max_tokens": 1, "add_generation_prompt": False}
         data = await self._chat({**body, "temperature": 0, "return_hidden_states": True}, False)
