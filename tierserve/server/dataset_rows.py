@@ -17,9 +17,11 @@ import functools
 import json
 from collections import deque
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tierserve.errors import TierserveError
+from tierserve.server.jsonl import read_json_lines
 
 SHAREGPT_ROLES = {
     "human": "user",
@@ -129,10 +131,8 @@ def id_key(row_id: Any) -> str:
     return json.dumps(row_id, sort_keys=True)
 
 
-def read_rows(path: Any) -> list[Row]:
+def read_rows(path: Path) -> list[Row]:
     """The input's rows; a row without an `id` takes its index (an int) as its id."""
-    from tierserve.server.jsonl import read_json_lines
-
     rows: list[Row] = []
     seen: dict[str, str] = {}  # id key -> where it first came
     for where, line in read_json_lines(path):
