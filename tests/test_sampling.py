@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import types
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers import AutoTokenizer
 
+import tierserve
 from tests.conftest import random_prompts
 from tierserve import LLM, SamplingParams
 from tierserve.engine.detokenizer import MAX_UNSETTLED, IncrementalDetokenizer
@@ -220,6 +223,25 @@ def test_output_builder_drops_tokens_sampled_after_a_stop(tokenizer):
     done = [o for o in outs if o is not None]
     assert done[-1].finish_reason == "stop" and done[-1].text == "one "
     assert outs[len(done) :] == [None] * (len(ids) - len(done))  # the engine's late tokens
+
+
+def test_special_tokens_kept_for_a_parser_but_never_the_stop_token():
+    """skip_special_tokens false (what Kimi's and DeepSeek's tool parsers ask): a special
+    token's text is in the output, the EOS that ends the request is not."""
+    tokenizer = AutoTokenizer.from_pretrained(Path(tierserve.__file__).parent / "demo_model")
+    ids = tokenizer("hi <|assistant|> there", add_special_tokens=False).input_ids
+    marker = tokenizer.convert_tokens_to_ids("<|assistant|>")
+    assert marker in ids
+    steps = [StepOutput("r", t, None, 3, 0, 0) for t in ids]
+    steps.append(StepOutput("r", tokenizer.eos_token_id, "stop", 3, 0, 0))
+    texts = {}
+    for skip in (True, False):
+        builder = OutputBuilder(_request(SamplingParams(skip_special_tokens=skip)), tokenizer)
+        *_, last = [builder.add(step) for step in steps]
+        texts[skip] = last.text
+        assert last.finish_reason == "stop" and tokenizer.eos_token not in last.text
+    assert "<|assistant|>" in texts[False] and "<|assistant|>" not in texts[True]
+    assert texts[False].replace("<|assistant|>", "") == texts[True]
 
 
 def test_detokenizer_window_is_bounded_under_stray_bytes(tokenizer):

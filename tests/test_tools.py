@@ -57,7 +57,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def family_server():
-    with Server(DEMO, "--device", "cpu", "--tool-call-parser", "qwen25") as s:
+    flags = ("--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3")
+    with Server(DEMO, "--device", "cpu", *flags) as s:
         yield s
 
 
@@ -115,12 +116,15 @@ def test_forced_calls_without_a_parser_follow_the_schema(demo_server, choice) ->
 
 def test_forced_calls_in_the_family_format_are_parsed(family_server) -> None:
     """With --tool-call-parser qwen25 the grammar writes the family's <tool_call> blocks and
-    the parser reads them back; streamed calls accumulate to the whole reply's."""
+    the parser reads them back; streamed calls accumulate to the whole reply's. Thinking off
+    (Qwen3's switch): the grammar starts with the call."""
     client = client_of(family_server)
+    no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
     for parallel in (True, False):
         whole, streamed = whole_and_streamed(
-            client, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel
-        )
+            client, tools=TOOLS, tool_choice="required", parallel_tool_calls=parallel,
+            extra_body=no_thinking,
+        )  # fmt: skip
         calls = calls_of(whole.message)
         assert calls and whole.finish_reason == "tool_calls"
         assert parallel or len(calls) == 1
@@ -130,6 +134,28 @@ def test_forced_calls_in_the_family_format_are_parsed(family_server) -> None:
         model="demo_model", messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=8
     ).choices[0]
     assert text.finish_reason in ("stop", "length")  # auto: the model may answer in text
+
+
+def test_reasoning_comes_apart_from_content_streamed_and_whole(family_server) -> None:
+    """A reply forced (by a regex) to think first: its block in reasoning_content and
+    reasoning, the rest in content, the same streamed (reasoning deltas apart) as whole."""
+    client = client_of(family_server)
+    request = {
+        "model": "demo_model", "messages": ASK, "temperature": 0, "max_tokens": 40,
+        "extra_body": {"regex": "<think>[a-z ]{3,12}</think>\n\n[a-z ]{2,12}"},
+    }  # fmt: skip
+    message = client.chat.completions.create(**request).choices[0].message
+    reasoning, content = message.model_extra["reasoning_content"], message.content
+    assert message.model_extra["reasoning"] == reasoning
+    assert 3 <= len(reasoning) <= 12 and 2 <= len(content) <= 12 and "<think>" not in content
+    thought, said = "", ""
+    for chunk in client.chat.completions.create(**request, stream=True):
+        delta = chunk.choices[0].delta
+        extra = delta.model_extra or {}
+        assert not (delta.content and extra.get("reasoning_content"))  # apart
+        thought += extra.get("reasoning_content") or ""
+        said += delta.content or ""
+    assert (thought, said) == (reasoning, content)
 
 
 def test_parse_returns_a_strict_pydantic_tools_arguments(demo_server) -> None:

@@ -172,7 +172,7 @@ def _family_grammar(
             family.structural_tag,
             tools=tools,
             tool_choice=tool_choice,
-            reasoning="auto" if reasoning else "disabled",
+            reasoning="auto" if reasoning and _thinking_on(body) else "disabled",
             parallel_tool_calls=body.parallel_tool_calls,
             token_markers=token_markers,
             max_whitespace_cnt=1,  # as our JSON: a small model fills unbounded whitespace
@@ -180,6 +180,13 @@ def _family_grammar(
     except ValueError as err:
         raise TierserveError(f"tools do not make a grammar: {err}", "tools") from None
     return StructuredOutput("structural_tag", tag.model_dump_json())
+
+
+def _thinking_on(body: ChatCompletionRequest) -> bool:
+    """Whether the request lets the model think: off with Qwen3's `enable_thinking: false` or
+    DeepSeek-V3.1's and Kimi's `thinking: false` in `chat_template_kwargs`."""
+    kwargs = body.chat_template_kwargs or {}
+    return kwargs.get("enable_thinking") is not False and kwargs.get("thinking") is not False
 
 
 def _one_token(tokenizer: Any, text: str) -> bool:
