@@ -156,8 +156,12 @@ class Regenerator:
         return message
 
     async def _capture(self, row: Row, messages: list[dict[str, Any]]) -> str:
-        """The conversation's hidden states, as `DIR/hs_{index}.safetensors`."""
-        body = {"messages": messages, "max_tokens": 1, "add_generation_prompt": False}
+        """The conversation's hidden states, as `DIR/hs_{index}.safetensors`: rendered with
+        the row's tools, as its turns were."""
+        body: dict[str, Any] = {"messages": messages, "max_tokens": 1}
+        body["add_generation_prompt"] = False
+        if row.tools is not None:
+            body |= {"tools": row.tools, "tool_choice": "none"}
         data = await self._chat({**body, "temperature": 0, "return_hidden_states": True}, False)
         source = (data.get("kv_transfer_params") or {}).get("hidden_states_path")
         if not source:
