@@ -3,13 +3,18 @@ chunking of a reply (a character, a token, random pieces, all of it) parses the 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from transformers import AutoTokenizer
 
+import tierserve
+from tierserve.engine.detokenizer import IncrementalDetokenizer
 from tierserve.parsers import (
     REASONING_PARSERS,
     TOOL_PARSERS,
@@ -75,11 +80,27 @@ def parse(parser: str | None, reasoning: str | None, pieces: list[str], in_think
     return out, reply.calls
 
 
+@functools.cache
+def demo_tokenizer():
+    return AutoTokenizer.from_pretrained(Path(tierserve.__file__).parent / "demo_model")
+
+
+def token_pieces(text: str) -> list[str]:
+    """The text as a server streams it: one detokenized piece per token (a piece may be empty
+    while a character's bytes are incomplete)."""
+    tokenizer = demo_tokenizer()
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    pieces = [detokenizer.add(t) for t in tokenizer(text, add_special_tokens=False).input_ids]
+    pieces.append(detokenizer.flush())
+    assert "".join(pieces) == text
+    return pieces
+
+
 def chunkings(text: str, cuts: list[int]) -> list[list[str]]:
-    """The text whole, a character at a time, and cut at the (sorted) `cuts`."""
+    """The text whole, a character at a time, a token at a time, and cut at the `cuts`."""
     bounds = sorted({c % (len(text) + 1) for c in cuts} | {0, len(text)})
     pieces = [text[a:b] for a, b in itertools.pairwise(bounds)]
-    return [[text], list(text), pieces]
+    return [[text], list(text), token_pieces(text), pieces]
 
 
 def concatenated(out: ParsedDelta) -> dict[int, tuple[str, str, str]]:
@@ -94,7 +115,12 @@ def concatenated(out: ParsedDelta) -> dict[int, tuple[str, str, str]]:
 
 
 FAMILIES = ["qwen25", "kimi_k2", "deepseekv3", "deepseekv31"]
-REASONING = {"qwen25": "qwen3", "kimi_k2": "kimi_k2", "deepseekv3": "deepseek-r1"}
+REASONING = {
+    "qwen25": "qwen3",
+    "kimi_k2": "kimi_k2",
+    "deepseekv3": "deepseek-r1",
+    "deepseekv31": "deepseek-r1",
+}
 
 
 @pytest.mark.parametrize("parser", FAMILIES)
@@ -116,7 +142,7 @@ def test_every_chunking_parses_the_same(parser: str, count: int, cuts: list[int]
         assert concatenated(out) == {i: (c.id, c.name, c.arguments) for i, c in enumerate(got)}
 
 
-@pytest.mark.parametrize("parser", ["qwen25", "kimi_k2", "deepseekv3"])
+@pytest.mark.parametrize("parser", FAMILIES)
 @settings(max_examples=25, deadline=None)
 @given(cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=30))
 def test_calls_inside_thinking_are_reasoning(parser: str, cuts: list[int]) -> None:

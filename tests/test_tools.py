@@ -279,9 +279,10 @@ def test_bad_tools_choices_and_histories_are_400s_naming_the_field(demo_server) 
     assert http.is_closed
 
 
-def test_a_langchain_agent_round_trip(demo_server) -> None:
+def test_a_langchain_agent_round_trip(demo_server, monkeypatch) -> None:
     """LangChain's OpenAI chat model, unmodified, with its forced-tool setting: the call comes
     back as a tool call, and the history it sends with the tool's result is accepted."""
+    monkeypatch.setenv("LANGSMITH_TRACING", "false")  # tracing off: nothing leaves the machine
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_core.tools import tool
     from langchain_openai import ChatOpenAI
