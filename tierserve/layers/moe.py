@@ -119,7 +119,7 @@ class Experts(nn.Module):
             tokens = token_of[start : start + count]
             start += count
             gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[expert])
+            y = F.linear(F.silu(gate).mul_(up), self.down_proj[expert])
             w = weights.reshape(-1)[picks].unsqueeze(-1).to(y.dtype)
             out.index_add_(0, tokens, y * w)
         return out
