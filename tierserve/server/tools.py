@@ -96,7 +96,7 @@ def plan(body: ChatCompletionRequest, parsers: ChatParsers, tokenizer: Any) -> R
     def thinking(prompt: str) -> Any:
         return reasoning(reasoning().opened_in(prompt)) if reasoning else None
 
-    if choice == "none" or (family is None and choice == "auto"):
+    if choice == "none":
         make = (lambda prompt: ReplyParser(thinking(prompt), None)) if reasoning else None
         return ReplyPlan(None, True, make)
     if family is not None:
