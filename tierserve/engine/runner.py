@@ -48,7 +48,7 @@ class ModelRunner:
         """Each chunk's result, in order."""
         batch = self._build_batch(chunks)
         self.attn.prepare(batch)
-        capture = self.capture if any(_needs_capture(c) for c in chunks) else ()
+        capture = self.capture if self.capture and any(map(_needs_capture, chunks)) else ()
         hidden = self.model(batch.input_ids, batch.positions, self.attn, capture)
         results = [ChunkResult()] * len(chunks)
         for i, c in enumerate(chunks):
@@ -59,14 +59,15 @@ class ModelRunner:
             if scored or rows is not None:
                 results[i] = ChunkResult(prompt_logprobs=scored, hidden=rows)
         # Every sampled row of every chunk in one LM-head call and one sampler call; `owner`
-        # says whose row each is.
-        owner = [i for i, c in enumerate(chunks) for _ in range(c.sampled_rows)]
+        # says whose row each is. Counted once: each count reads the request's state.
+        counts = [c.sampled_rows for c in chunks]
+        owner = [i for i, n in enumerate(counts) for _ in range(n)]
         if not owner:
             return results
         rows = [
-            batch.spans[i].q_start + c.num_rows - k
-            for i, c in enumerate(chunks)
-            for k in range(c.sampled_rows, 0, -1)
+            span.q_start + span.q_len - k
+            for span, n in zip(batch.spans, counts, strict=True)
+            for k in range(n, 0, -1)
         ]
         logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
         reqs = [chunks[i].req for i in owner]
@@ -79,13 +80,12 @@ class ModelRunner:
             for j, lp in zip(asked, found, strict=True):
                 logprobs[j] = lp
         start = 0
-        for i, c in enumerate(chunks):
-            end = start + c.sampled_rows
-            if end > start:
+        for i, n in enumerate(counts):
+            if n:
                 scored, rows_kept = results[i].prompt_logprobs, results[i].hidden
-                picked = tuple(tokens[start:end]), tuple(logprobs[start:end])
+                picked = tuple(tokens[start : start + n]), tuple(logprobs[start : start + n])
                 results[i] = ChunkResult(*picked, scored, rows_kept)
-            start = end
+            start += n
         return results
 
     def _scored(
