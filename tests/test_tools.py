@@ -264,6 +264,9 @@ BAD = [
     ({"messages": [{"role": "assistant", "tool_calls": [{"type": "web", "function": {
         "name": "f", "arguments": "{}"}}]}]}, "messages.0.tool_calls.0.type"),
     ({"functions": [ADD["function"]]}, "functions"),
+    ({"tools": [ADD, ADD], "tool_choice": "required"}, "tools"),  # a name twice
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+      "properties": {"a": {"$ref": "#/nowhere"}}}}}], "tool_choice": "required"}, "tools"),
 ]  # fmt: skip
 
 

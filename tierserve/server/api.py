@@ -245,10 +245,11 @@ def _add_routes(
             engine, metrics, model, body, "chat.completion", params,
             make_reply=(lambda: make_reply(text)) if make_reply is not None else None,
         )  # fmt: skip
-        if body.n == 1:
-            return await stream.respond(prompt_ids, params, request)
-        todo = choices.jobs([prompt_ids], params, body.n)
-        return await choices.respond(stream, todo, body.n, request, body.stream)
+        with tools.grammar_errors_name_tools(reply):
+            if body.n == 1:
+                return await stream.respond(prompt_ids, params, request)
+            todo = choices.jobs([prompt_ids], params, body.n)
+            return await choices.respond(stream, todo, body.n, request, body.stream)
 
     @app.post("/v1/chat/completions/render")
     async def render(body: ChatRenderRequest) -> dict[str, Any]:

@@ -13,9 +13,10 @@ is read first; a call written while thinking is reasoning text.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -80,6 +81,11 @@ def plan(body: ChatCompletionRequest, parsers: ChatParsers, tokenizer: Any) -> R
     reasoning = REASONING_PARSERS.get(parsers.reasoning_parser or "")
     family = TOOL_PARSERS.get(parsers.tool_call_parser or "")
     names = frozenset(t.function.name for t in tools)
+    if len(names) < len(tools):
+        seen = [t.function.name for t in tools]
+        repeated = next(n for i, n in enumerate(seen) if n in seen[:i])
+        message = f"tools name {repeated!r} twice: a call could not say which it means"
+        raise TierserveError(message, "tools")
     if choice != "none" and not tools:
         raise TierserveError(f"tool_choice {_shown(choice)} needs tools", "tool_choice")
     if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
@@ -113,6 +119,19 @@ def plan(body: ChatCompletionRequest, parsers: ChatParsers, tokenizer: Any) -> R
         return ReplyPlan(grammar, True, lambda prompt: NamedToolReply(name))
     grammar = StructuredOutput.json(_calls_schema(tools, body.parallel_tool_calls))
     return ReplyPlan(grammar, True, lambda prompt: RequiredToolsReply())
+
+
+@contextlib.contextmanager
+def grammar_errors_name_tools(reply: ReplyPlan) -> Iterator[None]:
+    """A grammar made from the tools that does not compile (a `$ref` to nowhere, a compile
+    past its time) is the tools' error: the 400 names them, not a grammar the client never
+    sent."""
+    try:
+        yield
+    except TierserveError as err:
+        if reply.grammar is None or err.field != reply.grammar.kind:
+            raise
+        raise TierserveError(f"tools: {err.message}", "tools") from None
 
 
 def constrained(params: SamplingParams, reply: ReplyPlan) -> SamplingParams:
