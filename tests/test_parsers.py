@@ -192,6 +192,24 @@ def test_unknown_names_and_unclosed_calls_come_back_as_content() -> None:
     assert out.content == qwen("rm_rf", {}).rstrip() + '<tool_call>\n{"name'
 
 
+@pytest.mark.parametrize("parser", FAMILIES)
+@settings(max_examples=25, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=30))
+def test_an_unclosed_call_spares_the_next(parser: str, cuts: list[int]) -> None:
+    """A call cut off before its end marker, then a whole one: the first is content, the
+    second a call, however the text arrives."""
+    whole_call = written(parser, CALLS[:1])
+    begin = TOOL_PARSERS[parser].call_begin
+    at = whole_call.index(begin)
+    text = whole_call[:at] + begin + '{"name": "get_we' + whole_call[at:]
+    whole, calls = parse(parser, None, [text])
+    assert [c.name for c in calls] == ["get_weather"]
+    assert '{"name": "get_we' in whole.content
+    for pieces in chunkings(text, cuts):
+        out, got = parse(parser, None, pieces)
+        assert (out.content, got) == (whole.content, calls)
+
+
 def test_required_without_a_parser_reads_the_json_array() -> None:
     reply = RequiredToolsReply(lambda i: f"call_{i}")
     text = json.dumps([{"name": n, "parameters": a} for n, a in CALLS])

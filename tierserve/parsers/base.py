@@ -9,6 +9,7 @@ the whole text parses to: one state machine serves both, and no chunking changes
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -72,6 +73,15 @@ def json_object(text: str) -> dict[str, Any] | None:
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
+
+
+# A function's name as the formats write it: OpenAI's characters, and dots (namespaces).
+# Anything else (a marker, a line break) means the text around it is no call.
+NAME = re.compile(r"[\w.\-]+")
+
+
+def is_name(text: str) -> bool:
+    return NAME.fullmatch(text) is not None
 
 
 def arguments_text(arguments: dict[str, Any]) -> str:
@@ -181,31 +191,35 @@ class ToolParser(ABC):
         found = self._block(buf)
         if found is None:
             return None
-        close, body = found
-        block = buf[: close + len(self.call_end)]
-        self._buffer = buf[len(block) :]
+        end, body = found
+        self._buffer = buf[end:]
         if self.section_begin is None:
             self._in_section, self._after_call = False, True
-        return ParsedDelta(content=block) if body is None else self._call(body)
+        return ParsedDelta(content=buf[:end]) if body is None else self._call(body)
 
     def _block(self, buf: str) -> tuple[int, Body | None] | None:
-        """Where the call at the start of `buf` closes and what it reads as (None: malformed),
+        """Where the call at the start of `buf` ends and what it reads as (None: malformed),
         or None while that is not known yet. An end marker inside the arguments (a JSON string
         holding `</tool_call>`) does not close the call: the first end marker after which the
-        body reads does, and a body that reads at none is malformed up to its first end marker
-        once the next call or the section's end begins, or the reply ends."""
+        body reads does. A body that reads at none is malformed up to its first end marker
+        once the next call or the section's end begins, or the reply ends; one that does not
+        read at its first end marker, with another call begun before it, is malformed up to
+        that call (an unclosed call spares the next)."""
         first_failed, pos = None, len(self.call_begin)
         while True:
             close = buf.find(self.call_end, pos)
             later = [buf.find(m, pos) for m in (self.call_begin, self.section_end) if m]
             nxt = min((i for i in later if i >= 0), default=-1)
             if first_failed is not None and (close < 0 or 0 <= nxt < close):
-                return (first_failed, None) if nxt >= 0 or self._finishing else None
+                done = nxt >= 0 or self._finishing
+                return (first_failed + len(self.call_end), None) if done else None
             if close < 0:
                 return None
             body = self.read_body(buf[len(self.call_begin) : close])
             if body is not None and (self.tool_names is None or body.name in self.tool_names):
-                return close, body
+                return close + len(self.call_end), body
+            if first_failed is None and 0 <= nxt < close:
+                return nxt, None
             first_failed = close if first_failed is None else first_failed
             pos = close + len(self.call_end)
 

@@ -10,6 +10,7 @@ from tierserve.parsers.base import (
     Body,
     ToolParser,
     arguments_text,
+    is_name,
     json_object,
     register_tool_parser,
 )
@@ -33,5 +34,5 @@ class DeepSeekV3ToolParser(ToolParser):
         match = FENCED.match(rest)
         if kind.strip() != "function" or not sep or match is None:
             return None
-        parsed = json_object(match["args"])
-        return None if parsed is None else Body(match["name"].strip(), arguments_text(parsed))
+        parsed, name = json_object(match["args"]), match["name"].strip()
+        return None if parsed is None or not is_name(name) else Body(name, arguments_text(parsed))

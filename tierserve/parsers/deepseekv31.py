@@ -4,7 +4,7 @@ fence (the V3.1 chat template)."""
 
 from __future__ import annotations
 
-from tierserve.parsers.base import Body, arguments_text, json_object, register_tool_parser
+from tierserve.parsers.base import Body, arguments_text, is_name, json_object, register_tool_parser
 from tierserve.parsers.deepseekv3 import SEP, DeepSeekV3ToolParser
 
 
@@ -16,6 +16,6 @@ class DeepSeekV31ToolParser(DeepSeekV3ToolParser):
     def read_body(self, body: str) -> Body | None:
         name, sep, arguments = body.partition(SEP)
         parsed = json_object(arguments)
-        if not sep or not name.strip() or parsed is None:
+        if not sep or not is_name(name.strip()) or parsed is None:
             return None
         return Body(name.strip(), arguments_text(parsed))

@@ -9,6 +9,7 @@ from tierserve.parsers.base import (
     Body,
     ToolParser,
     arguments_text,
+    is_name,
     json_object,
     register_tool_parser,
 )
@@ -34,6 +35,6 @@ class KimiK2ToolParser(ToolParser):
             return None
         name = qualified.split(".", 1)[1] if qualified.startswith("functions.") else qualified
         parsed = json_object(arguments)
-        if not name or parsed is None:
+        if not is_name(name) or parsed is None:
             return None
         return Body(name, arguments_text(parsed), id=call_id)
