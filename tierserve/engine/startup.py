@@ -18,7 +18,7 @@ from tierserve.cache import check_pool_size
 from tierserve.dtypes import COMPUTE_DTYPES, torch_dtype
 from tierserve.engine.kv_plan import KVPlan, check_cpu_ram, size_host_tier
 from tierserve.errors import TierserveError
-from tierserve.layers import DecodeWorkspace, resolve_backend
+from tierserve.layers import DecodeWorkspace, packed_head_bytes, resolve_backend
 from tierserve.model_config import ModelConfig
 from tierserve.models import checkpoint_numels
 from tierserve.sizing import KVSpec, device_pool_bytes
@@ -72,7 +72,9 @@ class Startup:
         # With DP attention a rank holds KV for its attention group's share of the heads.
         spec = KVSpec.from_model(cfg, kv_dtype, args.page_size, tp=args.attention_tp_size)
         node_numel, rank_numel = weight_numel(args, model_path, cfg.num_layers)
-        extra = _fp32_extra(cfg, dtype.itemsize)
+        extra = _fp32_extra(cfg, dtype.itemsize) + packed_head_bytes(
+            cfg.tie_word_embeddings, cfg.vocab_size, cfg.hidden_size, device, dtype
+        )
         weight_bytes = node_numel * dtype.itemsize + extra
         rank_weights = rank_numel * dtype.itemsize + extra // args.tp_size
         storage = _storage_config(args)

@@ -92,6 +92,7 @@ class MLA(nn.Module):
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
         out = cfg.qk_nope_head_dim + cfg.v_head_dim
         self.kv_b_proj = ColumnParallelLinear(cfg.kv_lora_rank, heads * out, bias=False)
+        self.kv_b_proj.keep_dense = True  # its halves are folded into queries and outputs
         self.o_proj = RowParallelLinear(heads * cfg.v_head_dim, h, bias=False)
 
     # --- what goes in --------------------------------------------------------------------------

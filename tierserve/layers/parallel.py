@@ -37,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierserve.errors import TierserveError
+from tierserve.layers.cpu_linear import linear, pack_linears
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,9 @@ class ColumnParallelLinear(nn.Linear):
         if self.bias is not None:
             mark_shard(self, "bias", -1, index)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
 
 @dataclass(frozen=True)
 class PackedPart:
@@ -160,7 +164,7 @@ class PackedColumnLinear(nn.Linear):
                 mark_shard(self, "bias", -1, tp.rank)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        return F.linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
+        return linear(x, self.weight, self.bias).split(self.sizes, dim=-1)
 
     def checkpoint_keys(self, parent: str) -> dict[str, list[tuple[str, PackedPart]]]:
         """Per parameter ("weight", "bias"), the checkpoint names of its parts and the parts,
@@ -210,7 +214,7 @@ class RowParallelLinear(nn.Linear):
         mark_shard(self, "weight", -1, tp.rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight), self.tp)
+        y = all_reduce(linear(x, self.weight), self.tp)
         return y + self.bias if self.bias is not None else y
 
 
@@ -248,9 +252,17 @@ class ParallelLMHead(nn.Linear):
         mark_shard(self, "weight", -2, tp.rank)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        local = F.linear(x, self.weight)
+        local = linear(x, self.weight)
         if self.tp.size == 1:
             return local
         parts = [torch.empty_like(local) for _ in range(self.tp.size)]
         dist.all_gather(parts, local.contiguous(), group=self.tp.group)
         return torch.cat(parts, dim=-1)
+
+
+def pack_for_cpu(model: nn.Module) -> None:
+    """Every tensor-parallel linear's weight in oneDNN's layout, where it runs on CPU
+    (layers/cpu_linear.py); after loading, as the loader calls it."""
+    pack_linears(
+        model, (ColumnParallelLinear, PackedColumnLinear, RowParallelLinear, ParallelLMHead)
+    )

@@ -59,7 +59,7 @@ def sample(
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
-        probs = _filtered_probs(logits[rows], [params[i] for i in rows])
+        probs = filtered_probs(logits[rows], [params[i] for i in rows])
         for j, i in enumerate(rows):
             tokens[i] = torch.multinomial(probs[j].cpu(), 1, generator=generators[i]).item()
     return tokens.tolist()
@@ -91,7 +91,7 @@ def _adjust(row: torch.Tensor, p: SamplingParams, h: History) -> None:
             row[stops] = 0.0
 
 
-def _filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     temps = torch.tensor([p.temperature for p in params], device=logits.device)
     logits = logits / temps[:, None]
     if any(p.top_k > 0 for p in params):

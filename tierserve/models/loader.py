@@ -27,7 +27,7 @@ from torch import nn
 from tqdm import tqdm
 
 from tierserve.errors import TierserveError
-from tierserve.layers import packed_by_name, rotary_for, shards_by_name
+from tierserve.layers import pack_for_cpu, packed_by_name, rotary_for, shards_by_name
 from tierserve.model_config import ModelConfig, read_hf_config, text_config
 from tierserve.models.registry import model_class
 
@@ -213,6 +213,7 @@ def load_model(
         )
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
+    pack_for_cpu(model)
     # Buffers made on the meta device hold no values: compute the rotary tables for real.
     fresh, rotary = rotary_for(cfg).to(device), model.model.rotary
     rotary.cos, rotary.sin = fresh.cos, fresh.sin
