@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("layers",),
     ("distributed",),
     ("models",),
+    ("speculative",),
     ("engine",),
     ("server", "bench", "plan"),
     ("cli", "__init__"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -241,6 +242,50 @@ class EngineArgs:
         ),
     )
 
+    speculative_algorithm: str | None = field(
+        default=None,
+        metadata=_flag(
+            "speculative decoding (as SGLang): NGRAM drafts from the request's own tokens "
+            "(prompt lookup) and one target forward verifies them; EAGLE3 (EAGLE: its alias) "
+            "is not served yet. Greedy output is unchanged; sampled output keeps its "
+            "distribution (rejection sampling)",
+            choices=["EAGLE3", "EAGLE", "NGRAM"],
+        ),
+    )
+    speculative_draft_model_path: str | None = field(
+        default=None, metadata=_flag("the draft model's directory (EAGLE3)")
+    )
+    speculative_num_steps: int | None = field(
+        default=None,
+        metadata=_flag(
+            "tokens drafted per step (default 3; SGLang picks 5 for Llama, with a tree)"
+        ),
+    )
+    speculative_eagle_topk: int | None = field(
+        default=None,
+        metadata=_flag("branches per draft step: 1, a chain (default; SGLang: 4, a tree)"),
+    )
+    speculative_num_draft_tokens: int | None = field(
+        default=None,
+        metadata=_flag(
+            "tokens a step verifies per request, its last known token included: "
+            "--speculative-num-steps + 1 for a chain (default 4; SGLang picks 8, a tree)"
+        ),
+    )
+    speculative_ngram_min_match_window_size: int = field(
+        default=1, metadata=_flag("NGRAM: the shortest suffix looked up in the request")
+    )
+    speculative_ngram_max_match_window_size: int = field(
+        default=12, metadata=_flag("NGRAM: the longest suffix looked up (the longest match wins)")
+    )
+    speculative_config: str | None = field(
+        default=None,
+        metadata=_flag(
+            'vLLM\'s form of the above as JSON: {"method": "ngram", "num_speculative_tokens": '
+            '3, "prompt_lookup_min": 1, "prompt_lookup_max": 4} (method eagle3 takes "model")'
+        ),
+    )
+
     def __post_init__(self) -> None:
         if self.kv_cache_dtype != "auto":
             canonical(self.kv_cache_dtype, field="kv_cache_dtype", what="KV dtype")
@@ -294,6 +339,7 @@ class EngineArgs:
                 field=given[0],
             )
         self._check_distributed()
+        self._check_speculative()
         check_mem_fraction(self.mem_fraction_static)
         if self.hidden_states_dir is not None and not self.hidden_states_dir.strip():
             # An empty path would resolve to the working directory only at the first write.
@@ -302,6 +348,50 @@ class EngineArgs:
         if self.hidden_states_layers is not None and self.hidden_states_dir is None:
             message = "--hidden-states-layers chooses what --hidden-states-dir captures: give both"
             raise TierserveError(message, "hidden_states_layers")
+
+    def _check_speculative(self) -> None:
+        """vLLM's JSON becomes the SGLang flags; then the chain's sizes agree and the parts
+        not built yet are refused by name."""
+        if self.speculative_config is not None:
+            for name, value in vllm_speculative_config(self).items():
+                object.__setattr__(self, name, value)
+        algorithm = self.speculative_algorithm
+        if algorithm is None:
+            given = [f.name for f in fields(self) if f.name.startswith("speculative_")]
+            given = [n for n in given if getattr(self, n) != _DEFAULTS[n]]
+            if given:
+                flag = "--" + given[0].replace("_", "-")
+                message = f"{flag} configures speculative decoding: add --speculative-algorithm"
+                raise TierserveError(message, given[0])
+            return
+        if algorithm in ("EAGLE3", "EAGLE"):
+            message = (
+                "--speculative-algorithm EAGLE3 is not served yet (its draft model is the next "
+                "step); NGRAM is"
+            )
+            raise TierserveError(message, "speculative_algorithm")
+        if (self.speculative_eagle_topk or 1) != 1:
+            message = "--speculative-eagle-topk: only chains (1) are served, not trees"
+            raise TierserveError(message, "speculative_eagle_topk")
+        steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
+        steps = steps if steps is not None else (tokens - 1 if tokens is not None else 3)
+        tokens = tokens if tokens is not None else steps + 1
+        if steps < 1 or tokens != steps + 1:
+            message = (
+                f"a chain of {steps} drafted tokens verifies {steps + 1} per step: "
+                f"--speculative-num-draft-tokens {tokens} does not match (steps must be >= 1)"
+            )
+            raise TierserveError(message, "speculative_num_draft_tokens")
+        object.__setattr__(self, "speculative_num_steps", steps)
+        object.__setattr__(self, "speculative_num_draft_tokens", tokens)
+        lo = self.speculative_ngram_min_match_window_size
+        hi = self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi:
+            message = f"the n-gram window must satisfy 1 <= min ({lo}) <= max ({hi})"
+            raise TierserveError(message, "speculative_ngram_min_match_window_size")
+        if self.tp_size > 1 or self.enable_dp_attention:
+            message = "speculative decoding runs on one rank so far: not with --tp-size > 1"
+            raise TierserveError(message, "speculative_algorithm")
 
     def _check_distributed(self) -> None:
         for name in ("tp_size", "nnodes"):
@@ -380,6 +470,11 @@ class EngineArgs:
         """Ranks on this node: they share its host RAM."""
         return ranks_per_node(self.tp_size, self.nnodes, "tp_size")
 
+    @property
+    def num_speculative_tokens(self) -> int:
+        """Tokens drafted per request per step (0: no speculation)."""
+        return self.speculative_num_steps or 0 if self.speculative_algorithm else 0
+
     @classmethod
     def from_kwargs(cls, model: str | None, **kwargs: Any) -> EngineArgs:
         known = {f.name for f in fields(cls)}
@@ -416,3 +511,57 @@ class EngineArgs:
 
     def replace(self, **changes: Any) -> EngineArgs:
         return dataclasses.replace(self, **changes)
+
+
+_DEFAULTS = {f.name: f.default for f in fields(EngineArgs)}
+# vLLM's --speculative-config keys and the flags they set (method: its own mapping).
+_VLLM_KEYS = {
+    "num_speculative_tokens": "speculative_num_steps",
+    "prompt_lookup_min": "speculative_ngram_min_match_window_size",
+    "prompt_lookup_max": "speculative_ngram_max_match_window_size",
+    "model": "speculative_draft_model_path",
+}
+_VLLM_METHODS = {"ngram": "NGRAM", "eagle3": "EAGLE3", "eagle": "EAGLE"}
+
+
+def vllm_speculative_config(args: EngineArgs) -> dict[str, Any]:
+    """The SGLang flags that vLLM's --speculative-config JSON means; given both, refused."""
+    field_name = "speculative_config"
+    try:
+        raw = json.loads(args.speculative_config or "")
+    except json.JSONDecodeError as e:
+        raise TierserveError(f"--speculative-config is not JSON: {e}", field_name) from None
+    if not isinstance(raw, dict):
+        raise TierserveError("--speculative-config must be a JSON object", field_name)
+    if args.speculative_algorithm is not None:
+        message = "give --speculative-config (vLLM's) or --speculative-algorithm, not both"
+        raise TierserveError(message, field_name)
+    unknown = sorted(set(raw) - {"method", *_VLLM_KEYS})
+    if unknown:
+        known = ", ".join(["method", *_VLLM_KEYS])
+        raise TierserveError(
+            f"--speculative-config: unknown key {unknown[0]!r} ({known})", field_name
+        )
+    method = raw.get("method")
+    if method not in _VLLM_METHODS:
+        message = (
+            f"--speculative-config method must be one of {sorted(_VLLM_METHODS)}, got {method!r}"
+        )
+        raise TierserveError(message, field_name)
+    out: dict[str, Any] = {"speculative_algorithm": _VLLM_METHODS[method]}
+    for key, name in _VLLM_KEYS.items():
+        if key not in raw:
+            continue
+        value = raw[key]
+        kind = str if key == "model" else int
+        if not isinstance(value, kind) or isinstance(value, bool):
+            message = (
+                f"--speculative-config {key} must be {'a path' if kind is str else 'an integer'}"
+            )
+            raise TierserveError(message, field_name)
+        out[name] = value
+    # vLLM: one of the lookup bounds given stands for both, and neither means 5.
+    lo, hi = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+    if method == "ngram" and (lo is None or hi is None):
+        out[_VLLM_KEYS["prompt_lookup_min"]] = out[_VLLM_KEYS["prompt_lookup_max"]] = lo or hi or 5
+    return out

@@ -32,6 +32,9 @@ class StepOutput:
     prompt_logprobs: tuple[TokenLogprob, ...] | None = None
     # With the first token, on a server that captures hidden states: the prompt's file.
     hidden_states_path: str | None = None
+    # With speculative decoding: the request's steps so far that emitted tokens (SGLang's
+    # spec_verify_ct; output tokens / this = its spec_accept_length); 0 without.
+    spec_verify_ct: int = 0
 
     @property
     def finished(self) -> bool:
@@ -65,3 +68,4 @@ class RequestOutput:
     # On a server that captures hidden states (--hidden-states-dir): the prompt's safetensors
     # file, in the first and the final output (engine/hidden_states.py).
     hidden_states_path: str | None = None
+    spec_verify_ct: int = 0  # with speculative decoding: steps that emitted tokens, so far

@@ -203,6 +203,13 @@ class KVCacheManager:
         h.pages.extend(pages)
         return True
 
+    def shrink(self, h: KVHandle, num_tokens: int) -> None:
+        """Free `h`'s pages past its first `num_tokens` tokens (a verified draft's rejected
+        slots); pages the tree owns stay."""
+        keep = max(pages_for(num_tokens, self.page_size), h.tree_tokens // self.page_size)
+        self.allocator.free(h.pages[keep:])
+        del h.pages[keep:]
+
     def advance(self, h: KVHandle, num_tokens: int) -> None:
         """`num_tokens` more of the sequence have their KV in the pool."""
         h.computed += num_tokens
@@ -226,7 +233,8 @@ class KVCacheManager:
 
     def cache_prefix(self, h: KVHandle, tokens: Sequence[int]) -> None:
         """Move the handle's computed whole pages into the tree so others can share them."""
-        n = h.computed // self.page_size * self.page_size
+        # A verified draft may have computed past a stop token that ended the request.
+        n = min(h.computed, len(tokens)) // self.page_size * self.page_size
         if self.radix is None or n <= h.tree_tokens:
             return
         ps = self.page_size

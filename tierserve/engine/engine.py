@@ -45,6 +45,7 @@ from tierserve.model_config import ModelConfig
 from tierserve.models import load_model
 from tierserve.outputs import StepOutput, TokenLogprob
 from tierserve.sampling_params import SamplingParams
+from tierserve.speculative import SpecStats, proposer_for
 
 logger = logging.getLogger("tierserve")
 
@@ -86,8 +87,11 @@ class Engine:
             self.kv = KVCacheManager(pool, not args.disable_radix_cache, host)
             # Under DP attention the running cap is the node's, split among the groups (SGLang).
             running = args.max_running_requests // args.dp_groups
-            sched_cfg = SchedulerConfig(running, args.chunked_prefill_size, self.context_length)
-            self.scheduler = Scheduler(sched_cfg, self.kv)
+            sched_cfg = SchedulerConfig(
+                running, args.chunked_prefill_size, self.context_length, args.num_speculative_tokens
+            )
+            self.scheduler = Scheduler(sched_cfg, self.kv, proposer_for(args))
+            self.spec_stats = SpecStats()
             attn = ATTENTION_BACKENDS[startup.attention_backend](pool, cfg.num_layers)
             logger.info("attention backend: %s", startup.attention_backend)
             writes = self.ranks is None or self.ranks.group_leader
@@ -268,7 +272,14 @@ class Engine:
         """The chunk's tokens appended to its request, one StepOutput each, up to the first
         that finishes it."""
         req = chunk.req
-        self.scheduler.record_computed(req, chunk.num_tokens)
+        # A verified draft: the known token and the drafts kept have their KV now.
+        kept = len(result.tokens) - 1 if chunk.draft else 0
+        self.scheduler.record_computed(req, chunk.num_tokens + kept)
+        if chunk.draft:
+            self.spec_stats.record(len(chunk.draft), kept)
+            self.kv.shrink(req.kv, req.num_computed)
+        if result.tokens and self.scheduler.proposer is not None:
+            req.spec_steps += 1
         req.prompt_logprobs += result.prompt_logprobs
         if result.hidden is not None:
             self.capture.keep(req, result.hidden)
@@ -300,6 +311,7 @@ class Engine:
             logprob=logprob,
             prompt_logprobs=self._prompt_logprobs(req),
             hidden_states_path=req.hidden_states_path if len(req.output_ids) == 1 else None,
+            spec_verify_ct=req.spec_steps,
         )
 
     @staticmethod

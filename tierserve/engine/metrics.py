@@ -11,6 +11,7 @@ from tierserve.messages import MetricFamily
 if TYPE_CHECKING:
     from tierserve.engine.dp_groups import AttentionGroups
     from tierserve.engine.engine import Engine
+    from tierserve.speculative import SpecStats
     from tierserve.storage import StorageTier
 
 
@@ -56,6 +57,8 @@ def engine_metrics(engine: Engine) -> list[MetricFamily]:
     ]  # fmt: skip
     families += _tiers(engine)
     families += _memory(engine)
+    if engine.args.speculative_algorithm is not None:
+        families += _speculation(engine.spec_stats)
     if engine.groups is not None:
         families += _groups(engine.groups)
     writer = engine.capture.writer
@@ -71,6 +74,22 @@ def engine_metrics(engine: Engine) -> list[MetricFamily]:
     if engine.storage is not None:
         families += _storage(engine.storage)
     return families
+
+
+def _speculation(stats: SpecStats) -> list[MetricFamily]:
+    """vLLM's spec_decode counters under tierserve's prefix (docs/speculative.md)."""
+    per_pos = {str(i): n for i, n in enumerate(stats.accepted_per_position)}
+    return [
+        _counter("tierserve_spec_decode_num_drafts", "verify steps of a request with a draft",
+                 stats.num_drafts),
+        _counter("tierserve_spec_decode_num_draft_tokens", "tokens drafted",
+                 stats.num_draft_tokens),
+        _counter("tierserve_spec_decode_num_accepted_tokens", "drafted tokens the target kept",
+                 stats.num_accepted_tokens),
+        _labelled("tierserve_spec_decode_num_accepted_tokens_per_pos", "counter",
+                  "drafted tokens kept, by their place in the draft (0: the first)", "position",
+                  per_pos),
+    ]  # fmt: skip
 
 
 def _groups(groups: AttentionGroups) -> list[MetricFamily]:

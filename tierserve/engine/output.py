@@ -89,6 +89,7 @@ class OutputBuilder:
             prompt_token_ids=self.prompt_ids if carries_prompt else [],
             prompt_logprobs=self.prompt_logprobs if carries_prompt else None,
             hidden_states_path=self.hidden_states_path if carries_prompt else None,
+            spec_verify_ct=step.spec_verify_ct,
         )
 
     def _first_stop(self, window: str) -> int | None:

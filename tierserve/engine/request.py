@@ -47,6 +47,7 @@ class Request:
     hidden: list[torch.Tensor] = field(default_factory=list)
     num_captured: int = 0
     hidden_states_path: str | None = None
+    spec_steps: int = 0  # with speculative decoding: steps that emitted its tokens
 
     @property
     def all_ids(self) -> list[int]:

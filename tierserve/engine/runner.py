@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 from tierserve.engine.scheduler import ScheduledChunk
 from tierserve.layers import AttentionBackend, ForwardBatch, SeqSpan, sample, token_logprobs
 from tierserve.outputs import TokenLogprob
+from tierserve.speculative import AcceptRule, keep_with_target_probability, verify
 
 # Prompt positions whose logits are materialised at once for prompt logprobs: a chunk of 8K
 # tokens over a 128K vocabulary would otherwise take 4 GB of float32 logits.
@@ -42,6 +44,7 @@ class ModelRunner:
         self.page_size = page_size
         self.device = device
         self.capture = capture  # layer ids whose hidden states prompts keep (hidden_states.py)
+        self.accept: AcceptRule = keep_with_target_probability  # tests swap in a biased rule
 
     @torch.inference_mode()
     def step(self, chunks: list[ScheduledChunk]) -> list[ChunkResult]:
@@ -58,11 +61,10 @@ class ModelRunner:
             rows = self._captured(c, batch.spans[i]) if capture else None
             if scored or rows is not None:
                 results[i] = ChunkResult(prompt_logprobs=scored, hidden=rows)
-        # Every sampled row of every chunk in one LM-head call and one sampler call; `owner`
-        # says whose row each is. Counted once: each count reads the request's state.
+        # Every sampled row of every chunk in one LM-head call; counted once: each count
+        # reads the request's state.
         counts = [c.sampled_rows for c in chunks]
-        owner = [i for i, n in enumerate(counts) for _ in range(n)]
-        if not owner:
+        if not any(counts):
             return results
         rows = [
             span.q_start + span.q_len - k
@@ -70,23 +72,43 @@ class ModelRunner:
             for k in range(n, 0, -1)
         ]
         logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
-        reqs = [chunks[i].req for i in owner]
-        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs], reqs)
-        logprobs: list[TokenLogprob | None] = [None] * len(reqs)
-        asked = [j for j, r in enumerate(reqs) if r.params.logprobs is not None]
-        if asked:  # from the raw logits: `sample` adjusts a copy
-            ks = [reqs[j].params.logprobs or 0 for j in asked]
-            found = token_logprobs(logits[asked], [tokens[j] for j in asked], ks)
-            for j, lp in zip(asked, found, strict=True):
-                logprobs[j] = lp
-        start = 0
-        for i, n in enumerate(counts):
-            if n:
-                scored, rows_kept = results[i].prompt_logprobs, results[i].hidden
-                picked = tuple(tokens[start : start + n]), tuple(logprobs[start : start + n])
-                results[i] = ChunkResult(*picked, scored, rows_kept)
-            start += n
+        for i, (tokens, logprobs) in self._pick(chunks, counts, logits).items():
+            results[i] = ChunkResult(
+                tokens, logprobs, results[i].prompt_logprobs, results[i].hidden
+            )
         return results
+
+    def _pick(
+        self, chunks: list[ScheduledChunk], counts: list[int], logits: torch.Tensor
+    ) -> dict[int, tuple[tuple[int, ...], tuple[TokenLogprob | None, ...]]]:
+        """Each sampling chunk's tokens and their logprobs. `logits` holds every chunk's
+        sampled rows in order: one row for a plain chunk, 1 + k for a verified draft of k."""
+        first = [0, *itertools.accumulate(counts)]  # each chunk's first row in `logits`
+        plain = [i for i, n in enumerate(counts) if n and not chunks[i].draft]
+        tokens: dict[int, list[int]] = {}
+        if plain:  # one sampler call for every plain row
+            reqs = [chunks[i].req for i in plain]
+            rows = logits if len(plain) == len(logits) else logits[[first[i] for i in plain]]
+            sampled = sample(rows, [r.params for r in reqs], [r.generator for r in reqs], reqs)
+            tokens = {i: [t] for i, t in zip(plain, sampled, strict=True)}
+        for i, c in enumerate(chunks):
+            if counts[i] and c.draft:
+                rows = logits[first[i] : first[i] + counts[i]]
+                tokens[i] = verify(rows, c.draft, c.req.params, c.req.generator, self.accept)
+        # Logprobs of the tokens kept, row by row, in one call: from the raw logits (`sample`
+        # adjusts a copy).
+        asked = [(i, j) for i in sorted(tokens) for j in range(len(tokens[i]))]
+        asked = [(i, j) for i, j in asked if chunks[i].req.params.logprobs is not None]
+        found: dict[tuple[int, int], TokenLogprob] = {}
+        if asked:
+            rows = logits[[first[i] + j for i, j in asked]]
+            ks = [chunks[i].req.params.logprobs or 0 for i, _ in asked]
+            picked = [tokens[i][j] for i, j in asked]
+            found = dict(zip(asked, token_logprobs(rows, picked, ks), strict=True))
+        return {
+            i: (tuple(ts), tuple(found.get((i, j)) for j in range(len(ts))))
+            for i, ts in tokens.items()
+        }
 
     def _scored(
         self, chunk: ScheduledChunk, span: SeqSpan, hidden: torch.Tensor

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from tierserve.cache import KVCacheManager, pages_for
 from tierserve.engine.request import Request, Status
+from tierserve.speculative import NgramProposer
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class SchedulerConfig:
     max_running_requests: int
     chunked_prefill_size: int  # prompt tokens per step; -1: whole prompts
     context_length: int
+    num_speculative_tokens: int = 0  # drafted per decoding request per step
 
 
 @dataclass
@@ -67,9 +69,12 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(
+        self, cfg: SchedulerConfig, kv: KVCacheManager, proposer: NgramProposer | None = None
+    ) -> None:
         self.cfg = cfg
         self.kv = kv
+        self.proposer = proposer
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -92,9 +97,10 @@ class Scheduler:
                 continue  # preempted to make room for an older request, or still loading
             decoding = req.remaining == 1  # a prompt's last token counts against the budget
             n = 1 if decoding else min(req.remaining, budget)
-            if n == 0 or not self._make_room(req, req.num_computed + n):
+            draft = self._draft(req) if decoding else ()
+            if n == 0 or not self._make_room(req, req.num_computed + n + len(draft)):
                 continue
-            chunks.append(ScheduledChunk(req, n))
+            chunks.append(ScheduledChunk(req, n, draft))
             budget -= 0 if decoding else n
         chunks = [c for c in chunks if c.req.status is Status.RUNNING]
         chunks.extend(self._admit(budget, reserve=len(chunks)))
@@ -107,6 +113,19 @@ class Scheduler:
             self.stats.steps_with_copies_in_flight += 1
         # Decode tokens first: attention then treats them as one contiguous block of rows.
         return sorted(ready, key=lambda c: c.num_rows > 1)
+
+    def _draft(self, req: Request) -> tuple[int, ...]:
+        """Tokens proposed after `req`'s last one, to verify in this step. None for requests
+        whose logits depend on their history (penalties, biases, min_tokens) or a grammar: the
+        verifier scores raw logits. Never past max_tokens or the context."""
+        p = req.params
+        if self.proposer is None or p.adjusts_logits or req.grammar is not None:
+            return ()
+        room = self.cfg.context_length - req.num_tokens
+        if p.max_tokens is not None:
+            room = min(room, p.max_tokens - len(req.output_ids))
+        k = min(self.cfg.num_speculative_tokens, room - 1)
+        return self.proposer.propose(req.all_ids, k) if k > 0 else ()
 
     def _prefill_budget(self) -> int:
         size = self.cfg.chunked_prefill_size

@@ -251,6 +251,9 @@ def _native(out: RequestOutput, text: str, ids: list[int]) -> dict[str, Any]:
     }
     if out.hidden_states_path is not None:  # the file, where SGLang puts the states inline
         meta["hidden_states_path"] = out.hidden_states_path
+    if out.spec_verify_ct:  # speculative decoding, as SGLang reports it
+        meta["spec_verify_ct"] = out.spec_verify_ct
+        meta["spec_accept_length"] = out.num_output_tokens / out.spec_verify_ct
     return {"text": text, "output_ids": ids, "meta_info": meta}
 
 

@@ -1,0 +1,16 @@
+"""Speculative decoding: proposers that draft tokens (ngram.py: prompt lookup) and the
+verifier that keeps what one target forward confirms (verifier.py). Above models (a draft is a
+model), below the engine, whose scheduler asks for drafts and whose runner verifies them."""
+
+from tierserve.lazy import lazy_exports
+
+EXPORTS = {
+    "AcceptRule": "verifier",
+    "NgramProposer": "ngram",
+    "SpecStats": "verifier",
+    "keep_with_target_probability": "verifier",
+    "proposer_for": "ngram",
+    "verify": "verifier",
+}
+__all__ = list(EXPORTS)
+__getattr__ = lazy_exports(__name__, EXPORTS)
