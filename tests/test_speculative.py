@@ -220,18 +220,19 @@ def test_the_chain_sizes_follow_from_either_flag():
     assert neither.speculative_ngram_max_match_window_size == 5  # vLLM's default
 
 
-def test_a_served_ngram_server_answers_n_and_reports_acceptance():
+def test_a_served_ngram_server_answers_n_and_reports_acceptance(demo_server):
     """A real server with --speculative-algorithm NGRAM: the official client's `n` greedy
-    choices equal the plain server's, /generate's meta_info carries SGLang's spec fields, and
-    /metrics vLLM's counters; EAGLE3 is refused at start with exit 2, naming what is served."""
+    choices equal the shared plain demo server's, /generate's meta_info carries SGLang's spec
+    fields, and /metrics vLLM's counters; EAGLE3 is refused at start with exit 2, naming what is
+    served."""
     import openai
 
     from tests.conftest import Server
 
     prompt = _workload(seed=4)[0][0]
     ask = {"model": "demo_model", "prompt": prompt, "max_tokens": 30, "temperature": 0, "n": 2}
-    with Server(DEMO, "--device", "cpu", "--max-total-tokens", "4096") as plain:
-        want = openai.OpenAI(base_url=f"{plain.url}/v1", api_key="x").completions.create(**ask)
+    plain = openai.OpenAI(base_url=f"{demo_server.url}/v1", api_key="x", max_retries=0)
+    want = plain.completions.create(**ask)
     flags = ("--device", "cpu", "--max-total-tokens", "4096", "--speculative-algorithm", "NGRAM")
     with Server(DEMO, *flags) as s:
         got = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x").completions.create(**ask)
