@@ -35,14 +35,19 @@ def test_the_proposer_takes_what_followed_the_longest_latest_match():
 
 def _workload(seed: int) -> list[tuple[list[int], SamplingParams]]:
     """Prompts that repeat themselves (drafts get accepted) and random ones (drafts get
-    rejected), two sharing a long prefix (the radix cache), long ones (chunked prefill), and
-    requests the verifier never drafts for (a grammar, penalties)."""
+    rejected), two sharing a long prefix (the radix cache), long ones (chunked prefill),
+    penalties, biases and min_tokens (each draft row adjusted by its own history), and a
+    grammar (never drafted for)."""
     g = torch.Generator().manual_seed(seed)
     motif = torch.randint(3, 200, (24,), generator=g).tolist()
     randoms = random_prompts(3, [7, 90, 150], seed=seed)
     greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     logprobs = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
     penalised = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, presence_penalty=1)
+    biased = SamplingParams(
+        max_tokens=24, temperature=0, min_tokens=10, repetition_penalty=1.3,
+        frequency_penalty=0.5, logit_bias=((motif[1], 3.0), (motif[2], -2.0)),
+    )  # fmt: skip
     grammar = SamplingParams(
         max_tokens=12, temperature=0, structured_output=StructuredOutput("regex", "(ab|cd)+")
     )
@@ -53,6 +58,7 @@ def _workload(seed: int) -> list[tuple[list[int], SamplingParams]]:
         *[(p, greedy) for p in randoms],
         (randoms[1] + randoms[1], greedy),
         (motif * 2, penalised),
+        (motif * 3, biased),
         (motif * 2, grammar),
     ]
 
@@ -90,6 +96,24 @@ def test_greedy_outputs_are_token_identical_with_ngram_drafts(checkpoints, famil
     assert spec[-3].cached_tokens > 0  # the repeated requests hit the radix cache
     llm.engine.check_accounting()
     assert not llm.engine.scheduler.running and llm.engine.kv.available_pages() > 0
+
+
+def test_penalised_and_biased_requests_are_drafted_for_with_each_rows_own_history():
+    """Presence, frequency and repetition penalties, logit_bias and min_tokens adjust every
+    draft row as plain decoding would have at that token: greedy outputs equal, and drafts
+    were verified and kept."""
+    prompts = [p for p, _ in _workload(seed=4)[:3]]  # motifs the demo model continues
+    # Penalties light enough that the output still repeats itself, so drafts get kept.
+    kinds = [
+        {"repetition_penalty": 1.02}, {"frequency_penalty": 0.02, "presence_penalty": 0.02},
+        {"min_tokens": 12, "logit_bias": ((prompts[0][3], 0.5), (prompts[0][5], -0.5))},
+    ]  # fmt: skip
+    params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, **k) for k in kinds]
+    plain = LLM(str(DEMO), max_total_tokens=2048).generate(prompts, params)
+    llm = LLM(str(DEMO), max_total_tokens=2048, speculative_algorithm="NGRAM")
+    spec = llm.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 
 def _chi_square_p_value(counts: Counter, probs: torch.Tensor) -> float:

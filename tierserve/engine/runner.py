@@ -94,7 +94,8 @@ class ModelRunner:
         for i, c in enumerate(chunks):
             if counts[i] and c.draft:
                 rows = logits[first[i] : first[i] + counts[i]]
-                tokens[i] = verify(rows, c.draft, c.req.params, c.req.generator, self.accept)
+                req = c.req
+                tokens[i] = verify(rows, c.draft, req.params, req.generator, self.accept, req)
         # Logprobs of the tokens kept, row by row, in one call: from the raw logits (`sample`
         # adjusts a copy).
         asked = [(i, j) for i in sorted(tokens) for j in range(len(tokens[i]))]

@@ -115,11 +115,11 @@ class Scheduler:
         return sorted(ready, key=lambda c: c.num_rows > 1)
 
     def _draft(self, req: Request) -> tuple[int, ...]:
-        """Tokens proposed after `req`'s last one, to verify in this step. None for requests
-        whose logits depend on their history (penalties, biases, min_tokens) or a grammar: the
-        verifier scores raw logits. Never past max_tokens or the context."""
+        """Tokens proposed after `req`'s last one, to verify in this step; none under a
+        grammar, whose state would have to advance through each draft token. Never past
+        max_tokens or the context."""
         p = req.params
-        if self.proposer is None or p.adjusts_logits or req.grammar is not None:
+        if self.proposer is None or req.grammar is not None:
             return ()
         room = self.cfg.context_length - req.num_tokens
         if p.max_tokens is not None:

@@ -55,7 +55,7 @@ def sample(
     if adjusted:
         logits = logits.clone()
         for i in adjusted:
-            _adjust(logits[i], params[i], histories[i])
+            adjust_logits(logits[i], params[i], histories[i])
     tokens = logits.argmax(dim=-1)
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:
@@ -65,7 +65,7 @@ def sample(
     return tokens.tolist()
 
 
-def _adjust(row: torch.Tensor, p: SamplingParams, h: History) -> None:
+def adjust_logits(row: torch.Tensor, p: SamplingParams, h: History) -> None:
     """In place, in vLLM's order: min_tokens, logit_bias, the penalties, then the grammar."""
     device = row.device
     banned_stops = p.min_tokens and len(h.output_ids) < p.min_tokens and h.stop_ids

@@ -9,8 +9,10 @@ tokens; this keeps the drafts the target agrees with and adds the target's own n
   p_i with x removed and renormalised (max(p - q, 0) for a one-hot q). Each output token is then
   distributed as plain sampling's. Rows after the first rejection are discarded.
 
-Requests whose logits the sampler adjusts from their history (penalties, biases, min_tokens)
-or a grammar are never drafted for (engine/scheduler.py), so the rows here are raw logits.
+A request whose logits the sampler adjusts from its history (penalties, logit_bias,
+min_tokens) has each row adjusted as plain decoding would have adjusted it: row i sees the
+output so far plus the i drafts before it, which are its output exactly when they are kept.
+Grammar-constrained requests are never drafted for (engine/scheduler.py).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierserve.layers import filtered_probs
+from tierserve.layers import History, adjust_logits, filtered_probs
 from tierserve.sampling_params import SamplingParams
 
 # The acceptance test of a sampled draft token: (uniform draw, target probability) -> keep.
@@ -51,15 +53,42 @@ class SpecStats:
             self.accepted_per_position[pos] += 1
 
 
+@dataclass(frozen=True)
+class _DraftHistory:
+    """What the sampler reads at a draft row: the request's output as it would be had the
+    drafts before the row been kept."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    stop_ids: frozenset[int]
+    grammar: None = None
+
+
+def _adjusted(
+    logits: torch.Tensor, draft: tuple[int, ...], params: SamplingParams, history: History
+) -> torch.Tensor:
+    rows = logits.float().clone()
+    for i in range(len(rows)):
+        seen = _DraftHistory(history.prompt_ids, history.output_ids + list(draft[:i]),
+                             history.stop_ids)  # fmt: skip
+        adjust_logits(rows[i], params, seen)
+    return rows
+
+
 def verify(
     logits: torch.Tensor,
     draft: tuple[int, ...],
     params: SamplingParams,
     generator: torch.Generator | None,
     accept: AcceptRule = keep_with_target_probability,
+    history: History | None = None,
 ) -> list[int]:
     """The tokens a verified chain emits: the kept drafts, then the target's token at the
-    first row that disagreed (or after the last draft). `logits`: [len(draft) + 1, vocab]."""
+    first row that disagreed (or after the last draft). `logits`: [len(draft) + 1, vocab];
+    `history`: the request, needed when its parameters adjust logits."""
+    if params.adjusts_logits:
+        assert history is not None and history.grammar is None, "a history, and no grammar"
+        logits = _adjusted(logits, draft, params, history)
     if params.greedy:
         target = logits.argmax(dim=-1).tolist()
         kept = 0
