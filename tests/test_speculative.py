@@ -5,6 +5,7 @@ prefill, the radix cache, stop strings, logprobs, a grammar, penalties), the sam
 
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 from pathlib import Path
@@ -37,7 +38,7 @@ def _workload(seed: int) -> list[tuple[list[int], SamplingParams]]:
     """Prompts that repeat themselves (drafts get accepted) and random ones (drafts get
     rejected), two sharing a long prefix (the radix cache), long ones (chunked prefill),
     penalties, biases and min_tokens (each draft row adjusted by its own history), and a
-    grammar (never drafted for)."""
+    grammar (each draft row masked in its own state)."""
     g = torch.Generator().manual_seed(seed)
     motif = torch.randint(3, 200, (24,), generator=g).tolist()
     randoms = random_prompts(3, [7, 90, 150], seed=seed)
@@ -113,6 +114,29 @@ def test_penalised_and_biased_requests_are_drafted_for_with_each_rows_own_histor
     llm = LLM(str(DEMO), max_total_tokens=2048, speculative_algorithm="NGRAM")
     spec = llm.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
+
+
+def test_grammar_requests_mask_every_draft_row_and_keep_their_state():
+    """A regex whose output repeats (drafts from the output get kept) and a JSON schema: each
+    verify row is masked in the grammar's state after the drafts before it, a refused draft
+    token ends the draft, and the outputs equal plain decoding's and match the grammar."""
+    import re
+
+    regex = StructuredOutput("regex", "(ab|cd|ef){4,30}")
+    schema = StructuredOutput.json(
+        {"type": "object", "properties": {"a": {"type": "array", "items": {"enum": [1, 2]},
+         "maxItems": 12}}, "required": ["a"], "additionalProperties": False}
+    )  # fmt: skip
+    prompts = [_workload(seed=4)[0][0], list(range(30, 50)) * 2]
+    params = [SamplingParams(max_tokens=60, temperature=0, structured_output=g)
+              for g in (regex, schema)]  # fmt: skip
+    plain = LLM(str(DEMO), max_total_tokens=2048).generate(prompts, params)
+    llm = LLM(str(DEMO), max_total_tokens=2048, speculative_algorithm="NGRAM")
+    spec = llm.generate(prompts, params)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert re.fullmatch("(ab|cd|ef){4,30}", spec[0].text)
+    assert set(json.loads(spec[1].text)) == {"a"}
     assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 

@@ -60,6 +60,15 @@ class GrammarState:
         # request rather than letting it run on outside its grammar.
         self._refused |= not self._matcher.accept_token(token)
 
+    def try_accept(self, token: int) -> bool:
+        """Advance by a draft token if the grammar allows it (the state is unchanged if not);
+        `rollback` undoes it once the draft is verified."""
+        return self._matcher.accept_token(token)
+
+    def rollback(self, tokens: int) -> None:
+        if tokens:
+            self._matcher.rollback(tokens)
+
     @property
     def ended(self) -> bool:
         """The grammar has ended (its stop token was accepted): nothing more may follow."""

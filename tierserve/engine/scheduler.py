@@ -115,11 +115,11 @@ class Scheduler:
         return sorted(ready, key=lambda c: c.num_rows > 1)
 
     def _draft(self, req: Request) -> tuple[int, ...]:
-        """Tokens proposed after `req`'s last one, to verify in this step; none under a
-        grammar, whose state would have to advance through each draft token. Never past
-        max_tokens or the context."""
+        """Tokens proposed after `req`'s last one, to verify in this step. Never past
+        max_tokens or the context; none for a grammar with min_tokens (plain decoding lets a
+        finished grammar's stop token past min_tokens, which a draft row cannot see)."""
         p = req.params
-        if self.proposer is None or req.grammar is not None:
+        if self.proposer is None or (req.grammar is not None and p.min_tokens):
             return ()
         room = self.cfg.context_length - req.num_tokens
         if p.max_tokens is not None:

@@ -9,6 +9,7 @@ EXPORTS = {
     "ATTENTION_BACKENDS": "backends",
     "AttentionBackend": "attention",
     "ColumnParallelLinear": "parallel",
+    "Constraint": "sampler",
     "DPAttention": "data_parallel",
     "DecodeWorkspace": "decode_workspace",
     "ForwardBatch": "batch",

@@ -27,9 +27,17 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> li
 
 
 class Constraint(Protocol):
-    """A grammar's say on the next token (engine/grammar.py)."""
+    """A grammar's say on the next token (engine/grammar.py), and for speculative drafts a
+    way to step through proposed tokens and back."""
 
     def mask(self, row: torch.Tensor) -> None: ...
+
+    def try_accept(self, token: int) -> bool: ...
+
+    def rollback(self, tokens: int) -> None: ...
+
+    @property
+    def ended(self) -> bool: ...
 
 
 class History(Protocol):

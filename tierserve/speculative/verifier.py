@@ -11,8 +11,10 @@ tokens; this keeps the drafts the target agrees with and adds the target's own n
 
 A request whose logits the sampler adjusts from its history (penalties, logit_bias,
 min_tokens) has each row adjusted as plain decoding would have adjusted it: row i sees the
-output so far plus the i drafts before it, which are its output exactly when they are kept.
-Grammar-constrained requests are never drafted for (engine/scheduler.py).
+output so far plus the i drafts before it, which are its output exactly when they are kept. A
+grammar masks row i in the state after the i drafts before it (the matcher steps through the
+draft and rolls back; a draft token the grammar refuses ends the draft there), so only tokens
+the grammar allows are ever kept or sampled.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierserve.layers import History, adjust_logits, filtered_probs
+from tierserve.layers import Constraint, History, adjust_logits, filtered_probs
 from tierserve.sampling_params import SamplingParams
 
 # The acceptance test of a sampled draft token: (uniform draw, target probability) -> keep.
@@ -75,6 +77,29 @@ def _adjusted(
     return rows
 
 
+def _masked(
+    rows: torch.Tensor, draft: tuple[int, ...], grammar: Constraint
+) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """`rows` (a copy) masked row by row through the draft, and the draft cut where the
+    grammar refuses a token or ends; the grammar's state is as it was on return."""
+    stepped = 0
+    try:
+        for i in range(len(draft) + 1):
+            grammar.mask(rows[i])
+            if i == len(draft):
+                break
+            if not grammar.try_accept(draft[i]):
+                draft = draft[:i]
+                break
+            stepped += 1
+            if grammar.ended:  # its stop token: the request ends there, nothing follows
+                draft = draft[: i + 1]
+                break
+    finally:
+        grammar.rollback(stepped)
+    return rows[: len(draft) + 1], draft
+
+
 def verify(
     logits: torch.Tensor,
     draft: tuple[int, ...],
@@ -87,8 +112,10 @@ def verify(
     first row that disagreed (or after the last draft). `logits`: [len(draft) + 1, vocab];
     `history`: the request, needed when its parameters adjust logits."""
     if params.adjusts_logits:
-        assert history is not None and history.grammar is None, "a history, and no grammar"
+        assert history is not None, "adjusted rows need the request's history"
         logits = _adjusted(logits, draft, params, history)
+        if history.grammar is not None:
+            logits, draft = _masked(logits, draft, history.grammar)
     if params.greedy:
         target = logits.argmax(dim=-1).tolist()
         kept = 0
