@@ -140,6 +140,20 @@ def test_grammar_requests_mask_every_draft_row_and_keep_their_state():
     assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 
+def test_tensor_parallel_ranks_draft_and_verify_the_same_tokens(checkpoints):
+    """Two rank processes over gloo: each schedules the same drafts (the proposer reads the
+    same tokens) and verifies them on the same gathered logits, so greedy outputs equal one
+    process's without speculation."""
+    path = str(checkpoints["llama"])
+    work = _workload(seed=5)
+    prompts, params = [p for p, _ in work], [s for _, s in work]
+    want = [o.token_ids for o in LLM(path, max_total_tokens=4096).generate(prompts, params)]
+    spec = {"speculative_algorithm": "NGRAM", "tp_size": 2, "device": "cpu"}
+    with LLM(path, max_total_tokens=4096, **spec) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == want
+        assert llm.engine.spec_stats.num_accepted_tokens > 0
+
+
 def _chi_square_p_value(counts: Counter, probs: torch.Tensor) -> float:
     """Pearson's test of `counts` against `probs` (bins with expected count < 5 pooled)."""
     total = sum(counts.values())
@@ -237,7 +251,8 @@ def test_the_spec_decode_counters_are_vllms_names():
         ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 4}, "not trees"),
         ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 3,
           "speculative_num_draft_tokens": 8}, "does not match"),
-        ({"speculative_algorithm": "NGRAM", "tp_size": 2}, "one rank"),
+        ({"speculative_algorithm": "NGRAM", "enable_dp_attention": True, "tp_size": 2,
+          "dp_size": 2}, "dp-attention"),
         ({"speculative_num_steps": 3}, "add --speculative-algorithm"),
         ({"speculative_config": "{nope"}, "not JSON"),
         ({"speculative_config": '{"method": "medusa"}'}, "method must be"),

@@ -389,8 +389,8 @@ class EngineArgs:
         if not 1 <= lo <= hi:
             message = f"the n-gram window must satisfy 1 <= min ({lo}) <= max ({hi})"
             raise TierserveError(message, "speculative_ngram_min_match_window_size")
-        if self.tp_size > 1 or self.enable_dp_attention:
-            message = "speculative decoding runs on one rank so far: not with --tp-size > 1"
+        if self.enable_dp_attention:
+            message = "speculative decoding is not built for --enable-dp-attention yet"
             raise TierserveError(message, "speculative_algorithm")
 
     def _check_distributed(self) -> None:
