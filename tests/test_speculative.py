@@ -32,6 +32,12 @@ def test_the_proposer_takes_what_followed_the_longest_latest_match():
     assert p.propose([1, 2, 3, 4], 2) == ()  # nothing recurs
     assert NgramProposer(2, 3).propose([1, 5, 1], 2) == ()  # [1] alone is under the minimum
     assert p.propose([1, 2, 1], 0) == ()
+    # What the scheduler hands it: the tail of prompt + output, never the whole joined.
+    from tierserve.engine.request import Request
+
+    req = Request("r", 0, [1, 2, 3, 4], SamplingParams(), output_ids=[5, 6])
+    assert req.last_ids(3) == [4, 5, 6] and req.last_ids(1) == [6]
+    assert req.last_ids(10) == req.all_ids == [1, 2, 3, 4, 5, 6]
 
 
 def _workload(seed: int) -> list[tuple[list[int], SamplingParams]]:

@@ -58,7 +58,7 @@ class GrammarState:
     def accept(self, token: int) -> None:
         # Masked sampling only picks allowed tokens; a refusal would be a bug, and ends the
         # request rather than letting it run on outside its grammar.
-        self._refused |= not self._matcher.accept_token(token)
+        self._refused |= not self.try_accept(token)
 
     def try_accept(self, token: int) -> bool:
         """Advance by a draft token if the grammar allows it (the state is unchanged if not);

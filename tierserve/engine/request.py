@@ -53,6 +53,14 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids if self.output_ids else self.prompt_ids
 
+    def last_ids(self, n: int) -> list[int]:
+        """The last `n` of prompt + output, without joining the whole of both (a proposer's
+        look-back on a 100K-token context, every step)."""
+        out = self.output_ids[-n:]
+        if len(out) == n:
+            return out
+        return self.prompt_ids[max(0, len(self.prompt_ids) - (n - len(out))) :] + out
+
     @property
     def cacheable_ids(self) -> list[int]:
         """The tokens a cached prefix may cover. Prompt logprobs need the logits of every

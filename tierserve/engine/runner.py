@@ -11,7 +11,7 @@ from torch import nn
 from tierserve.engine.scheduler import ScheduledChunk
 from tierserve.layers import AttentionBackend, ForwardBatch, SeqSpan, sample, token_logprobs
 from tierserve.outputs import TokenLogprob
-from tierserve.speculative import AcceptRule, keep_with_target_probability, verify
+from tierserve.speculative import verify
 
 # Prompt positions whose logits are materialised at once for prompt logprobs: a chunk of 8K
 # tokens over a 128K vocabulary would otherwise take 4 GB of float32 logits.
@@ -44,7 +44,6 @@ class ModelRunner:
         self.page_size = page_size
         self.device = device
         self.capture = capture  # layer ids whose hidden states prompts keep (hidden_states.py)
-        self.accept: AcceptRule = keep_with_target_probability  # tests swap in a biased rule
 
     @torch.inference_mode()
     def step(self, chunks: list[ScheduledChunk]) -> list[ChunkResult]:
@@ -95,7 +94,7 @@ class ModelRunner:
             if counts[i] and c.draft:
                 rows = logits[first[i] : first[i] + counts[i]]
                 req = c.req
-                tokens[i] = verify(rows, c.draft, req.params, req.generator, self.accept, req)
+                tokens[i] = verify(rows, c.draft, req.params, req.generator, history=req)
         # Logprobs of the tokens kept, row by row, in one call: from the raw logits (`sample`
         # adjusts a copy).
         asked = [(i, j) for i in sorted(tokens) for j in range(len(tokens[i]))]

@@ -125,7 +125,9 @@ class Scheduler:
         if p.max_tokens is not None:
             room = min(room, p.max_tokens - len(req.output_ids))
         k = min(self.cfg.num_speculative_tokens, room - 1)
-        return self.proposer.propose(req.all_ids, k) if k > 0 else ()
+        if k <= 0:
+            return ()
+        return self.proposer.propose(req.last_ids(self.proposer.search_tokens), k)
 
     def _prefill_budget(self) -> int:
         size = self.cfg.chunked_prefill_size

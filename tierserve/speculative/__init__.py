@@ -5,10 +5,8 @@ model), below the engine, whose scheduler asks for drafts and whose runner verif
 from tierserve.lazy import lazy_exports
 
 EXPORTS = {
-    "AcceptRule": "verifier",
     "NgramProposer": "ngram",
     "SpecStats": "verifier",
-    "keep_with_target_probability": "verifier",
     "proposer_for": "ngram",
     "verify": "verifier",
 }
