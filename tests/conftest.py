@@ -371,3 +371,65 @@ def client(server) -> openai.OpenAI:
 @pytest.fixture(scope="session")
 def offline(llama_dir) -> LLM:
     return LLM(str(llama_dir), max_total_tokens=4096)
+
+
+def make_eagle3_draft(
+    path: Path, target: Path, seed: int = 0, draft_vocab: int | None = None, sglang: bool = False
+) -> Path:
+    """A random-init EAGLE-3 draft for `target` in the speculators format (or SGLang's:
+    `midlayer.*` weights, a Llama config naming LlamaForCausalLMEagle3), written as those tools
+    write one; `draft_vocab` < the target's vocabulary maps draft ids through `d2t`."""
+    import json
+
+    from safetensors.torch import save_file
+
+    cfg = json.loads((target / "config.json").read_text())
+    hidden, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or hidden // heads
+    vocab, inter, layers = cfg["vocab_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
+    dv = draft_vocab or vocab
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) * 0.2
+
+    prefix = "midlayer." if sglang else "layers.0."
+    w = {
+        "fc.weight": rand(hidden, 3 * hidden),
+        "norm.weight": 1 + rand(hidden),
+        "lm_head.weight": rand(dv, hidden),
+        prefix + "self_attn.q_proj.weight": rand(heads * head_dim, 2 * hidden),
+        prefix + "self_attn.k_proj.weight": rand(kv * head_dim, 2 * hidden),
+        prefix + "self_attn.v_proj.weight": rand(kv * head_dim, 2 * hidden),
+        prefix + "self_attn.o_proj.weight": rand(hidden, heads * head_dim),
+        prefix + "mlp.gate_proj.weight": rand(inter, hidden),
+        prefix + "mlp.up_proj.weight": rand(inter, hidden),
+        prefix + "mlp.down_proj.weight": rand(hidden, inter),
+    }
+    for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+        w[prefix + norm + ".weight"] = 1 + rand(hidden)
+    if dv < vocab:
+        keep = torch.sort(torch.randperm(vocab, generator=g)[:dv]).values
+        w["d2t"] = keep - torch.arange(dv)
+    layer = {
+        "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden,
+        "intermediate_size": inter, "num_hidden_layers": 1, "num_attention_heads": heads,
+        "num_key_value_heads": kv, "head_dim": head_dim, "rms_norm_eps": 1e-5,
+        "max_position_embeddings": cfg.get("max_position_embeddings", 2048),
+    }  # fmt: skip
+    aux = [1, max(1, layers // 2), layers]
+    if sglang:
+        config = {**layer, "architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": dv,
+                  "norm_before_residual": True,
+                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux}}  # fmt: skip
+    else:
+        config = {
+            "architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
+            "transformer_layer_config": layer, "draft_vocab_size": dv,
+            "norm_before_residual": True, "target_hidden_size": hidden,
+            "eagle_aux_hidden_state_layer_ids": aux,
+        }  # fmt: skip
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    save_file({k: v.contiguous() for k, v in w.items()}, str(path / "model.safetensors"))
+    return path

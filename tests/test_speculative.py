@@ -213,8 +213,11 @@ def test_greedy_verification_keeps_the_drafts_the_argmax_confirms():
     assert verify(logits, (0, 4, 1), greedy, None) == [2]
 
 
-def test_aborts_during_verification_leave_no_pages_or_requests_held():
-    llm = LLM(str(DEMO), max_total_tokens=4096, speculative_algorithm="NGRAM")
+@pytest.mark.parametrize("method", ["NGRAM", "EAGLE3"])
+def test_aborts_during_verification_leave_no_pages_or_requests_held(method):
+    """Aborted between steps with drafts in flight (an EAGLE-3 chain's lookahead slots held
+    too): no page and no request is left."""
+    llm = LLM(str(DEMO), max_total_tokens=4096, speculative_algorithm=method)
     engine = llm.engine
     motif = list(range(40, 70))
     greedy = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
@@ -253,7 +256,8 @@ def test_the_spec_decode_counters_are_vllms_names():
 @pytest.mark.parametrize(
     ("kwargs", "words"),
     [
-        ({"speculative_algorithm": "EAGLE3"}, "not served yet"),
+        ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "d"}, "for EAGLE3"),
+        ({"speculative_algorithm": "EAGLE3", "tp_size": 2}, "not served with --tp-size"),
         ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 4}, "not trees"),
         ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 3,
           "speculative_num_draft_tokens": 8}, "does not match"),
@@ -289,11 +293,12 @@ def test_the_chain_sizes_follow_from_either_flag():
     assert neither.speculative_ngram_max_match_window_size == 5  # vLLM's default
 
 
-def test_a_served_ngram_server_answers_n_and_reports_acceptance(demo_server):
-    """A real server with --speculative-algorithm NGRAM: the official client's `n` greedy
+@pytest.mark.parametrize("method", ["NGRAM", "EAGLE3"])
+def test_a_served_speculative_server_answers_n_and_reports_acceptance(demo_server, method):
+    """A real server with --speculative-algorithm (EAGLE3: the shipped draft, unasked, as `make
+    serve ARGS="--speculative-algorithm EAGLE3"` starts it): the official client's `n` greedy
     choices equal the shared plain demo server's, /generate's meta_info carries SGLang's spec
-    fields, and /metrics vLLM's counters; EAGLE3 is refused at start with exit 2, naming what is
-    served."""
+    fields, and /metrics vLLM's counters."""
     import openai
 
     from tests.conftest import Server
@@ -302,7 +307,7 @@ def test_a_served_ngram_server_answers_n_and_reports_acceptance(demo_server):
     ask = {"model": "demo_model", "prompt": prompt, "max_tokens": 30, "temperature": 0, "n": 2}
     plain = openai.OpenAI(base_url=f"{demo_server.url}/v1", api_key="x", max_retries=0)
     want = plain.completions.create(**ask)
-    flags = ("--device", "cpu", "--max-total-tokens", "4096", "--speculative-algorithm", "NGRAM")
+    flags = ("--device", "cpu", "--max-total-tokens", "4096", "--speculative-algorithm", method)
     with Server(DEMO, *flags) as s:
         got = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x").completions.create(**ask)
         assert [c.text for c in got.choices] == [c.text for c in want.choices]
@@ -312,12 +317,4 @@ def test_a_served_ngram_server_answers_n_and_reports_acceptance(demo_server):
         assert meta["spec_accept_length"] == meta["completion_tokens"] / meta["spec_verify_ct"]
         metrics = s.metrics()
         assert metrics["tierserve_spec_decode_num_drafts_total"] > 0
-        assert "tierserve_spec_decode_num_accepted_tokens_total" in metrics
-    import subprocess
-    import sys
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "tierserve.cli", "serve", "--speculative-algorithm", "EAGLE3"],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 2 and "NGRAM is" in proc.stderr and "Traceback" not in proc.stderr
+        assert metrics["tierserve_spec_decode_num_accepted_tokens_total"] > 0

@@ -246,14 +246,18 @@ class EngineArgs:
         default=None,
         metadata=_flag(
             "speculative decoding (as SGLang): NGRAM drafts from the request's own tokens "
-            "(prompt lookup) and one target forward verifies them; EAGLE3 (EAGLE: its alias) "
-            "is not served yet. Greedy output is unchanged; sampled output keeps its "
-            "distribution (rejection sampling)",
+            "(prompt lookup), or EAGLE3 (EAGLE: its alias) drafts from a draft model over the "
+            "target's hidden states; one target forward verifies them. Greedy output is "
+            "unchanged; sampled output keeps its distribution (rejection sampling)",
             choices=["EAGLE3", "EAGLE", "NGRAM"],
         ),
     )
     speculative_draft_model_path: str | None = field(
-        default=None, metadata=_flag("the draft model's directory (EAGLE3)")
+        default=None,
+        metadata=_flag(
+            "the EAGLE3 draft's directory (speculators' or SGLang's format); unset, the "
+            "draft shipped for the bundled demo model, for that model only"
+        ),
     )
     speculative_num_steps: int | None = field(
         default=None,
@@ -364,12 +368,13 @@ class EngineArgs:
                 message = f"{flag} configures speculative decoding: add --speculative-algorithm"
                 raise TierserveError(message, given[0])
             return
-        if algorithm in ("EAGLE3", "EAGLE"):
-            message = (
-                "--speculative-algorithm EAGLE3 is not served yet (its draft model is the next "
-                "step); NGRAM is"
-            )
+        if algorithm in ("EAGLE3", "EAGLE") and self.tp_size > 1:
+            message = "--speculative-algorithm EAGLE3 is not served with --tp-size > 1 yet; "
+            message += "NGRAM is"
             raise TierserveError(message, "speculative_algorithm")
+        if algorithm == "NGRAM" and self.speculative_draft_model_path is not None:
+            message = "--speculative-draft-model-path is for EAGLE3; NGRAM drafts need no model"
+            raise TierserveError(message, "speculative_draft_model_path")
         if (self.speculative_eagle_topk or 1) != 1:
             message = "--speculative-eagle-topk: only chains (1) are served, not trees"
             raise TierserveError(message, "speculative_eagle_topk")

@@ -9,6 +9,7 @@ EXPORTS = {
     "HostShare": "shared_host",
     "HostTier": "tiers",
     "KVCacheManager": "manager",
+    "pair_keys": "manager",
     "KVHandle": "manager",
     "PagedKV": "pool",
     "TransferFactory": "transfer",

@@ -4,11 +4,18 @@ hand computed pages to the tree, offload a preempted request.
 A request holds one `KVHandle`, which only this manager creates and updates. Its page table is
 `pages`; the first `tree_tokens / page_size` pages belong to the radix tree (locked through
 `node`), the rest are the request's own. The cache knows token ids, never the engine's types.
+
+The tree is keyed by one key per position. Plainly that is the token there; with an EAGLE-3
+draft, whose KV at a position also depends on the token after it (its input there), it is the
+pair (token, next token), as SGLang keys its tree with EAGLE on: a prefix then matches only
+where the draft's KV too was computed from the same tokens, and the host tier and storage,
+whose keys chain the tree's, key the draft's KV correctly too.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -48,9 +55,26 @@ class KVHandle:
         return not self.waiting
 
 
+def pair_keys(vocab_size: int) -> Callable[[Sequence[int]], list[int]]:
+    """Position keys (token, next token) as one int each: one key fewer than tokens, since the
+    last position's pair is not known yet."""
+
+    def keys(tokens: Sequence[int]) -> list[int]:
+        return [a * vocab_size + b for a, b in itertools.pairwise(tokens)]
+
+    return keys
+
+
 class KVCacheManager:
-    def __init__(self, pool: PagedKV, enable_radix_cache: bool, host: HostTier | None = None):
+    def __init__(
+        self,
+        pool: PagedKV,
+        enable_radix_cache: bool,
+        host: HostTier | None = None,
+        keys: Callable[[Sequence[int]], Sequence[int]] | None = None,
+    ):
         self.pool = pool
+        self.keys = keys or (lambda tokens: tokens)  # a sequence's position keys
         self.page_size = pool.page_size
         self.allocator = PageAllocator(pool.num_pages)
         self.host = host
@@ -95,7 +119,7 @@ class KVCacheManager:
         if self.radix is None:
             return KVHandle()
         # The last token is always recomputed: its logits give the next token.
-        m = self.radix.match_prefix(tokens[: len(tokens) - 1])
+        m = self.radix.match_prefix(self.keys(tokens)[: len(tokens) - 1])
         host_nodes = m.host_nodes if self.host else []
         h = KVHandle(pages=list(m.device_pages), waiting=list(m.loading))
         h.node = host_nodes[-1] if host_nodes else m.device_node
@@ -116,6 +140,7 @@ class KVCacheManager:
         storage, radix, ps = self.storage, self.radix, self.page_size
         if storage is None or radix is None:
             return False
+        tokens = self.keys(tokens)
         whole = (len(tokens) - 1) // ps * ps  # the last token is recomputed anyway
         have = h.computed + h.host_hit
         if whole - have < ps:
@@ -233,6 +258,9 @@ class KVCacheManager:
 
     def cache_prefix(self, h: KVHandle, tokens: Sequence[int]) -> None:
         """Move the handle's computed whole pages into the tree so others can share them."""
+        self._cache_prefix(h, self.keys(tokens))
+
+    def _cache_prefix(self, h: KVHandle, tokens: Sequence[int]) -> None:
         # A verified draft may have computed past a stop token that ended the request.
         n = min(h.computed, len(tokens)) // self.page_size * self.page_size
         if self.radix is None or n <= h.tree_tokens:
@@ -256,7 +284,7 @@ class KVCacheManager:
         """Preemption by offload: keep a preempted request's KV on the host; True if it is."""
         if self.host is None or self.radix is None:
             return False
-        self.cache_prefix(h, tokens)
+        self._cache_prefix(h, self.keys(tokens))
         return h.node is not None and self.host.backup(h.node)
 
     def release(self, h: KVHandle, tokens: Sequence[int], keep_in_cache: bool) -> KVHandle:

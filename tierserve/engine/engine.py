@@ -17,7 +17,7 @@ import msgspec
 import torch
 
 from tierserve.args import EngineArgs
-from tierserve.cache import KVCacheManager, PagedKV, TransferFactory, default_transfer
+from tierserve.cache import KVCacheManager, PagedKV, TransferFactory, default_transfer, pair_keys
 from tierserve.distributed import Ranks
 from tierserve.engine.dp_groups import AttentionGroups
 from tierserve.engine.hidden_states import HiddenStateCapture
@@ -42,10 +42,10 @@ from tierserve.messages import (
     encode,
 )
 from tierserve.model_config import ModelConfig
-from tierserve.models import load_model
+from tierserve.models import load_draft, load_model
 from tierserve.outputs import StepOutput, TokenLogprob
 from tierserve.sampling_params import SamplingParams
-from tierserve.speculative import SpecStats, proposer_for
+from tierserve.speculative import Eagle3Proposer, Proposer, SpecStats, proposer_for
 
 logger = logging.getLogger("tierserve")
 
@@ -84,19 +84,24 @@ class Engine:
             host = None
             if plan.host is not None:
                 host = host_tier(pool, plan, args, self.ranks, transfer, self.storage)
-            self.kv = KVCacheManager(pool, not args.disable_radix_cache, host)
+            proposer = self._proposer(startup, model, pool)
+            keys = pair_keys(cfg.vocab_size) if isinstance(proposer, Eagle3Proposer) else None
+            self.kv = KVCacheManager(pool, not args.disable_radix_cache, host, keys)
             # Under DP attention the running cap is the node's, split among the groups (SGLang).
             running = args.max_running_requests // args.dp_groups
             sched_cfg = SchedulerConfig(
                 running, args.chunked_prefill_size, self.context_length, args.num_speculative_tokens
             )
-            self.scheduler = Scheduler(sched_cfg, self.kv, proposer_for(args))
+            self.scheduler = Scheduler(sched_cfg, self.kv, proposer)
             self.spec_stats = SpecStats()
             attn = ATTENTION_BACKENDS[startup.attention_backend](pool, cfg.num_layers)
             logger.info("attention backend: %s", startup.attention_backend)
             writes = self.ranks is None or self.ranks.group_leader
             self.capture = HiddenStateCapture.of(args, cfg, self.dtype, writes)
-            self.runner = ModelRunner(model, attn, args.page_size, self.device, self.capture.layers)
+            eagle = proposer if isinstance(proposer, Eagle3Proposer) else None
+            self.runner = ModelRunner(
+                model, attn, args.page_size, self.device, self.capture.layers, eagle
+            )
             self._requests: dict[str, Request] = {}
             self._default_generator = torch.Generator().manual_seed(args.seed)
             # Data-parallel attention: this rank's attention group; rank 0 places requests
@@ -130,6 +135,17 @@ class Engine:
             if self.ranks is not None:
                 self.ranks.kill()
             raise
+
+    def _proposer(self, startup: Startup, model: torch.nn.Module, pool: PagedKV) -> Proposer | None:
+        """The flags' proposer; an EAGLE-3 draft with an attention backend of its own (its
+        decode workspace holds the draft's layer only)."""
+        if startup.draft_path is None:
+            return proposer_for(self.args)
+        draft = load_draft(startup.draft_path, model, self.dtype, self.device)
+        logger.info("EAGLE-3 draft: %s", startup.draft_path)
+        attn = ATTENTION_BACKENDS[startup.attention_backend](pool, pool.spec.num_layers)
+        steps = self.args.speculative_num_steps or 0
+        return Eagle3Proposer(draft, attn, steps, startup.context_length - 1)
 
     @staticmethod
     def vocab_size_of(model_path: str) -> int:
@@ -277,9 +293,11 @@ class Engine:
         self.scheduler.record_computed(req, chunk.num_tokens + kept)
         if chunk.draft:
             self.spec_stats.record(len(chunk.draft), kept)
-            self.kv.shrink(req.kv, req.num_computed)
+        if chunk.draft or (result.tokens and self.scheduler.lookahead):
+            self.kv.shrink(req.kv, req.num_computed)  # rejected and lookahead slots
         if result.tokens and self.scheduler.proposer is not None:
             req.spec_steps += 1
+            req.next_draft = result.draft
         req.prompt_logprobs += result.prompt_logprobs
         if result.hidden is not None:
             self.capture.keep(req, result.hidden)

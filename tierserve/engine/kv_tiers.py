@@ -59,7 +59,10 @@ def storage_tier(startup: Startup, args: EngineArgs, ranks: Ranks | None) -> Sto
     assert startup.storage is not None
     cfg, plan = startup.storage, startup.plan
     rank = ranks.rank if ranks is not None else 0
-    fingerprint = model_fingerprint(startup.model_path, cfg.namespace)
+    salt = cfg.namespace
+    if startup.draft_path is not None:  # pages hold the draft's KV too: its store is its own
+        salt += "|eagle3:" + model_fingerprint(startup.draft_path)
+    fingerprint = model_fingerprint(startup.model_path, salt)
     shard = shard_of(plan.spec, rank % args.attention_tp_size)
     rates = PrefetchRates.make(
         cfg.prefetch_read_bytes_per_s,

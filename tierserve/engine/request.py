@@ -48,6 +48,14 @@ class Request:
     num_captured: int = 0
     hidden_states_path: str | None = None
     spec_steps: int = 0  # with speculative decoding: steps that emitted its tokens
+    next_draft: tuple[int, ...] = ()  # an EAGLE-3 draft's proposal for its next step
+
+    @property
+    def may_draft(self) -> bool:
+        """Whether its tokens may be drafted: not under a grammar with min_tokens (plain
+        decoding lets a finished grammar's stop token past min_tokens, which a draft row
+        cannot see)."""
+        return not (self.grammar is not None and self.params.min_tokens)
 
     @property
     def all_ids(self) -> list[int]:

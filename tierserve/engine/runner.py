@@ -11,7 +11,7 @@ from torch import nn
 from tierserve.engine.scheduler import ScheduledChunk
 from tierserve.layers import AttentionBackend, ForwardBatch, SeqSpan, sample, token_logprobs
 from tierserve.outputs import TokenLogprob
-from tierserve.speculative import verify
+from tierserve.speculative import DraftRows, Eagle3Proposer, verify
 
 # Prompt positions whose logits are materialised at once for prompt logprobs: a chunk of 8K
 # tokens over a 128K vocabulary would otherwise take 4 GB of float32 logits.
@@ -28,6 +28,7 @@ class ChunkResult:
     logprobs: tuple[TokenLogprob | None, ...] = ()
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     hidden: torch.Tensor | None = None  # captured rows of prompt positions not captured yet
+    draft: tuple[int, ...] = ()  # an EAGLE-3 draft's proposal for the request's next step
 
 
 class ModelRunner:
@@ -38,44 +39,81 @@ class ModelRunner:
         page_size: int,
         device: torch.device,
         capture: tuple[int, ...] = (),
+        proposer: Eagle3Proposer | None = None,
     ) -> None:
         self.model = model
         self.attn = attn
         self.page_size = page_size
         self.device = device
         self.capture = capture  # layer ids whose hidden states prompts keep (hidden_states.py)
+        self.proposer = proposer
+        # Layers the forward keeps: the prompts' and, every step, the draft's; the columns of
+        # each in `model.model.captured` (its last column is the final norm's input).
+        self.layers = tuple(sorted({*capture, *(proposer.aux_layers if proposer else ())}))
+        self.capture_cols = [self.layers.index(k) for k in capture] + [len(self.layers)]
+        self.aux_cols = [self.layers.index(k) for k in proposer.aux_layers] if proposer else []
 
     @torch.inference_mode()
     def step(self, chunks: list[ScheduledChunk]) -> list[ChunkResult]:
         """Each chunk's result, in order."""
         batch = self._build_batch(chunks)
         self.attn.prepare(batch)
-        capture = self.capture if self.capture and any(map(_needs_capture, chunks)) else ()
+        prompts = bool(self.capture) and any(map(_needs_capture, chunks))
+        capture = self.layers if prompts or self.proposer else ()
         hidden = self.model(batch.input_ids, batch.positions, self.attn, capture)
         results = [ChunkResult()] * len(chunks)
         for i, c in enumerate(chunks):
             scored = []
             if c.req.params.prompt_logprobs is not None:
                 scored = self._scored(c, batch.spans[i], hidden)
-            rows = self._captured(c, batch.spans[i]) if capture else None
+            rows = self._captured(c, batch.spans[i]) if prompts else None
             if scored or rows is not None:
                 results[i] = ChunkResult(prompt_logprobs=scored, hidden=rows)
         # Every sampled row of every chunk in one LM-head call; counted once: each count
         # reads the request's state.
         counts = [c.sampled_rows for c in chunks]
-        if not any(counts):
-            return results
-        rows = [
-            span.q_start + span.q_len - k
-            for span, n in zip(batch.spans, counts, strict=True)
-            for k in range(n, 0, -1)
-        ]
-        logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
-        for i, (tokens, logprobs) in self._pick(chunks, counts, logits).items():
-            results[i] = ChunkResult(
-                tokens, logprobs, results[i].prompt_logprobs, results[i].hidden
-            )
+        picked = {}
+        if any(counts):
+            rows = [
+                span.q_start + span.q_len - k
+                for span, n in zip(batch.spans, counts, strict=True)
+                for k in range(n, 0, -1)
+            ]
+            logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
+            picked = self._pick(chunks, counts, logits)
+        drafts = self._propose(chunks, batch, picked) if self.proposer else []
+        for i, (tokens, logprobs) in picked.items():
+            draft = drafts[i] if drafts else ()
+            r = results[i]
+            results[i] = ChunkResult(tokens, logprobs, r.prompt_logprobs, r.hidden, draft)
         return results
+
+    def _propose(
+        self,
+        chunks: list[ScheduledChunk],
+        batch: ForwardBatch,
+        picked: dict[int, tuple[tuple[int, ...], tuple[TokenLogprob | None, ...]]],
+    ) -> list[tuple[int, ...]]:
+        """The draft model's steps over this step's standing rows: each chunk's next draft."""
+        assert self.proposer is not None
+        ids = batch.input_ids.tolist()
+        rows = []
+        for i, (c, span) in enumerate(zip(chunks, batch.spans, strict=True)):
+            req, start, q = c.req, c.req.num_computed, span.q_start
+            if i in picked:  # the known rows, the drafts kept, then the token sampled after
+                tokens = picked[i][0]
+                kept = span.q_len - len(c.draft) + len(tokens) - 1
+                after = tokens[-1]
+            else:  # a prompt chunk short of the prompt's end: the next prompt token
+                kept = span.q_len
+                end = start + kept
+                after = _token_ids(req.prompt_ids, req.output_ids, end, end + 1)[0]
+            rows.append(DraftRows(
+                req.arrival, q, kept, [*ids[q + 1 : q + kept], after], start, req.kv.pages,
+                i in picked and req.may_draft,
+            ))  # fmt: skip
+        aux = self.model.model.captured[:, self.aux_cols].flatten(1)
+        return self.proposer.run(batch, aux, rows)
 
     def _pick(
         self, chunks: list[ScheduledChunk], counts: list[int], logits: torch.Tensor
@@ -136,6 +174,8 @@ class ModelRunner:
         if not req.captures or first >= last:
             return None
         rows = self.model.model.captured[span.q_start + first - start : span.q_start + last - start]
+        if len(self.capture_cols) < rows.shape[1]:  # the draft's layers are kept too
+            rows = rows[:, self.capture_cols]
         return rows.to("cpu", non_blocking=rows.device.type == "cuda")
 
     def _build_batch(self, chunks: list[ScheduledChunk]) -> ForwardBatch:

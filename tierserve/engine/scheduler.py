@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from tierserve.cache import KVCacheManager, pages_for
 from tierserve.engine.request import Request, Status
-from tierserve.speculative import NgramProposer
+from tierserve.speculative import Proposer
 
 
 @dataclass(frozen=True)
@@ -70,11 +70,13 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(
-        self, cfg: SchedulerConfig, kv: KVCacheManager, proposer: NgramProposer | None = None
+        self, cfg: SchedulerConfig, kv: KVCacheManager, proposer: Proposer | None = None
     ) -> None:
         self.cfg = cfg
         self.kv = kv
         self.proposer = proposer
+        # Slots a sampling chunk reserves past its rows for a draft model's later steps.
+        self.lookahead = proposer.lookahead if proposer is not None else 0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.stats = SchedulerStats()
@@ -98,7 +100,7 @@ class Scheduler:
             decoding = req.remaining == 1  # a prompt's last token counts against the budget
             n = 1 if decoding else min(req.remaining, budget)
             draft = self._draft(req) if decoding else ()
-            if n == 0 or not self._make_room(req, req.num_computed + n + len(draft)):
+            if n == 0 or not self._make_room(req, self._reach(req, n + len(draft))):
                 continue
             chunks.append(ScheduledChunk(req, n, draft))
             budget -= 0 if decoding else n
@@ -116,10 +118,9 @@ class Scheduler:
 
     def _draft(self, req: Request) -> tuple[int, ...]:
         """Tokens proposed after `req`'s last one, to verify in this step. Never past
-        max_tokens or the context; none for a grammar with min_tokens (plain decoding lets a
-        finished grammar's stop token past min_tokens, which a draft row cannot see)."""
+        max_tokens or the context; none where the request may not draft (Request.may_draft)."""
         p = req.params
-        if self.proposer is None or (req.grammar is not None and p.min_tokens):
+        if self.proposer is None or not req.may_draft:
             return ()
         room = self.cfg.context_length - req.num_tokens
         if p.max_tokens is not None:
@@ -127,7 +128,15 @@ class Scheduler:
         k = min(self.cfg.num_speculative_tokens, room - 1)
         if k <= 0:
             return ()
-        return self.proposer.propose(req.last_ids(self.proposer.search_tokens), k)
+        return self.proposer.draft_for(req, k)
+
+    def _reach(self, req: Request, rows: int) -> int:
+        """Tokens of `req` a chunk of `rows` needs slots for: a chunk that samples also
+        the lookahead (never past the context)."""
+        end = req.num_computed + rows
+        if self.lookahead and rows >= req.remaining:
+            end = min(end + self.lookahead, self.cfg.context_length)
+        return end
 
     def _prefill_budget(self) -> int:
         size = self.cfg.chunked_prefill_size
@@ -181,7 +190,7 @@ class Scheduler:
                 req.kv = self.kv.release(h, req.all_ids, keep_in_cache=False)
                 break
             n = min(req.remaining, budget)  # more to compute if the host part stayed behind
-            if not self.kv.grow(h, req.num_computed + n):
+            if not self.kv.grow(h, self._reach(req, n)):
                 req.kv = self.kv.release(h, req.all_ids, keep_in_cache=False)
                 break
             del self.waiting[i]

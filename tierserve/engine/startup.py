@@ -20,7 +20,7 @@ from tierserve.engine.kv_plan import KVPlan, check_cpu_ram, size_host_tier
 from tierserve.errors import TierserveError
 from tierserve.layers import DecodeWorkspace, packed_head_bytes, resolve_backend
 from tierserve.model_config import ModelConfig
-from tierserve.models import checkpoint_numels
+from tierserve.models import Eagle3Config, checkpoint_numels, draft_numel, draft_path_for
 from tierserve.sizing import KVSpec, device_pool_bytes
 from tierserve.storage import StorageConfig, backend_class
 
@@ -58,6 +58,7 @@ class Startup:
     # counted, so estimates from it err slow).
     flops_per_token: float = 0.0
     attention_backend: str = "torch"  # resolved: never "auto"
+    draft_path: str | None = None  # the EAGLE-3 draft's directory (its KV: the pool's last layer)
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> Startup:
@@ -72,6 +73,14 @@ class Startup:
         # With DP attention a rank holds KV for its attention group's share of the heads.
         spec = KVSpec.from_model(cfg, kv_dtype, args.page_size, tp=args.attention_tp_size)
         node_numel, rank_numel = weight_numel(args, model_path, cfg.num_layers)
+        draft = None
+        if args.speculative_algorithm in ("EAGLE3", "EAGLE"):
+            draft = draft_path_for(args.speculative_draft_model_path, model_path)
+            Eagle3Config.from_dir(draft, cfg).check_target(cfg, draft)
+            # Its weights, and its KV as one more layer of every page, before anything is sized.
+            spec = dataclasses.replace(spec, num_layers=spec.num_layers + 1)
+            node_numel += draft_numel(draft)
+            rank_numel += draft_numel(draft)
         extra = _fp32_extra(cfg, dtype.itemsize) + packed_head_bytes(
             cfg.tie_word_embeddings, cfg.vocab_size, cfg.hidden_size, device, dtype
         )
@@ -85,8 +94,9 @@ class Startup:
         context = _context_length(args, cfg)
         flops = 2.0 * node_numel / args.tp_size
         return cls(
-            model_path, cfg, device, dtype, context, weight_bytes, plan, storage, flops, backend
-        )
+            model_path, cfg, device, dtype, context, weight_bytes, plan, storage, flops, backend,
+            draft,
+        )  # fmt: skip
 
 
 def weight_numel(args: EngineArgs, model_path: str, num_layers: int) -> tuple[int, int]:

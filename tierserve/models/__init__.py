@@ -1,13 +1,19 @@
-"""Model families by config.json's architecture (Llama, Mistral, Qwen, DeepSeek, Kimi-K2) and the
-safetensors loader."""
+"""Model families by config.json's architecture (Llama, Mistral, Qwen, DeepSeek, Kimi-K2), EAGLE-3
+draft models, and the safetensors loader."""
 
 from tierserve.lazy import lazy_exports
 
 # What outsiders import from this package, and the module that defines each (loaded on
 # first use: tierserve/lazy.py).
 EXPORTS = {
+    "Eagle3Config": "eagle3",
+    "Eagle3Draft": "eagle3",
+    "SHIPPED_DRAFT": "eagle3",
     "checkpoint_numel": "loader",
     "checkpoint_numels": "loader",
+    "draft_numel": "eagle3",
+    "draft_path_for": "eagle3",
+    "load_draft": "eagle3",
     "load_model": "loader",
     "model_fingerprint": "loader",
 }

@@ -25,7 +25,13 @@ from tierserve.models.decoder import CausalLM
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_id: int,
+        rotary: RotaryEmbedding,
+        in_features: int | None = None,  # an EAGLE-3 draft layer's: 2 × hidden
+    ) -> None:
         super().__init__()
         self.layer_id = layer_id
         self.window = cfg.window(layer_id)  # Mistral, some Qwen layers: a sliding window
@@ -38,12 +44,13 @@ class LlamaAttention(nn.Module):
         self.head_dim = dim
         # q, k and v in one GEMM; an EAGLE-3 draft layer (2 × hidden in) packs the same way.
         kv = cfg.num_kv_heads * dim
+        in_features = in_features or hidden
         parts = [
             ("q_proj", cfg.num_heads * dim, 1),
             ("k_proj", kv, replicas),
             ("v_proj", kv, replicas),
         ]
-        self.qkv_proj = PackedColumnLinear(hidden, parts, cfg.attention_bias)
+        self.qkv_proj = PackedColumnLinear(in_features, parts, cfg.attention_bias)
         load_unpacked(self)
         self.o_proj = RowParallelLinear(cfg.num_heads * dim, hidden, bias=False)
         if cfg.qk_norm:

@@ -1,11 +1,15 @@
-"""Speculative decoding: proposers that draft tokens (ngram.py: prompt lookup) and the
-verifier that keeps what one target forward confirms (verifier.py). Above models (a draft is a
+"""Speculative decoding: proposers that draft tokens (ngram.py: prompt lookup; eagle.py: an
+EAGLE-3 draft model's steps) and the verifier that keeps what one target forward confirms
+(verifier.py). Above models (a draft is a
 model), below the engine, whose scheduler asks for drafts and whose runner verifies them."""
 
 from tierserve.lazy import lazy_exports
 
 EXPORTS = {
+    "DraftRows": "eagle",
+    "Eagle3Proposer": "eagle",
     "NgramProposer": "ngram",
+    "Proposer": "proposer",
     "SpecStats": "verifier",
     "proposer_for": "ngram",
     "verify": "verifier",

@@ -7,11 +7,15 @@ recurs, and such a request decodes one token a step.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from tierserve.args import EngineArgs
+
+if TYPE_CHECKING:
+    from tierserve.speculative.proposer import DraftSource
 
 
 @dataclass(frozen=True)
@@ -21,6 +25,10 @@ class NgramProposer:
     # Only the last `search_tokens` of a sequence are searched: a step's proposals for 64
     # requests of 100K tokens each must not cost more than the step.
     search_tokens: int = 4096
+    lookahead = 0  # slots past a chunk's rows it writes: none, it runs no model
+
+    def draft_for(self, req: DraftSource, k: int) -> tuple[int, ...]:
+        return self.propose(req.last_ids(self.search_tokens), k)
 
     def propose(self, tokens: list[int], k: int) -> tuple[int, ...]:
         """Up to `k` tokens that followed the latest earlier occurrence of the longest suffix
