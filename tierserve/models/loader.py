@@ -16,7 +16,7 @@ import hashlib
 import json
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -167,6 +167,37 @@ def load_model(
     targets = model.state_dict(keep_vars=True)
     if cfg.tie_word_embeddings:
         targets.pop("lm_head.weight", None)
+    layout = CheckpointLayout.of(path, cfg.num_layers)
+    total = sum(1 for f in weight_files(path) for _ in _keys(f, layout))
+    bar = tqdm(total=total, desc="loading weights", unit="tensor", leave=False)
+
+    def counted() -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in _tensors(path, layout):
+            bar.update(1)
+            if not (cfg.tie_word_embeddings and name == "lm_head.weight"):
+                yield name, tensor
+
+    fill(model, targets, counted(), f"checkpoint {path} does not match {cfg.architecture}")
+    bar.close()
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    pack_for_cpu(model)
+    # Buffers made on the meta device hold no values: compute the rotary tables for real.
+    fresh, rotary = rotary_for(cfg).to(device), model.model.rotary
+    rotary.cos, rotary.sin = fresh.cos, fresh.sin
+    return model.eval()
+
+
+def fill(
+    model: nn.Module,
+    targets: dict[str, torch.Tensor],
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    what: str,
+    field: str = "model",
+) -> None:
+    """Copy checkpoint tensors (by model name) into `targets` (model's state-dict entries):
+    packed parts into their rows, stacked experts into their slots, this rank's slice of a
+    sharded one. Refuses, naming them, tensors that fit nowhere and targets left unfilled."""
     # Elements written per target: a stacked tensor fills from many checkpoint tensors.
     filled = dict.fromkeys(targets, 0)
     unexpected: list[str] = []
@@ -174,14 +205,8 @@ def load_model(
     shards = shards_by_name(model)  # tensor parallelism: this rank's slices
     packed = packed_by_name(model)  # q/k/v, gate/up, ...: rows of one packed weight
     seen_parts: set[str] = set()
-    layout = CheckpointLayout.of(path, cfg.num_layers)
-    total = sum(1 for f in weight_files(path) for _ in _keys(f, layout))
-    bar = tqdm(total=total, desc="loading weights", unit="tensor", leave=False)
     with torch.no_grad():
-        for name, tensor in _tensors(path, layout):
-            bar.update(1)
-            if cfg.tie_word_embeddings and name == "lm_head.weight":
-                continue
+        for name, tensor in tensors:
             if name in packed:
                 target_name, part = packed[name]
                 index: tuple[int | slice, ...] = (part.rows,)
@@ -199,7 +224,6 @@ def load_model(
                 continue
             view.copy_(tensor)  # converts to the model's dtype and device in place
             filled[target_name] += tensor.numel()
-    bar.close()
     # A target is loaded when exactly its elements arrived (a stacked one: every expert once);
     # a packed one's missing parts are named as the checkpoint names them.
     missing = sorted(set(packed) - seen_parts)
@@ -207,17 +231,9 @@ def load_model(
     missing += [n for n, t in targets.items() if filled[n] != t.numel() and n not in packed_targets]
     if missing or unexpected:
         raise TierserveError(
-            f"checkpoint {path} does not match {cfg.architecture}: "
-            f"missing {missing[:5]}, unexpected or misshapen {unexpected[:5]}",
-            field="model",
+            f"{what}: missing {missing[:5]}, unexpected or misshapen {unexpected[:5]}",
+            field=field,
         )
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    pack_for_cpu(model)
-    # Buffers made on the meta device hold no values: compute the rotary tables for real.
-    fresh, rotary = rotary_for(cfg).to(device), model.model.rotary
-    rotary.cos, rotary.sin = fresh.cos, fresh.sin
-    return model.eval()
 
 
 def _rank_slice(tensor: torch.Tensor, shape: torch.Size, shard: tuple[int, int]) -> torch.Tensor:
