@@ -299,3 +299,23 @@ def test_capture_and_prompt_logprobs_are_unchanged_by_a_draft(tmp_path):
     pairs = list(zip(plain.prompt_logprobs, spec_out.prompt_logprobs, strict=True))
     assert pairs and all(a.token_id == b.token_id for a, b in pairs)
     assert all(abs(a.logprob - b.logprob) < 1e-4 for a, b in pairs)
+
+
+def test_the_start_up_plan_counts_the_drafts_weights_and_kv_layer():
+    from tierserve.args import EngineArgs
+    from tierserve.engine import Startup, startup_table
+    from tierserve.models import draft_numel
+
+    common = {"max_total_tokens": 4096, "device": "cpu"}
+    plain = Startup.from_args(EngineArgs.from_kwargs(str(DEMO), **common))
+    spec = Startup.from_args(
+        EngineArgs.from_kwargs(str(DEMO), speculative_algorithm="EAGLE3", **common)
+    )
+    assert spec.plan.spec.num_layers == plain.plan.spec.num_layers + 1
+    per_layer = plain.plan.spec.bytes_per_token // plain.plan.spec.num_layers
+    assert spec.plan.spec.bytes_per_token == plain.plan.spec.bytes_per_token + per_layer
+    draft_bytes = draft_numel(SHIPPED_DRAFT) * 4
+    assert spec.weight_bytes == plain.weight_bytes + draft_bytes
+    assert spec.plan.draft_weight_bytes == draft_bytes
+    assert "EAGLE-3 draft" in startup_table(spec.plan)
+    assert "EAGLE-3" not in startup_table(plain.plan)

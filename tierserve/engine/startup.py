@@ -73,14 +73,15 @@ class Startup:
         # With DP attention a rank holds KV for its attention group's share of the heads.
         spec = KVSpec.from_model(cfg, kv_dtype, args.page_size, tp=args.attention_tp_size)
         node_numel, rank_numel = weight_numel(args, model_path, cfg.num_layers)
-        draft = None
+        draft, draft_numel_ = None, 0
         if args.speculative_algorithm in ("EAGLE3", "EAGLE"):
             draft = draft_path_for(args.speculative_draft_model_path, model_path)
             Eagle3Config.from_dir(draft, cfg).check_target(cfg, draft)
             # Its weights, and its KV as one more layer of every page, before anything is sized.
             spec = dataclasses.replace(spec, num_layers=spec.num_layers + 1)
-            node_numel += draft_numel(draft)
-            rank_numel += draft_numel(draft)
+            draft_numel_ = draft_numel(draft)
+            node_numel += draft_numel_ * args.tp_size  # whole on every rank, at most
+            rank_numel += draft_numel_
         extra = _fp32_extra(cfg, dtype.itemsize) + packed_head_bytes(
             cfg.tie_word_embeddings, cfg.vocab_size, cfg.hidden_size, device, dtype
         )
@@ -91,6 +92,10 @@ class Startup:
         # Only the torch backend keeps a decode workspace (on CPU); the CPU kernel reads pages.
         width = dtype.itemsize if backend == "torch" else 0
         plan = _kv_plan(args, device, spec, (weight_bytes, rank_weights), width, storage)
+        if draft is not None:
+            plan = dataclasses.replace(
+                plan, draft_weight_bytes=draft_numel_ * dtype.itemsize, draft_kv_layers=1
+            )
         context = _context_length(args, cfg)
         flops = 2.0 * node_numel / args.tp_size
         return cls(
