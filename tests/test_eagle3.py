@@ -319,3 +319,37 @@ def test_the_start_up_plan_counts_the_drafts_weights_and_kv_layer():
     assert spec.plan.draft_weight_bytes == draft_bytes
     assert "EAGLE-3 draft" in startup_table(spec.plan)
     assert "EAGLE-3" not in startup_table(plain.plan)
+
+
+def test_a_restarted_engine_finds_the_drafts_kv_in_storage(tmp_path):
+    """The file store keeps whole pages, the draft's layer in them, under the pair keys: a
+    restarted engine fetches the prompt, and the draft's layer holds the same bytes it was
+    computed with; the output and the drafts kept are those of the first engine."""
+    extra = json.dumps({"path": str(tmp_path / "kv")})
+    common = {
+        "page_size": 16, "max_total_tokens": 4096, "enable_hierarchical_cache": True,
+        "hicache_storage_backend": "file", "hicache_storage_backend_extra_config": extra,
+        "hicache_storage_prefetch_policy": "wait_complete", "speculative_algorithm": "EAGLE3",
+    }  # fmt: skip
+    prompt = _workload(seed=7)[0][0] * 3  # 288 tokens: past the prefetch threshold
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+
+    def draft_layer(llm: LLM) -> torch.Tensor:
+        kv = llm.engine.kv
+        h = kv.match(prompt)
+        pages = torch.tensor(h.pages, dtype=torch.long)
+        kv.release(h, prompt, keep_in_cache=False)
+        return kv.pool.data[pages, llm.engine.model_config.num_layers].clone()
+
+    first = LLM(str(DEMO), **common)
+    out = first.generate([prompt], greedy)[0]
+    computed = draft_layer(first)
+    assert first.engine.storage.flush_writes() and first.engine.storage.stats.written_pages > 0
+    first.engine.close()
+    again = LLM(str(DEMO), **common)
+    repeat = again.generate([prompt], greedy)[0]
+    assert repeat.token_ids == out.token_ids and repeat.cached_tokens >= len(prompt) - 16
+    assert again.engine.storage.stats.hit_pages > 0
+    fetched = draft_layer(again)
+    assert len(fetched) == len(computed) and torch.equal(fetched, computed)
+    assert again.engine.spec_stats.num_accepted_tokens > 0

@@ -174,7 +174,7 @@ class ModelRunner:
         if not req.captures or first >= last:
             return None
         rows = self.model.model.captured[span.q_start + first - start : span.q_start + last - start]
-        if len(self.capture_cols) < rows.shape[1]:  # the draft's layers are kept too
+        if self.layers != self.capture:  # the draft's layers are kept too, repeats once
             rows = rows[:, self.capture_cols]
         return rows.to("cpu", non_blocking=rows.device.type == "cuda")
 
