@@ -378,8 +378,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heldout-rows", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=160, help="per regenerated turn")
     p.add_argument("--draft-vocab", type=int, default=1024)
-    p.add_argument("--intermediate", type=int, default=384,
-                   help="the draft layer's MLP width (0: the target's)")
+    p.add_argument(
+        "--intermediate",
+        type=int,
+        default=384,
+        help="the draft layer's MLP width (0: the target's)",
+    )
     p.add_argument("--ttt-steps", type=int, default=3)
     p.add_argument("--seq-len", type=int, default=2048, help="rows per packed sequence")
     p.add_argument("--epochs", type=int, default=2)
