@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from tierserve.args import DEMO_MODEL_DIR
 from tierserve.errors import TierserveError
 from tierserve.layers import (
     AttentionBackend,
@@ -146,7 +147,8 @@ class Eagle3Layer(nn.Module):
 
 class Eagle3Draft(nn.Module):
     """`start` takes the target's auxiliary states (rows of a step's batch), `step` its own
-    output; both return (the layer's output, which the next step reads, and draft logits)."""
+    output; both return the layer's output, which the next step reads and `propose` turns
+    into draft tokens."""
 
     def __init__(self, cfg: Eagle3Config, layer_id: int) -> None:
         super().__init__()
@@ -268,7 +270,7 @@ def _is_shipped_target(model: Path) -> bool:
 
     digest_file = SHIPPED_DRAFT / "target.sha256"
     weights = model / "model.safetensors"
-    bundled = Path(__file__).resolve().parent.parent / "demo_model" / "model.safetensors"
+    bundled = DEMO_MODEL_DIR / "model.safetensors"
     if not (digest_file.is_file() and weights.is_file() and bundled.is_file()):
         return False
     if weights.stat().st_size != bundled.stat().st_size:  # never hash a large checkpoint

@@ -40,8 +40,6 @@ class Eagle3Proposer:
     """Drafts `num_steps` tokens per request with an EAGLE-3 draft, greedily (a one-hot
     proposal: the verifier's rejection rule keeps the target's distribution)."""
 
-    search_tokens = 0
-
     def __init__(
         self,
         draft: Eagle3Draft,
