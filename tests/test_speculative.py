@@ -146,17 +146,22 @@ def test_grammar_requests_mask_every_draft_row_and_keep_their_state():
     assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 
+@pytest.mark.parametrize("dp", [1, 2], ids=["tp2", "tp2-dp2-attention"])
 @pytest.mark.parametrize("method", ["NGRAM", "EAGLE3"])
-def test_tensor_parallel_ranks_draft_and_verify_the_same_tokens(checkpoints, method):
+def test_tensor_parallel_ranks_draft_and_verify_the_same_tokens(checkpoints, method, dp):
     """Two rank processes over gloo: each schedules the same drafts (n-gram: the same tokens;
     EAGLE-3, the demo model's shipped draft: its attention and MLP split as the target's, its
     head whole on every rank) and verifies them on the same gathered logits, so greedy outputs
-    equal one process's without speculation."""
+    equal one process's without speculation. Under DP attention (two groups of one rank) each
+    group drafts and verifies its own requests, the draft alone in its group, while the
+    target's MLPs span both."""
     path = str(checkpoints["llama"] if method == "NGRAM" else DEMO)
     work = _workload(seed=5)
     prompts, params = [p for p, _ in work], [s for _, s in work]
     want = [o.token_ids for o in LLM(path, max_total_tokens=4096).generate(prompts, params)]
     spec = {"speculative_algorithm": method, "tp_size": 2, "device": "cpu"}
+    if dp > 1:
+        spec |= {"dp_size": dp, "enable_dp_attention": True}
     with LLM(path, max_total_tokens=4096, **spec) as llm:
         assert [o.token_ids for o in llm.generate(prompts, params)] == want
         assert llm.engine.spec_stats.num_accepted_tokens > 0
@@ -262,8 +267,6 @@ def test_the_spec_decode_counters_are_vllms_names():
         ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 4}, "not trees"),
         ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 3,
           "speculative_num_draft_tokens": 8}, "does not match"),
-        ({"speculative_algorithm": "NGRAM", "enable_dp_attention": True, "tp_size": 2,
-          "dp_size": 2}, "dp-attention"),
         ({"speculative_num_steps": 3}, "add --speculative-algorithm"),
         ({"speculative_config": "{nope"}, "not JSON"),
         ({"speculative_config": '{"method": "medusa"}'}, "method must be"),

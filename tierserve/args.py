@@ -246,10 +246,12 @@ class EngineArgs:
         default=None,
         metadata=_flag(
             "speculative decoding (as SGLang): NGRAM drafts from the request's own tokens "
-            "(prompt lookup), or EAGLE3 (EAGLE: its alias) drafts from a draft model over the "
-            "target's hidden states; one target forward verifies them. Greedy output is "
-            "unchanged; sampled output keeps its distribution (rejection sampling)",
-            choices=["EAGLE3", "EAGLE", "NGRAM"],
+            "(prompt lookup), EAGLE3 drafts from a draft model over the target's hidden "
+            "states, NEXTN from DeepSeek-V3's own MTP layer (EAGLE: NEXTN for a model that "
+            "ships one and no draft is given, as SGLang; else EAGLE3); one target forward "
+            "verifies them. Greedy output is unchanged; sampled output keeps its distribution "
+            "(rejection sampling)",
+            choices=["EAGLE3", "EAGLE", "NEXTN", "NGRAM"],
         ),
     )
     speculative_draft_model_path: str | None = field(
@@ -390,9 +392,6 @@ class EngineArgs:
         if not 1 <= lo <= hi:
             message = f"the n-gram window must satisfy 1 <= min ({lo}) <= max ({hi})"
             raise TierserveError(message, "speculative_ngram_min_match_window_size")
-        if self.enable_dp_attention:
-            message = "speculative decoding is not built for --enable-dp-attention yet"
-            raise TierserveError(message, "speculative_algorithm")
 
     def _check_distributed(self) -> None:
         for name in ("tp_size", "nnodes"):
@@ -522,7 +521,13 @@ _VLLM_KEYS = {
     "prompt_lookup_max": "speculative_ngram_max_match_window_size",
     "model": "speculative_draft_model_path",
 }
-_VLLM_METHODS = {"ngram": "NGRAM", "eagle3": "EAGLE3", "eagle": "EAGLE"}
+_VLLM_METHODS = {
+    "ngram": "NGRAM",
+    "eagle3": "EAGLE3",
+    "eagle": "EAGLE",
+    "deepseek_mtp": "NEXTN",
+    "mtp": "NEXTN",
+}
 
 
 def vllm_speculative_config(args: EngineArgs) -> dict[str, Any]:

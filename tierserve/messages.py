@@ -58,6 +58,7 @@ class GroupReport(msgspec.Struct, frozen=True):
     waiting: int = 0
     device_tokens_used: int = 0
     flushed: dict[str, Union[int, str]] | None = None  # noqa: UP007 (after a FlushCache)
+    spec: list[int] = []  # its speculation counters so far (SpecStats.counts)
 
 
 # --- API process -> engine core -----------------------------------------------------------

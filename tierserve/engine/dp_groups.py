@@ -15,6 +15,10 @@ class AttentionGroups:
         self.reports = [GroupReport(g) for g in range(groups)]
         self.idle_steps = [0] * groups  # steps a group joined with nothing of its own to run
         self.placed_since_report = 0  # queued on a group after its last report
+        # Each group's speculation counters as last reported, and (now, before) pairs of those
+        # that reported in the last step: rank 0 adds the gains to the node's counters.
+        self._spec_seen: list[list[int]] = [[] for _ in range(groups)]
+        self.spec_gains: list[tuple[list[int], list[int]]] = []
 
     def holds(self, rid: str) -> bool:
         """Whether `rid` is in flight on some group."""
@@ -28,6 +32,11 @@ class AttentionGroups:
         """The groups' reports of one step (or flush); every group's outputs, in group order."""
         self.reports = reports
         self.placed_since_report = 0
+        self.spec_gains = []
+        for r in reports:
+            if r.spec:
+                self.spec_gains.append((r.spec, self._spec_seen[r.dp_rank]))
+                self._spec_seen[r.dp_rank] = r.spec
         if step:
             for r in reports:
                 self.idle_steps[r.dp_rank] += r.scheduled == 0

@@ -42,10 +42,10 @@ from tierserve.messages import (
     encode,
 )
 from tierserve.model_config import ModelConfig
-from tierserve.models import load_draft, load_model
+from tierserve.models import load_draft, load_model, load_mtp
 from tierserve.outputs import StepOutput, TokenLogprob
 from tierserve.sampling_params import SamplingParams
-from tierserve.speculative import Eagle3Proposer, Proposer, SpecStats, proposer_for
+from tierserve.speculative import DraftModelProposer, Proposer, SpecStats, proposer_for
 
 logger = logging.getLogger("tierserve")
 
@@ -85,7 +85,8 @@ class Engine:
             if plan.host is not None:
                 host = host_tier(pool, plan, args, self.ranks, transfer, self.storage)
             proposer = self._proposer(startup, model, pool)
-            keys = pair_keys(cfg.vocab_size) if isinstance(proposer, Eagle3Proposer) else None
+            drafts = proposer if isinstance(proposer, DraftModelProposer) else None
+            keys = pair_keys(cfg.vocab_size) if drafts else None
             self.kv = KVCacheManager(pool, not args.disable_radix_cache, host, keys)
             # Under DP attention the running cap is the node's, split among the groups (SGLang).
             running = args.max_running_requests // args.dp_groups
@@ -98,9 +99,8 @@ class Engine:
             logger.info("attention backend: %s", startup.attention_backend)
             writes = self.ranks is None or self.ranks.group_leader
             self.capture = HiddenStateCapture.of(args, cfg, self.dtype, writes)
-            eagle = proposer if isinstance(proposer, Eagle3Proposer) else None
             self.runner = ModelRunner(
-                model, attn, args.page_size, self.device, self.capture.layers, eagle
+                model, attn, args.page_size, self.device, self.capture.layers, drafts
             )
             self._requests: dict[str, Request] = {}
             self._default_generator = torch.Generator().manual_seed(args.seed)
@@ -137,15 +137,16 @@ class Engine:
             raise
 
     def _proposer(self, startup: Startup, model: torch.nn.Module, pool: PagedKV) -> Proposer | None:
-        """The flags' proposer; an EAGLE-3 draft with an attention backend of its own (its
-        decode workspace holds the draft's layer only)."""
+        """The flags' proposer; a draft model with an attention backend of its own (its decode
+        workspace holds the draft's layer only)."""
         if startup.draft_path is None:
             return proposer_for(self.args)
-        draft = load_draft(startup.draft_path, model, self.dtype, self.device)
-        logger.info("EAGLE-3 draft: %s", startup.draft_path)
+        load = load_mtp if startup.draft_kind == "nextn" else load_draft
+        draft = load(startup.draft_path, model, self.dtype, self.device)
+        logger.info("%s: %s", startup.plan.draft_name, startup.draft_path)
         attn = ATTENTION_BACKENDS[startup.attention_backend](pool, pool.spec.num_layers)
         steps = self.args.speculative_num_steps or 0
-        return Eagle3Proposer(draft, attn, steps, startup.context_length - 1)
+        return DraftModelProposer(draft, attn, steps, startup.context_length - 1)
 
     @staticmethod
     def vocab_size_of(model_path: str) -> int:
@@ -420,12 +421,15 @@ class Engine:
                 len(sched.waiting),
                 used,
                 flushed,
+                self.spec_stats.counts() if self.dp_rank else [],
             )
             mine = encode(report)
         reports = [decode_report(r) for r in self.ranks.bus.collect(mine) if r is not None]
         if self.groups is None:
             return []
         outputs = self.groups.take(reports, step=flushed is None)
+        for now, before in self.groups.spec_gains:  # rank 0's own group counts itself
+            self.spec_stats.add_since(now, before)
         self.peak_running = max(self.peak_running, self.groups.running)
         return outputs
 

@@ -120,8 +120,10 @@ class KVPlan:
     write_policy: str
     workspace_bytes: int = 0  # CPU decode workspace, at most (layers/attention.py)
     storage_ram_bytes: int = 0  # a storage client's RAM on this node (Mooncake's segment)
-    # An EAGLE-3 draft: its weights (counted in the RAM checks with the target's) and its KV
-    # layers, the spec's last (counted in every bytes-per-token figure).
+    # A draft model (an EAGLE-3 draft, an MTP layer): its weights, one copy (counted in the RAM
+    # checks with the target's), and its KV layers, the spec's last (counted in every
+    # bytes-per-token figure).
+    draft_name: str = ""
     draft_weight_bytes: int = 0
     draft_kv_layers: int = 0
 
@@ -182,7 +184,7 @@ def startup_table(plan: KVPlan, dp_groups: int = 1) -> str:
         per_token = spec.bytes_per_token // spec.num_layers * plan.draft_kv_layers
         weights = format_gb(plan.draft_weight_bytes, 3)
         rows.append(
-            ("EAGLE-3 draft", f"{weights} of weights; its KV layer {format_bytes(per_token)} of "
+            (plan.draft_name, f"{weights} of weights; its KV layer {format_bytes(per_token)} of "
              "each token's (counted above)")
         )  # fmt: skip
     width = max(len(k) for k, _ in rows)

@@ -61,7 +61,7 @@ def storage_tier(startup: Startup, args: EngineArgs, ranks: Ranks | None) -> Sto
     rank = ranks.rank if ranks is not None else 0
     salt = cfg.namespace
     if startup.draft_path is not None:  # pages hold the draft's KV too: its store is its own
-        salt += "|eagle3:" + model_fingerprint(startup.draft_path)
+        salt += f"|{startup.draft_kind}:" + model_fingerprint(startup.draft_path)
     fingerprint = model_fingerprint(startup.model_path, salt)
     shard = shard_of(plan.spec, rank % args.attention_tp_size)
     rates = PrefetchRates.make(

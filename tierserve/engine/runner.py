@@ -11,7 +11,7 @@ from torch import nn
 from tierserve.engine.scheduler import ScheduledChunk
 from tierserve.layers import AttentionBackend, ForwardBatch, SeqSpan, sample, token_logprobs
 from tierserve.outputs import TokenLogprob
-from tierserve.speculative import DraftRows, Eagle3Proposer, verify
+from tierserve.speculative import DraftModelProposer, DraftRows, verify
 
 # Prompt positions whose logits are materialised at once for prompt logprobs: a chunk of 8K
 # tokens over a 128K vocabulary would otherwise take 4 GB of float32 logits.
@@ -28,7 +28,7 @@ class ChunkResult:
     logprobs: tuple[TokenLogprob | None, ...] = ()
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     hidden: torch.Tensor | None = None  # captured rows of prompt positions not captured yet
-    draft: tuple[int, ...] = ()  # an EAGLE-3 draft's proposal for the request's next step
+    draft: tuple[int, ...] = ()  # a draft model's proposal for the request's next step
 
 
 class ModelRunner:
@@ -39,7 +39,7 @@ class ModelRunner:
         page_size: int,
         device: torch.device,
         capture: tuple[int, ...] = (),
-        proposer: Eagle3Proposer | None = None,
+        proposer: DraftModelProposer | None = None,
     ) -> None:
         self.model = model
         self.attn = attn
@@ -59,7 +59,7 @@ class ModelRunner:
         batch = self._build_batch(chunks)
         self.attn.prepare(batch)
         prompts = bool(self.capture) and any(map(_needs_capture, chunks))
-        capture = self.layers if prompts or self.proposer else ()
+        capture = self.layers if prompts or self.aux_cols else ()
         hidden = self.model(batch.input_ids, batch.positions, self.attn, capture)
         results = [ChunkResult()] * len(chunks)
         for i, c in enumerate(chunks):
@@ -81,7 +81,8 @@ class ModelRunner:
             ]
             logits = self.model.logits(hidden[torch.tensor(rows, device=self.device)])
             picked = self._pick(chunks, counts, logits)
-        drafts = self._propose(chunks, batch, picked) if self.proposer else []
+        # An idle attention group (DP attention) drafts nothing: the draft spans its group only.
+        drafts = self._propose(chunks, batch, hidden, picked) if self.proposer and chunks else []
         for i, (tokens, logprobs) in picked.items():
             draft = drafts[i] if drafts else ()
             r = results[i]
@@ -92,6 +93,7 @@ class ModelRunner:
         self,
         chunks: list[ScheduledChunk],
         batch: ForwardBatch,
+        hidden: torch.Tensor,
         picked: dict[int, tuple[tuple[int, ...], tuple[TokenLogprob | None, ...]]],
     ) -> list[tuple[int, ...]]:
         """The draft model's steps over this step's standing rows: each chunk's next draft."""
@@ -112,7 +114,10 @@ class ModelRunner:
                 req.arrival, q, kept, [*ids[q + 1 : q + kept], after], start, req.kv.pages,
                 i in picked and req.may_draft,
             ))  # fmt: skip
-        aux = self.model.model.captured[:, self.aux_cols].flatten(1)
+        if self.proposer.final_hidden:
+            aux = hidden
+        else:
+            aux = self.model.model.captured[:, self.aux_cols].flatten(1)
         return self.proposer.run(batch, aux, rows)
 
     def _pick(

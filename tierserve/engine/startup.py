@@ -20,7 +20,15 @@ from tierserve.engine.kv_plan import KVPlan, check_cpu_ram, size_host_tier
 from tierserve.errors import TierserveError
 from tierserve.layers import DecodeWorkspace, packed_head_bytes, resolve_backend
 from tierserve.model_config import ModelConfig
-from tierserve.models import Eagle3Config, checkpoint_numels, draft_numel, draft_path_for
+from tierserve.models import (
+    Eagle3Config,
+    check_nextn,
+    checkpoint_numels,
+    draft_numel,
+    draft_path_for,
+    mtp_numels,
+    nextn_layers,
+)
 from tierserve.sizing import KVSpec, device_pool_bytes
 from tierserve.storage import StorageConfig, backend_class
 
@@ -58,7 +66,10 @@ class Startup:
     # counted, so estimates from it err slow).
     flops_per_token: float = 0.0
     attention_backend: str = "torch"  # resolved: never "auto"
-    draft_path: str | None = None  # the EAGLE-3 draft's directory (its KV: the pool's last layer)
+    # The draft model's directory (an MTP layer's: the model's own) and its kind, "eagle3" or
+    # "nextn"; its KV is the pool's last layer.
+    draft_path: str | None = None
+    draft_kind: str | None = None
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> Startup:
@@ -73,15 +84,14 @@ class Startup:
         # With DP attention a rank holds KV for its attention group's share of the heads.
         spec = KVSpec.from_model(cfg, kv_dtype, args.page_size, tp=args.attention_tp_size)
         node_numel, rank_numel = weight_numel(args, model_path, cfg.num_layers)
-        draft, draft_numel_ = None, 0
-        if args.speculative_algorithm in ("EAGLE3", "EAGLE"):
-            draft = draft_path_for(args.speculative_draft_model_path, model_path)
-            Eagle3Config.from_dir(draft, cfg).check_target(cfg, draft)
+        draft, kind, draft_numel_ = None, _draft_kind(args, model_path), 0
+        if kind is not None:
+            draft, (split, whole) = _draft(args, kind, model_path, cfg)
             # Its weights, and its KV as one more layer of every page, before anything is sized.
             spec = dataclasses.replace(spec, num_layers=spec.num_layers + 1)
-            draft_numel_ = draft_numel(draft)
-            node_numel += draft_numel_ * args.tp_size  # whole on every rank, at most
-            rank_numel += draft_numel_
+            draft_numel_ = split + whole
+            node_numel += split + whole * args.tp_size
+            rank_numel += -(-split // args.tp_size) + whole
         extra = _fp32_extra(cfg, dtype.itemsize) + packed_head_bytes(
             cfg.tie_word_embeddings, cfg.vocab_size, cfg.hidden_size, device, dtype
         )
@@ -94,14 +104,54 @@ class Startup:
         plan = _kv_plan(args, device, spec, (weight_bytes, rank_weights), width, storage)
         if draft is not None:
             plan = dataclasses.replace(
-                plan, draft_weight_bytes=draft_numel_ * dtype.itemsize, draft_kv_layers=1
+                plan,
+                draft_name=DRAFT_NAMES[kind],
+                draft_weight_bytes=draft_numel_ * dtype.itemsize,
+                draft_kv_layers=1,
             )
         context = _context_length(args, cfg)
         flops = 2.0 * node_numel / args.tp_size
         return cls(
             model_path, cfg, device, dtype, context, weight_bytes, plan, storage, flops, backend,
-            draft,
+            draft, kind,
         )  # fmt: skip
+
+
+# What the start-up table calls each kind of draft model.
+DRAFT_NAMES = {"eagle3": "EAGLE-3 draft", "nextn": "MTP layer"}
+
+
+def _draft_kind(args: EngineArgs, model_path: str) -> str | None:
+    """ "eagle3", "nextn" or None (no draft model). SGLang's EAGLE means the model's own MTP
+    layer when it ships one and no draft is given."""
+    algorithm = args.speculative_algorithm
+    if algorithm == "EAGLE" and args.speculative_draft_model_path is None:
+        return "nextn" if nextn_layers(model_path) else "eagle3"
+    return {"EAGLE3": "eagle3", "EAGLE": "eagle3", "NEXTN": "nextn"}.get(algorithm or "")
+
+
+def _draft(
+    args: EngineArgs, kind: str, model_path: str, cfg: ModelConfig
+) -> tuple[str, tuple[int, int]]:
+    """The draft's directory, checked against the target, and its parameters (split over the
+    ranks, whole on every rank). An EAGLE-3 draft runs whole on every rank; an MTP layer is
+    split as the target's layers, but for its input projection and norms."""
+    if kind == "nextn":
+        given = args.speculative_draft_model_path
+        if given is not None and Path(given).resolve() != Path(model_path).resolve():
+            message = (
+                "--speculative-algorithm NEXTN drafts with the MTP layer of the model's own "
+                f"checkpoint; --speculative-draft-model-path {given} is not it"
+            )
+            raise TierserveError(message, "speculative_draft_model_path")
+        check_nextn(model_path, cfg)
+        if args.enable_dp_attention:  # its experts span every rank: all groups in lockstep
+            message = "--speculative-algorithm NEXTN with --enable-dp-attention is not built yet"
+            raise TierserveError(message, "enable_dp_attention")
+        return model_path, mtp_numels(model_path, cfg.num_layers)
+    draft = draft_path_for(args.speculative_draft_model_path, model_path)
+    Eagle3Config.from_dir(draft, cfg).check_target(cfg, draft)
+    return draft, (0, draft_numel(draft))
 
 
 def weight_numel(args: EngineArgs, model_path: str, num_layers: int) -> tuple[int, int]:

@@ -1,5 +1,5 @@
 """Model families by config.json's architecture (Llama, Mistral, Qwen, DeepSeek, Kimi-K2), EAGLE-3
-draft models, and the safetensors loader."""
+draft models, DeepSeek-V3's MTP layer as a draft, and the safetensors loader."""
 
 from tierserve.lazy import lazy_exports
 
@@ -14,6 +14,11 @@ EXPORTS = {
     "draft_numel": "eagle3",
     "draft_path_for": "eagle3",
     "load_draft": "eagle3",
+    "MTPDraft": "mtp",
+    "check_nextn": "mtp",
+    "load_mtp": "mtp",
+    "mtp_numels": "mtp",
+    "nextn_layers": "mtp",
     "load_model": "loader",
     "model_fingerprint": "loader",
 }

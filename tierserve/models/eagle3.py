@@ -126,12 +126,14 @@ class Eagle3Layer(nn.Module):
         super().__init__()
         lay, hidden = cfg.layer, cfg.layer.hidden_size
         self.rotary = rotary_for(lay)
-        with building_attention():  # its heads split as the target's, whose pages it shares
+        # Split over the attention group, MLP too: its heads as the target's, whose pages it
+        # shares, and under DP attention each group drafts its own requests alone.
+        with building_attention():
             self.self_attn = LlamaAttention(lay, layer_id, self.rotary, in_features=2 * hidden)
+            self.mlp = GatedMLP(hidden, lay.intermediate_size)
         self.input_layernorm = RMSNorm(hidden, lay.rms_norm_eps)
         self.hidden_norm = RMSNorm(hidden, lay.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(hidden, lay.rms_norm_eps)
-        self.mlp = GatedMLP(hidden, lay.intermediate_size)
         self.norm_before_residual = cfg.norm_before_residual
 
     def forward(
@@ -150,9 +152,12 @@ class Eagle3Draft(nn.Module):
     output; both return the layer's output, which the next step reads and `propose` turns
     into draft tokens."""
 
+    final_hidden = False  # step 0 reads the auxiliary layers' states
+
     def __init__(self, cfg: Eagle3Config, layer_id: int) -> None:
         super().__init__()
         self.config = cfg
+        self.aux_layers = cfg.aux_layers
         hidden = cfg.layer.hidden_size
         with building_attention():
             self.embed_tokens: nn.Module = VocabParallelEmbedding(cfg.layer.vocab_size, hidden)

@@ -130,7 +130,7 @@ def dequantize(
     return weight.float() * scale.repeat_interleave(block[1], 1)[:, :cols]
 
 
-def _tensors(path: Path, layout: CheckpointLayout) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_tensors(path: Path, layout: CheckpointLayout) -> Iterator[tuple[str, torch.Tensor]]:
     """(model name, tensor) for every tensor the model uses, one at a time, fp8 ones
     dequantized."""
     block = _block_size(path)
@@ -172,7 +172,7 @@ def load_model(
     bar = tqdm(total=total, desc="loading weights", unit="tensor", leave=False)
 
     def counted() -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in _tensors(path, layout):
+        for name, tensor in checkpoint_tensors(path, layout):
             bar.update(1)
             if not (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 yield name, tensor

@@ -1,13 +1,14 @@
-"""Speculative decoding: proposers that draft tokens (ngram.py: prompt lookup; eagle.py: an
-EAGLE-3 draft model's steps) and the verifier that keeps what one target forward confirms
-(verifier.py). Above models (a draft is a
-model), below the engine, whose scheduler asks for drafts and whose runner verifies them."""
+"""Speculative decoding: proposers that draft tokens (ngram.py: prompt lookup; draft_model.py:
+a draft model's steps, EAGLE-3's or an MTP layer's) and the verifier that keeps what one target
+forward confirms (verifier.py). Above models (a draft is a model), below the engine, whose
+scheduler asks for drafts and whose runner verifies them."""
 
 from tierserve.lazy import lazy_exports
 
 EXPORTS = {
-    "DraftRows": "eagle",
-    "Eagle3Proposer": "eagle",
+    "DraftModel": "proposer",
+    "DraftModelProposer": "draft_model",
+    "DraftRows": "draft_model",
     "NgramProposer": "ngram",
     "Proposer": "proposer",
     "SpecStats": "verifier",

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import torch
+
+from tierserve.layers import AttentionBackend
+
 
 class DraftSource(Protocol):
     """A request as proposers see it (the engine's Request)."""
@@ -20,3 +24,24 @@ class Proposer(Protocol):
     def draft_for(self, req: DraftSource, k: int) -> tuple[int, ...]:
         """Up to `k` tokens to verify after `req`'s last one."""
         ...
+
+
+class DraftModel(Protocol):
+    """A draft model's steps (models/eagle3.py's Eagle3Draft, models/mtp.py's MTPDraft): each
+    returns the layer's output at its rows, which the next step reads and `propose` turns
+    into target token ids."""
+
+    aux_layers: tuple[int, ...]  # target layer ids whose states step 0 reads (capture ids)
+    final_hidden: bool  # step 0 reads the target's final hidden state instead
+
+    def start(
+        self, aux: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> torch.Tensor: ...  # fmt: skip
+
+    def step(
+        self, previous: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
+        attn: AttentionBackend,
+    ) -> torch.Tensor: ...  # fmt: skip
+
+    def propose(self, out: torch.Tensor) -> torch.Tensor: ...

@@ -54,6 +54,25 @@ class SpecStats:
         for pos in range(accepted):
             self.accepted_per_position[pos] += 1
 
+    def counts(self) -> list[int]:
+        """The counters as one list (an attention group's report to rank 0)."""
+        head = [self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens]
+        return head + self.accepted_per_position
+
+    def add_since(self, now: list[int], before: list[int]) -> None:
+        """Add what another group's `counts()` gained between two reports."""
+        gained = [a - (before[i] if i < len(before) else 0) for i, a in enumerate(now)]
+        self.num_drafts += gained[0] if gained else 0
+        if len(gained) < 3:
+            return
+        self.num_draft_tokens += gained[1]
+        self.num_accepted_tokens += gained[2]
+        per = gained[3:]
+        if len(self.accepted_per_position) < len(per):
+            self.accepted_per_position += [0] * (len(per) - len(self.accepted_per_position))
+        for pos, n in enumerate(per):
+            self.accepted_per_position[pos] += n
+
 
 @dataclass(frozen=True)
 class _DraftHistory:

@@ -1,14 +1,16 @@
-"""EAGLE-3 drafts: the draft model's steps, run by the runner right after the target's forward,
-inside the same engine step (the scheduler is not consulted between them).
+"""Drafts from a draft model (an EAGLE-3 draft, DeepSeek-V3's MTP layer): its steps, run by the
+runner right after the target's forward, inside the same engine step (the scheduler is not
+consulted between them).
 
 Step 0 runs the draft over every row of the step whose token stands (a prefill chunk's rows,
 a decode row, a verified draft's kept rows), each with the token after it and the target's
-auxiliary hidden states: that writes the draft's KV for those positions (one more layer of the
-pool, so the radix tree, the host tier and storage keep it with the target's), and its last row
-proposes the first draft token. Steps 1 … k − 1 each add one row per drafting request, fed the
-previous step's output and token, at the positions after its last; their KV lands in the
-request's lookahead slots (the scheduler reserves them) and is scratch: the next step's step 0
-writes those positions again from the target's states once they are verified.
+hidden states there (an EAGLE-3 draft reads its auxiliary layers', an MTP layer its final
+state): that writes the draft's KV for those positions (one more layer of the pool, so the radix
+tree, the host tier and storage keep it with the target's), and its last row proposes the first
+draft token. Steps 1 … k − 1 each add one row per drafting request, fed the previous step's
+output and token, at the positions after its last; their KV lands in the request's lookahead
+slots (the scheduler reserves them) and is scratch: the next step's step 0 writes those
+positions again from the target's states once they are verified.
 """
 
 from __future__ import annotations
@@ -18,8 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from tierserve.layers import AttentionBackend, ForwardBatch, SeqSpan
-from tierserve.models import Eagle3Draft
-from tierserve.speculative.proposer import DraftSource
+from tierserve.speculative.proposer import DraftModel, DraftSource
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,13 +37,13 @@ class DraftRows:
     proposes: bool  # the chunk sampled and its request may draft
 
 
-class Eagle3Proposer:
-    """Drafts `num_steps` tokens per request with an EAGLE-3 draft, greedily (a one-hot
+class DraftModelProposer:
+    """Drafts `num_steps` tokens per request with a draft model, greedily (a one-hot
     proposal: the verifier's rejection rule keeps the target's distribution)."""
 
     def __init__(
         self,
-        draft: Eagle3Draft,
+        draft: DraftModel,
         attn: AttentionBackend,
         num_steps: int,
         max_position: int,
@@ -55,7 +56,12 @@ class Eagle3Proposer:
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
-        return self.draft.config.aux_layers
+        return self.draft.aux_layers
+
+    @property
+    def final_hidden(self) -> bool:
+        """Step 0 reads the target's final hidden states (else its `aux_layers`')."""
+        return self.draft.final_hidden
 
     @property
     def lookahead(self) -> int:
@@ -69,7 +75,8 @@ class Eagle3Proposer:
         self, batch: ForwardBatch, aux: torch.Tensor, chunks: list[DraftRows]
     ) -> list[tuple[int, ...]]:
         """Each chunk's drafts for its next step (() where it does not propose). `aux`:
-        [batch rows, len(aux_layers) * hidden], the target's states at this step's rows."""
+        [batch rows, len(aux_layers) * hidden] (or the final states: [batch rows, hidden]),
+        the target's states at this step's rows."""
         out, last = self._start(batch, aux, chunks)
         proposing = [i for i, c in enumerate(chunks) if c.proposes]
         if not proposing:
