@@ -284,6 +284,30 @@ def test_eagle3_without_a_draft_for_another_model_exits_2_naming_the_flag(checkp
     assert "--speculative-draft-model-path" in done.stderr
 
 
+def test_an_oversized_draft_exits_2_naming_its_bytes_before_anything_is_allocated(tmp_path):
+    """A draft whose safetensors hold 26 GB (a sparse file: nothing is written or read) on a
+    demo model that fits: `serve --dry-run` exits 2 naming the draft and its bytes."""
+    import shutil
+
+    huge = tmp_path / "huge-draft"
+    huge.mkdir()
+    shutil.copy(SHIPPED_DRAFT / "config.json", huge / "config.json")
+    size = 200_000 * 32_768 * 4
+    header = json.dumps({"fc.weight": {"dtype": "F32", "shape": [200_000, 32_768],
+                                       "data_offsets": [0, size]}}).encode()  # fmt: skip
+    with open(huge / "model.safetensors", "wb") as f:
+        f.write(len(header).to_bytes(8, "little") + header)
+        f.truncate(8 + len(header) + size)
+    done = subprocess.run(
+        [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(DEMO), "--device", "cpu",
+         "--max-total-tokens", "1024", "--speculative-algorithm", "EAGLE3",
+         "--speculative-draft-model-path", str(huge), "--dry-run"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "EAGLE-3 draft does not fit in RAM: 26.2 GB" in done.stderr, done.stderr
+
+
 def test_capture_and_prompt_logprobs_are_unchanged_by_a_draft(tmp_path):
     """Hidden-state capture at layers the draft does not read (2, 4) beside the ones it does
     (1, 3, 5), and prompt logprobs: the same files and values with the draft as without."""
@@ -321,7 +345,9 @@ def test_the_start_up_plan_counts_the_drafts_weights_and_kv_layer():
     assert spec.plan.spec.bytes_per_token == plain.plan.spec.bytes_per_token + per_layer
     draft_bytes = draft_numel(SHIPPED_DRAFT) * 4
     assert spec.weight_bytes == plain.weight_bytes + draft_bytes
-    assert spec.plan.draft_weight_bytes == draft_bytes
+    assert spec.plan.draft.weight_bytes == draft_bytes
+    vocab = plain.config.vocab_size  # 4 verify rows of float32 logits per running request
+    assert spec.plan.verify_bytes == EngineArgs().max_running_requests * 4 * vocab * 4
     assert "EAGLE-3 draft" in startup_table(spec.plan)
     assert "EAGLE-3" not in startup_table(plain.plan)
 

@@ -185,7 +185,7 @@ def test_sglangs_eagle_means_the_mtp_layer_and_the_plan_counts_it(mtp_dirs):
     weights = load_file(str(mtp_dirs["fitted"] / "model.safetensors"))
     own = [k for k in weights if k.startswith("model.layers.3.")
            and "embed_tokens" not in k and "shared_head.head" not in k]  # fmt: skip
-    assert mtp.plan.draft_weight_bytes == sum(weights[k].numel() for k in own) * 4
-    assert mtp.weight_bytes - plain.weight_bytes == mtp.plan.draft_weight_bytes
+    assert mtp.plan.draft.weight_bytes == sum(weights[k].numel() for k in own) * 4
+    assert mtp.weight_bytes - plain.weight_bytes == mtp.plan.draft.weight_bytes
     assert mtp.plan.spec.num_layers == plain.plan.spec.num_layers + 1
     assert mtp.plan.spec.bytes_per_token * 3 == plain.plan.spec.bytes_per_token * 4

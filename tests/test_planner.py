@@ -792,3 +792,39 @@ def test_plan_and_serve_size_the_device_pool_with_one_function(
     assert served == expected // spec.bytes_per_token
     if free == total:
         assert printed["device_tokens_per_rank"] == served
+
+
+def test_the_plan_and_both_checks_count_a_draft_and_refuse_one_that_is_not_there(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """DeepSeek-V3's MTP layer (NEXTN; SGLang's EAGLE without a draft) split over the ranks,
+    an EAGLE-3 draft whole on each, each one more KV layer per token; a model that ships no MTP
+    layer is refused by name."""
+    from tierserve.models import SHIPPED_DRAFT
+
+    base = ["--model", "deepseek-v3", "--tp", "8", "--gpu", "h200", "--host-mem", "449GB"]
+    plain = json.loads(run_plan(capsys, *base, "--json")[1])
+    code, out, _ = run_plan(capsys, *base, "--speculative-algorithm", "NEXTN", "--json")
+    mtp = json.loads(out)
+    assert code == 0 and mtp["draft"]["name"] == "MTP layer" and mtp["draft"]["split"]
+    # 11.7B own parameters in fp8 (DeepSeek-V3's report: 14B with the embedding and head).
+    assert 11e9 < mtp["draft"]["weight_bytes"] < 12.5e9
+    per_layer = plain["kv_bytes_per_token_per_rank"] // 61
+    assert mtp["kv_bytes_per_token_per_rank"] == plain["kv_bytes_per_token_per_rank"] + per_layer
+    assert mtp["weights_bytes_per_rank"] - plain["weights_bytes_per_rank"] == pytest.approx(
+        mtp["draft"]["weight_bytes"] / 8, abs=1
+    )
+    assert mtp["device_tokens_per_rank"] < plain["device_tokens_per_rank"]
+    sglang = "--tp-size 8 --speculative-algorithm EAGLE --speculative-num-steps 1"
+    code, out, _ = run_plan(capsys, *base, "--check-sglang", sglang)
+    assert code == 0 and "MTP layer: 1.5 GB of weights per rank" in out and "(2 rows)" in out
+    draft = str(SHIPPED_DRAFT)
+    vllm = f"""-tp 8 --speculative-config '{{"method": "eagle3", "model": "{draft}"}}'"""
+    code, out, _ = run_plan(capsys, *base, "--check-vllm", vllm)
+    assert code == 0 and "EAGLE-3 draft" in out and "whole on every rank" in out
+    eagle = ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft]
+    got = json.loads(run_plan(capsys, *base, *eagle, "--json")[1])["draft"]
+    size = (SHIPPED_DRAFT / "model.safetensors").stat().st_size
+    assert (got["weight_bytes"], got["bytes_per_rank"], got["split"]) == (size, size, False)
+    code, _, err = run_plan(capsys, "--model", "kimi-k2.5", "--speculative-algorithm", "EAGLE")
+    assert code == 2 and "ships none" in err

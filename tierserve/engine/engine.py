@@ -143,7 +143,7 @@ class Engine:
             return proposer_for(self.args)
         load = load_mtp if startup.draft_kind == "nextn" else load_draft
         draft = load(startup.draft_path, model, self.dtype, self.device)
-        logger.info("%s: %s", startup.plan.draft_name, startup.draft_path)
+        logger.info("%s: %s", startup.plan.draft.name, startup.draft_path)
         attn = ATTENTION_BACKENDS[startup.attention_backend](pool, pool.spec.num_layers)
         steps = self.args.speculative_num_steps or 0
         return DraftModelProposer(draft, attn, steps, startup.context_length - 1)

@@ -17,6 +17,7 @@ from tierserve.args import EngineArgs
 from tierserve.errors import TierserveError
 from tierserve.sizing import (
     DEFAULT_MARGIN,
+    DraftSize,
     HostBudget,
     HostSizing,
     KVSpec,
@@ -71,23 +72,39 @@ def check_shared_memory(node_bytes: int, path: str = SHARED_MEMORY_DIR) -> None:
 def check_cpu_ram(
     plan: KVPlan, weight_bytes: int, available: int | None = None, local_ranks: int = 1
 ) -> None:
-    """On CPU the "device" pool, its decode workspace and the weights are RAM: refuse, with the
-    arithmetic and the largest pool that fits, what would fail in an allocation later. Each
-    local rank has its own pool and workspace; the weights are split among them."""
+    """On CPU the "device" pool, its decode workspace, a draft's verify logits and the weights
+    are RAM: refuse, with the arithmetic and the largest pool that fits, what would fail in an
+    allocation later. Each local rank has its own pool and workspace; the weights are split
+    among them. `weight_bytes` includes a draft's, which is named when it is what does not fit."""
     available = psutil.virtual_memory().available if available is None else available
     usable = available - DEFAULT_MARGIN
-    need = (plan.device_bytes + plan.workspace_bytes) * local_ranks + weight_bytes
+    verify = plan.verify_bytes * local_ranks
+    need = (plan.device_bytes + plan.workspace_bytes) * local_ranks + verify + weight_bytes
     if need <= usable:
         return
+    draft, of_draft = plan.draft, ""
+    if draft is not None:
+        draft_bytes = draft.bytes_per_node(local_ranks)
+        of_draft = f" (the {draft.name}'s {format_gb(draft_bytes)} of them)"
+        if weight_bytes + verify > usable and weight_bytes - draft_bytes <= usable:
+            raise TierserveError(
+                f"the {draft.name} does not fit in RAM: {format_gb(draft_bytes)} "
+                f"({draft.placement}) + {format_gb(weight_bytes - draft_bytes)} of the model's "
+                f"weights + {format_gb(verify)} verify logits = {format_gb(weight_bytes + verify)} "
+                f"> {format_gb(available)} available − {format_gb(DEFAULT_MARGIN)} margin = "
+                f"{format_gb(usable)}, before any KV pool",
+                field="speculative_draft_model_path",
+            )
     per_token = (plan.device_bytes + plan.workspace_bytes) * local_ranks // plan.device_tokens
-    room = max(0, (usable - weight_bytes) // per_token // plan.spec.page_size * plan.spec.page_size)
+    room = (usable - weight_bytes - verify) // per_token
+    room = max(0, room // plan.spec.page_size * plan.spec.page_size)
+    beside = f" + {format_gb(verify)} verify logits" if verify else ""
     raise TierserveError(
         f"the device KV pool does not fit in RAM: {format_count(plan.device_tokens)} tokens × "
         f"{format_bytes(per_token)} (pool + decode workspace{_of_ranks(local_ranks)}) + "
-        f"{format_gb(weight_bytes)} "
-        f"weights = {format_gb(need)} > {format_gb(available)} available − "
-        f"{format_gb(DEFAULT_MARGIN)} margin = {format_gb(usable)}: use --max-total-tokens "
-        f"{room} or less",
+        f"{format_gb(weight_bytes)} weights{of_draft}{beside} = {format_gb(need)} > "
+        f"{format_gb(available)} available − {format_gb(DEFAULT_MARGIN)} margin = "
+        f"{format_gb(usable)}: use --max-total-tokens {room} or less",
         field="max_total_tokens",
     )
 
@@ -120,12 +137,11 @@ class KVPlan:
     write_policy: str
     workspace_bytes: int = 0  # CPU decode workspace, at most (layers/attention.py)
     storage_ram_bytes: int = 0  # a storage client's RAM on this node (Mooncake's segment)
-    # A draft model (an EAGLE-3 draft, an MTP layer): its weights, one copy (counted in the RAM
-    # checks with the target's), and its KV layers, the spec's last (counted in every
-    # bytes-per-token figure).
-    draft_name: str = ""
-    draft_weight_bytes: int = 0
-    draft_kv_layers: int = 0
+    # A draft model (an EAGLE-3 draft, an MTP layer): its weights (counted in the RAM checks
+    # with the target's), its KV layers, the spec's last (in every bytes-per-token figure),
+    # and the verify logits of the running requests (RAM on CPU; activations on a GPU).
+    draft: DraftSize | None = None
+    verify_bytes: int = 0
 
     @property
     def device_bytes(self) -> int:
@@ -180,12 +196,14 @@ def startup_table(plan: KVPlan, dp_groups: int = 1) -> str:
         ]
     if plan.storage_ram_bytes:
         rows.append(("storage client RAM", format_gb(plan.storage_ram_bytes, 3)))
-    if plan.draft_kv_layers:
-        per_token = spec.bytes_per_token // spec.num_layers * plan.draft_kv_layers
-        weights = format_gb(plan.draft_weight_bytes, 3)
+    draft = plan.draft
+    if draft is not None:
+        per_token = spec.bytes_per_token // spec.num_layers * draft.kv_layers
+        weights = format_gb(draft.weight_bytes, 3)
         rows.append(
-            (plan.draft_name, f"{weights} of weights; its KV layer {format_bytes(per_token)} of "
-             "each token's (counted above)")
+            (draft.name, f"{weights} of weights ({draft.placement}); its KV layer "
+             f"{format_bytes(per_token)} of each token's (counted above); verify logits "
+             f"{format_gb(plan.verify_bytes, 3)} at the running cap")
         )  # fmt: skip
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

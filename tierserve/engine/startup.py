@@ -29,7 +29,7 @@ from tierserve.models import (
     mtp_numels,
     nextn_layers,
 )
-from tierserve.sizing import KVSpec, device_pool_bytes
+from tierserve.sizing import DraftSize, KVSpec, device_pool_bytes
 from tierserve.storage import StorageConfig, backend_class
 
 CPU_DEFAULT_POOL_TOKENS = 32768
@@ -84,14 +84,20 @@ class Startup:
         # With DP attention a rank holds KV for its attention group's share of the heads.
         spec = KVSpec.from_model(cfg, kv_dtype, args.page_size, tp=args.attention_tp_size)
         node_numel, rank_numel = weight_numel(args, model_path, cfg.num_layers)
-        draft, kind, draft_numel_ = None, _draft_kind(args, model_path), 0
+        draft, kind, size = None, _draft_kind(args, model_path), None
         if kind is not None:
             draft, (split, whole) = _draft(args, kind, model_path, cfg)
             # Its weights, and its KV as one more layer of every page, before anything is sized.
             spec = dataclasses.replace(spec, num_layers=spec.num_layers + 1)
-            draft_numel_ = split + whole
             node_numel += split + whole * args.tp_size
             rank_numel += -(-split // args.tp_size) + whole
+            size = DraftSize(
+                DRAFT_NAMES[kind],
+                (split + whole) * dtype.itemsize,
+                kind == "nextn",
+                args.num_speculative_tokens + 1,
+                draft,
+            )
         extra = _fp32_extra(cfg, dtype.itemsize) + packed_head_bytes(
             cfg.tie_word_embeddings, cfg.vocab_size, cfg.hidden_size, device, dtype
         )
@@ -101,14 +107,8 @@ class Startup:
         backend = resolve_backend(args.attention_backend, device)
         # Only the torch backend keeps a decode workspace (on CPU); the CPU kernel reads pages.
         width = dtype.itemsize if backend == "torch" else 0
-        plan = _kv_plan(args, device, spec, (weight_bytes, rank_weights), width, storage)
-        if draft is not None:
-            plan = dataclasses.replace(
-                plan,
-                draft_name=DRAFT_NAMES[kind],
-                draft_weight_bytes=draft_numel_ * dtype.itemsize,
-                draft_kv_layers=1,
-            )
+        weights = (weight_bytes, rank_weights)
+        plan = _kv_plan(args, device, spec, weights, width, storage, (size, cfg.vocab_size))
         context = _context_length(args, cfg)
         flops = 2.0 * node_numel / args.tp_size
         return cls(
@@ -203,6 +203,7 @@ def _kv_plan(
     weights: tuple[int, int],  # bytes on the node, on one rank
     workspace_width: int,  # bytes per element of a decode workspace; 0: the backend has none
     storage: StorageConfig | None,
+    draft: tuple[DraftSize | None, int] = (None, 0),  # a draft model, the vocabulary it verifies
 ) -> KVPlan:
     weight_bytes, rank_weights = weights
     num_pages = check_pool_size(_pool_tokens(args, device, spec, rank_weights), spec.page_size)
@@ -213,7 +214,12 @@ def _kv_plan(
     per_token = spec.bytes_per_token // spec.dtype_bytes * workspace_width
     workspace = DecodeWorkspace.MAX_PADDING * device_tokens * per_token
     workspace = workspace if on_cpu else 0
-    plan = KVPlan(spec, device_tokens, None, args.hicache_write_policy, workspace)
+    size, vocab = draft
+    verify = size.verify_bytes(vocab, args.max_running_requests // args.dp_groups) if size else 0
+    plan = KVPlan(
+        spec, device_tokens, None, args.hicache_write_policy, workspace, draft=size,
+        verify_bytes=verify,
+    )  # fmt: skip
     if on_cpu:
         check_cpu_ram(plan, weight_bytes, local_ranks=args.local_ranks)
     host = None
@@ -225,7 +231,7 @@ def _kv_plan(
             )
         # On CPU the weights, the "device" pool and the workspace are host RAM too; a store's
         # client (Mooncake's segment and buffer) is host RAM on any device.
-        overhead = (device_tokens * spec.bytes_per_token + workspace) * args.local_ranks
+        overhead = (device_tokens * spec.bytes_per_token + workspace + verify) * args.local_ranks
         overhead += weight_bytes  # split among the node's ranks (tensor parallelism)
         store = 0
         if storage is not None:  # each rank's client RAM, and its write and fetch buffers

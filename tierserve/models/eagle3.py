@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +41,7 @@ from tierserve.layers import (
 )
 from tierserve.model_config import ModelConfig
 from tierserve.models.llama import LlamaAttention
-from tierserve.models.loader import fill
+from tierserve.models.loader import fill, tensor_shapes
 
 FIELD = "speculative_draft_model_path"
 
@@ -240,13 +241,8 @@ def load_draft(
 
 def draft_numel(path: str | Path) -> int:
     """Parameters a draft adds (its embeddings are the target's when it has none)."""
-    from safetensors import safe_open
-
-    with safe_open(str(Path(path) / "model.safetensors"), framework="pt") as f:
-        return sum(
-            int(torch.Size(f.get_slice(k).get_shape()).numel())
-            for k in f.keys()  # noqa: SIM118
-        )
+    shapes = tensor_shapes(Path(path) / "model.safetensors")
+    return sum(math.prod(shape) for shape in shapes.values())
 
 
 # The draft shipped for the bundled demo model (scripts/train_eagle3_draft.py writes it), and

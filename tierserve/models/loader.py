@@ -85,17 +85,13 @@ def checkpoint_numels(path: str | Path, num_layers: int) -> tuple[int, int]:
     total = attention = 0
     layout = CheckpointLayout.of(Path(path), num_layers)
     for file in weight_files(Path(path)):
-        try:
-            with safe_open(str(file), framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    name = layout.model_name(key)
-                    if not name:
-                        continue
-                    numel = math.prod(f.get_slice(key).get_shape())
-                    total += numel
-                    attention += numel if any(p in name for p in _ATTENTION_SIDE) else 0
-        except Exception as err:  # safetensors raises its own error type for a bad header
-            raise TierserveError(f"cannot read {file}: {err}", field="model") from None
+        for key, shape in tensor_shapes(file).items():
+            name = layout.model_name(key)
+            if not name:
+                continue
+            numel = math.prod(shape)
+            total += numel
+            attention += numel if any(p in name for p in _ATTENTION_SIDE) else 0
     return total, attention
 
 
@@ -246,8 +242,24 @@ def _rank_slice(tensor: torch.Tensor, shape: torch.Size, shard: tuple[int, int])
 
 
 def _keys(file: Path, layout: CheckpointLayout) -> list[str]:
-    with safe_open(str(file), framework="pt") as f:
-        return [k for k in f.keys() if layout.model_name(k)]  # noqa: SIM118
+    return [k for k in tensor_shapes(file) if layout.model_name(k)]
+
+
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
+
+
+def tensor_shapes(file: Path) -> dict[str, list[int]]:
+    """Each tensor's shape from a safetensors file's header alone: nothing is mapped, so a
+    file larger than the address space allows (a draft that could never fit) is read too."""
+    try:
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 0 < length <= MAX_HEADER_BYTES:
+                raise ValueError(f"header length {length}")
+            header = json.loads(f.read(length))
+        return {k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise TierserveError(f"cannot read {file}: {err}", field="model") from None
 
 
 # --- what names a model in a shared store ------------------------------------------------

@@ -15,6 +15,7 @@ the same on every rank, so pages stay rank-independent and the shared host copy 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -25,7 +26,13 @@ from tierserve.layers import AttentionBackend, ColumnParallelLinear, RMSNorm, pa
 from tierserve.model_config import ModelConfig, read_hf_config, text_config
 from tierserve.models.decoder import DecoderLayer
 from tierserve.models.deepseek import DeepseekForCausalLM
-from tierserve.models.loader import CheckpointLayout, checkpoint_tensors, fill, weight_files
+from tierserve.models.loader import (
+    CheckpointLayout,
+    checkpoint_tensors,
+    fill,
+    tensor_shapes,
+    weight_files,
+)
 
 FIELD = "speculative_algorithm"
 _SHARED = ("embed_tokens.", "shared_head.head.")  # the target's own: never loaded twice
@@ -118,22 +125,18 @@ def check_nextn(model_dir: str | Path, cfg: ModelConfig) -> None:
 def mtp_numels(model_dir: str | Path, num_layers: int) -> tuple[int, int]:
     """(parameters of the MTP layer split over the ranks, those whole on every rank: eh_proj
     and the norms) in the checkpoint's headers; the shared embedding and head left out."""
-    from safetensors import safe_open
-
     path = Path(model_dir)
     layout = MTPLayout.of(path, num_layers)
     split = whole = 0
     for file in weight_files(path):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():  # noqa: SIM118 (safe_open is not a dict)
-                name = layout.model_name(key)
-                if name is None:
-                    continue
-                numel = int(torch.Size(f.get_slice(key).get_shape()).numel())
-                if name.startswith(_OWN) or "norm" in name:
-                    whole += numel
-                else:
-                    split += numel
+        for key, shape in tensor_shapes(file).items():
+            name = layout.model_name(key)
+            if name is None:
+                continue
+            if name.startswith(_OWN) or "norm" in name:
+                whole += math.prod(shape)
+            else:
+                split += math.prod(shape)
     return split, whole
 
 

@@ -16,6 +16,7 @@ from tierserve.args import EngineArgs, ranks_per_node
 from tierserve.console import JSON_SCHEMA_VERSION, emit
 from tierserve.errors import TierserveError
 from tierserve.model_config import read_hf_config
+from tierserve.plan.draft import draft_size
 from tierserve.plan.plan import DEFAULT_AVG_SEQ_LEN, Machine, PlanInputs, Workload, make_plan
 from tierserve.plan.presets import (
     GPU_PRESETS,
@@ -53,6 +54,9 @@ SHARED_FLAGS = (
     "max_running_requests",
     "hicache_storage_backend",
     "hicache_storage_backend_extra_config",
+    "speculative_algorithm",
+    "speculative_draft_model_path",
+    "speculative_num_steps",
 )
 PLAN_DEFAULTS = {"page_size": 1, "max_running_requests": None}
 
@@ -403,4 +407,11 @@ def build_inputs(ns: argparse.Namespace, model: ModelSpec) -> PlanInputs:
         kv_bytes_per_token_per_rank=ns.kv_bytes_per_token,
         device_tokens_per_rank=ns.max_total_tokens,
         context_length=ns.context_length,
+        draft=draft_size(
+            ns.speculative_algorithm,
+            ns.speculative_draft_model_path,
+            ns.speculative_num_steps,
+            model,
+            "speculative_algorithm",
+        ),
     )

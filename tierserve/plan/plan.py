@@ -34,6 +34,7 @@ from tierserve.plan.weights import ModelSpec
 from tierserve.sizing import (
     DEFAULT_MARGIN,
     DEFAULT_OVERHEAD_PER_RANK,
+    DraftSize,
     HostBudget,
     HostRequest,
     HostSizing,
@@ -49,6 +50,7 @@ from tierserve.sizing import (
     tokens_in,
     weights_per_rank,
 )
+from tierserve.units import format_bytes, format_gb
 
 # ---------------------------------------------------------------------------------------------
 # The plan
@@ -95,6 +97,7 @@ class PlanInputs:
     # each group of tp / dp ranks holds its own requests' KV; the MLP and experts span all tp.
     dp_attention: bool = False
     dense_per_group: bool = False  # vLLM's form: dense MLPs and shared experts per group too
+    draft: DraftSize | None = None  # a speculative draft model's weights and KV layer
 
     def __post_init__(self) -> None:
         kv_dtype_name(self.kv_dtype)
@@ -228,6 +231,19 @@ def _inputs_dict(inputs: PlanInputs) -> dict[str, Any]:
         "wanted_concurrency": inputs.workload.concurrency,
         "weights_bytes": inputs.model.weight_bytes,
         "weights_note": inputs.model.weight_note,
+        "draft": _draft_dict(inputs),
+    }
+
+
+def _draft_dict(inputs: PlanInputs) -> dict[str, Any] | None:
+    draft = inputs.draft
+    if draft is None:
+        return None
+    return {
+        **dataclasses.asdict(draft),
+        "bytes_per_rank": draft.bytes_per_rank(inputs.tp),
+        "kv_layers": 1,
+        "verify_bytes_per_request": draft.verify_bytes(inputs.model.config.vocab_size),
     }
 
 
@@ -289,6 +305,8 @@ def _device_side(inputs: PlanInputs, bytes_per_token: int) -> tuple[int, int, in
             inputs.model.weight_bytes - attention, inputs.tp * inputs.pp
         )
         rank_weights += weights_per_rank(attention, inputs.attention_tp * inputs.pp)
+    if inputs.draft is not None:  # on the last stage only; every stage is planned alike
+        rank_weights += inputs.draft.bytes_per_rank(inputs.tp)
     if inputs.device_tokens_per_rank is not None:
         tokens = inputs.device_tokens_per_rank
         return rank_weights, tokens * bytes_per_token, tokens
@@ -302,6 +320,8 @@ def make_plan(inputs: PlanInputs) -> Plan:
     # A pipeline stage holds its share of the layers, and their KV.
     cfg = inputs.model.config
     stage = dataclasses.replace(cfg, num_layers=math.ceil(cfg.num_layers / inputs.pp))
+    if inputs.draft is not None:  # its KV: one more layer of the target's shape
+        stage = dataclasses.replace(stage, num_layers=stage.num_layers + 1)
     spec = kv_spec(stage, inputs.kv_dtype, inputs.attention_tp, inputs.page_size)
     kv = _kv_for(inputs, spec)
     ranks = local_ranks(inputs.processes, inputs.gpus_per_node)
@@ -325,6 +345,21 @@ def make_plan(inputs: PlanInputs) -> Plan:
         recommended=best,
         shared=size_host_cache(*host_args, spec.host_sharing(ranks)),
     )
+
+
+def draft_lines(plan: Plan) -> list[str]:
+    """What a speculative line's draft adds, for the checks' explanations."""
+    draft, tp = plan.inputs.draft, plan.inputs.tp
+    if draft is None:
+        return []
+    layer = plan.kv.per_rank // plan.spec.num_layers
+    verify = draft.verify_bytes(plan.inputs.model.config.vocab_size)
+    return [
+        f"{draft.name}: {format_gb(draft.bytes_per_rank(tp))} of weights per rank "
+        f"({draft.placement}, {draft.source}) in the weights; its KV one more layer, "
+        f"{format_bytes(layer)} of each token's {format_bytes(plan.kv.per_rank)}; verify "
+        f"logits {format_bytes(verify)} per running request ({draft.tokens_per_step} rows)"
+    ]
 
 
 def kv_dtype_flag(plan: Plan, fp8: str) -> str:

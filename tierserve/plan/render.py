@@ -63,6 +63,7 @@ def _device_rows(plan: Plan) -> list[Row]:
         running += f": {inputs.dp} {inputs.dp_meaning} × {format_count(each)}"
     return [
         ("weights", format_gb(plan.weights_bytes_per_rank), weights_note),
+        *_draft_rows(plan),
         ("GPU × mem-fraction-static", format_gb(static), f"{format_gb(gpu)} × {frac:g}"),
         ("KV pool", format_gb(plan.device_pool_bytes_per_rank), pool_note),
         (
@@ -72,6 +73,23 @@ def _device_rows(plan: Plan) -> list[Row]:
         ),
         (f"requests of {length} tokens", format_count(plan.device_concurrency), running),
     ]
+
+
+def _draft_rows(plan: Plan) -> list[Row]:
+    """The draft's share of the weights above, its KV layer's share of each token's bytes, and
+    the verify step's logits (activations, beside the static fraction)."""
+    draft, tp = plan.inputs.draft, plan.inputs.tp
+    if draft is None:
+        return []
+    layer = format_bytes(plan.kv.per_rank // plan.spec.num_layers)
+    verify = format_bytes(draft.verify_bytes(plan.inputs.model.config.vocab_size))
+    return [
+        (f"  of which {draft.name}", format_gb(draft.bytes_per_rank(tp)),
+         f"{draft.source}, {draft.placement}"),
+        ("  its KV layer", layer, "per token, in the tokens' bytes below"),
+        ("  verify logits", verify,
+         f"per running request: {draft.tokens_per_step} rows × vocabulary × 4 B"),
+    ]  # fmt: skip
 
 
 def _host_rows(plan: Plan) -> list[Row]:

@@ -19,7 +19,8 @@ from typing import Any
 
 from tierserve.args import check_mem_fraction, ranks_per_node
 from tierserve.errors import TierserveError
-from tierserve.plan.plan import Plan, PlanInputs, kv_dtype_flag, make_plan
+from tierserve.plan.draft import draft_size
+from tierserve.plan.plan import Plan, PlanInputs, draft_lines, kv_dtype_flag, make_plan
 from tierserve.plan.sglang_versions import (
     DEFAULT_FRACTION,
     DEFAULT_RATIO,
@@ -54,6 +55,9 @@ class SGLangFlags:
     kv_cache_dtype: str | None = None
     max_total_tokens: int | None = None
     model_path: str | None = None
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
 
     @property
     def local_ranks(self) -> int:
@@ -80,6 +84,9 @@ def _sglang_parser() -> argparse.ArgumentParser:
     add("--kv-cache-dtype", default=None)
     add("--max-total-tokens", type=int, default=None)
     add("--model-path", "--model", dest="model_path", default=None)
+    add("--speculative-algorithm", default=None)
+    add("--speculative-draft-model-path", "--speculative-draft-model", default=None)
+    add("--speculative-num-steps", type=int, default=None)
     return parser
 
 
@@ -184,6 +191,13 @@ def _sglang_inputs(flags: SGLangFlags, inputs: PlanInputs) -> PlanInputs:
         page_size=flags.page_size,
         host=HostRequest.auto(),
         device_tokens_per_rank=device,
+        draft=draft_size(
+            flags.speculative_algorithm,
+            flags.speculative_draft_model_path,
+            flags.speculative_num_steps,
+            inputs.model,
+            "check_sglang",
+        ),
     )
 
 
@@ -253,7 +267,7 @@ def check_sglang(flags: str, inputs: PlanInputs, version: str = NEWEST) -> SGLan
     release = SGLangVersion.parse(version)
     parsed = parse_sglang_flags(flags)
     plan = make_plan(_sglang_inputs(parsed, inputs))
-    lines = [_process_line(parsed), _holds_line(plan)]
+    lines = [_process_line(parsed), _holds_line(plan), *draft_lines(plan)]
     blocking = [c for c in judge(plan).failed if c.name in ("device memory", "host RAM")]
     if blocking:  # no KV pool, or the processes alone exceed the node's RAM
         lines += [f"{c.name} does NOT fit: {c.arithmetic}; {c.fix}" for c in blocking]

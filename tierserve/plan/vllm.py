@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import shlex
 from dataclasses import dataclass
 from typing import Any
 
 from tierserve.errors import TierserveError
-from tierserve.plan.plan import Plan, PlanInputs, kv_dtype_flag, make_plan
+from tierserve.plan.draft import draft_size
+from tierserve.plan.plan import Plan, PlanInputs, draft_lines, kv_dtype_flag, make_plan
 from tierserve.plan.verdict import Constraint, Verdict, judge
-from tierserve.sizing import HostRequest, HostSizing, short_kv_dtype
+from tierserve.sizing import DraftSize, HostRequest, HostSizing, short_kv_dtype
 from tierserve.units import GiB, format_count
 
 VLLM_DEFAULT_UTILIZATION = 0.9
@@ -41,6 +43,7 @@ class VLLMFlags:
     num_gpu_blocks_override: int | None = None
     kv_offloading_size: float = 0.0  # GiB for one engine (all its TP × PP workers)
     model: str | None = None
+    speculative_config: str | None = None  # JSON: method, model, num_speculative_tokens
 
     @property
     def local_ranks(self) -> int:
@@ -60,6 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     add("--num-gpu-blocks-override", type=int, default=None)
     add("--kv-offloading-size", type=float, default=0.0)
     add("--model", dest="model", default=None)
+    add("--speculative-config", default=None)
     return parser
 
 
@@ -150,7 +154,37 @@ def _vllm_inputs(flags: VLLMFlags, inputs: PlanInputs) -> PlanInputs:
         host=host,
         device_tokens_per_rank=device,
         context_length=max_len or None,
+        draft=_vllm_draft(flags, inputs),
     )
+
+
+# vLLM's speculative methods as SGLang's algorithm names (draft_size reads those).
+_VLLM_METHODS = {
+    "ngram": "NGRAM",
+    "eagle": "EAGLE3",
+    "eagle3": "EAGLE3",
+    "deepseek_mtp": "NEXTN",
+    "mtp": "NEXTN",
+}
+
+
+def _vllm_draft(flags: VLLMFlags, inputs: PlanInputs) -> DraftSize | None:
+    if flags.speculative_config is None:
+        return None
+    try:
+        raw = json.loads(flags.speculative_config)
+    except ValueError as err:
+        message = f"vLLM --speculative-config is not JSON: {err}"
+        raise TierserveError(message, "check_vllm") from None
+    method = raw.get("method") if isinstance(raw, dict) else None
+    if method not in _VLLM_METHODS:
+        known = ", ".join(_VLLM_METHODS)
+        message = f"vLLM --speculative-config method {method!r}: the plan knows {known}"
+        raise TierserveError(message, "check_vllm")
+    steps = raw.get("num_speculative_tokens")
+    steps = steps if isinstance(steps, int) and not isinstance(steps, bool) else None
+    model = raw.get("model") if isinstance(raw.get("model"), str) else None
+    return draft_size(_VLLM_METHODS[method], model, steps, inputs.model, "check_vllm")
 
 
 def _dp_attention(flags: VLLMFlags, inputs: PlanInputs) -> bool:
@@ -166,6 +200,7 @@ def check_vllm(flags: str, inputs: PlanInputs) -> VLLMCheck:
     layout = f"{parsed.tp} TP × {parsed.pp} PP workers"
     layout += f" × {parsed.dp} data-parallel engines" if parsed.dp > 1 else ""
     lines = [f"vLLM starts {layout}: {parsed.local_ranks} processes on this node"]
+    lines += draft_lines(verdict.plan)
     if _dp_attention(parsed, inputs):
         lines.append(
             f"a MoE model: each engine's attention and KV are its own requests' (DP attention), "

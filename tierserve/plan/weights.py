@@ -191,6 +191,9 @@ class ModelSpec:
     # ...and the dense MLPs and shared experts, which vLLM's data parallelism also keeps once
     # per engine (only its routed experts span every worker).
     dense_mlp_bytes: int = 0
+    # The multi-token-prediction layers a speculative server adds (num_nextn_predict_layers),
+    # not in weight_bytes: their embedding and head are the model's own.
+    mtp_bytes: int = 0
 
 
 def model_spec(
@@ -212,8 +215,28 @@ def model_spec(
     attention = model.num_layers * _attention_params(model) * dtype_bytes(dtypes["other"])
     attention = int((attention + groups["embeddings"] * dtype_bytes(dtypes["embeddings"])) * scale)
     dense = int(_MLPShape.of(config).dense_params * dtype_bytes(dtypes["other"]) * scale)
+    mtp = int(_mtp_bytes(config, dtypes))
     if weights is not None:  # the same shares of the bytes given
         shares = [int(weights * part / size) if size else 0 for part in (attention, dense)]
-        return ModelSpec(name, model, weights, f"{format_gb(weights)} as given", "", *shares)
+        note = f"{format_gb(weights)} as given"
+        return ModelSpec(name, model, weights, note, "", *shares, mtp_bytes=mtp)
     parts = [f"{groups[g] * scale / 1e9:,.1f}B {g} × {dtypes[g]}" for g in GROUPS if groups[g]]
-    return ModelSpec(name, model, size, ", ".join(parts), "", attention, dense)
+    return ModelSpec(name, model, size, ", ".join(parts), "", attention, dense, mtp)
+
+
+def _mtp_bytes(config: Mapping[str, Any], dtypes: Mapping[str, str]) -> float:
+    """DeepSeek-V3's MTP layers: each `eh_proj`, three norms and a decoder layer with experts
+    (as the model's last layer has them)."""
+    layers = config_int(text_config(config), "num_nextn_predict_layers", 0)
+    if not layers:
+        return 0.0
+    model, mlp = ModelConfig.from_dict(config), _MLPShape.of(config)
+    hidden = model.hidden_size
+    other = 2 * hidden * hidden + 5 * hidden + _attention_params(model)
+    if mlp.experts:
+        experts = mlp.experts * 3 * hidden * mlp.expert_inter
+        other += 3 * hidden * mlp.shared + mlp.experts * hidden
+    else:
+        experts, other = 0, other + 3 * hidden * mlp.inter
+    each = experts * dtype_bytes(dtypes["experts"]) + other * dtype_bytes(dtypes["other"])
+    return layers * each

@@ -1,5 +1,5 @@
-"""Sizes, computed once: KV bytes per token (kv.py) and pool sizes (pools.py), the pure
-arithmetic `tierserve plan` and `tierserve serve` both call."""
+"""Sizes, computed once: KV bytes per token (kv.py), pool sizes (pools.py) and a speculative
+draft's memory (draft.py), the pure arithmetic `tierserve plan` and `tierserve serve` both call."""
 
 from tierserve.lazy import lazy_exports
 
@@ -8,6 +8,7 @@ from tierserve.lazy import lazy_exports
 EXPORTS = {
     "DEFAULT_MARGIN": "pools",
     "DEFAULT_OVERHEAD_PER_RANK": "pools",
+    "DraftSize": "draft",
     "HostBudget": "pools",
     "HostRequest": "pools",
     "HostSizing": "pools",
