@@ -241,6 +241,51 @@ def test_the_draft_kv_comes_back_from_the_host_tier_with_the_targets():
     assert llm.engine.spec_stats.num_accepted_tokens > kept_before
 
 
+def _spec_run(llm: LLM, prompts: list[list[int]], params: SamplingParams):
+    """The outputs' tokens and what the run added to (drafts, accepted tokens)."""
+    s = llm.engine.spec_stats
+    before = (s.num_drafts, s.num_accepted_tokens)
+    outs = llm.generate(prompts, params)
+    return [o.token_ids for o in outs], (s.num_drafts - before[0], s.num_accepted_tokens - before[1])
+
+
+def test_a_repeated_prompt_keeps_its_acceptance_length_in_every_tier():
+    """The shipped draft's drafts and accepted tokens for a prompt are those of a server
+    without a cache when it comes again from the radix tree, and from the host tier after
+    every device copy went; a batch preempted by offload under a small pool keeps the
+    acceptance of the same batch in a pool that holds it all. Greedy tokens are the same in
+    every case; the host tier's load-back bytes are whole pages that hold the draft's layer."""
+    greedy = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    prompt = _workload(seed=6)[0][0] * 2
+    spec = {"speculative_algorithm": "EAGLE3", "page_size": 16}
+    base = LLM(str(DEMO), disable_radix_cache=True, max_total_tokens=4096, **spec)
+    want, acceptance = _spec_run(base, [prompt], greedy)
+    assert acceptance[1] > 0
+    llm = LLM(str(DEMO), max_total_tokens=512, enable_hierarchical_cache=True,
+              hicache_ratio=2.0, **spec)  # fmt: skip
+    assert _spec_run(llm, [prompt], greedy) == (want, acceptance)
+    assert _spec_run(llm, [prompt], greedy) == (want, acceptance)  # from the radix tree
+    kv = llm.engine.kv
+    assert kv.host.stats.device_hit_tokens > 0
+    kv.host.drain()
+    kv._evict(kv.radix.num_pages)  # every device copy goes; the host keeps its copies
+    assert _spec_run(llm, [prompt], greedy) == (want, acceptance)  # loaded back
+    stats, page = kv.host.stats, kv.pool.spec.bytes_per_page
+    assert stats.host_hit_tokens > 0 and stats.load_back_bytes > 0
+    assert stats.load_back_bytes == stats.load_back_tokens // 16 * page
+    per_layer = page // kv.pool.spec.num_layers  # the draft's layer: one more of the target's
+    assert kv.pool.spec.num_layers == llm.engine.model_config.num_layers + 1 and per_layer > 0
+
+    long = SamplingParams(max_tokens=96, temperature=0, ignore_eos=True)
+    batch = [p for p, _ in _workload(seed=8)][:6]
+    roomy = LLM(str(DEMO), max_total_tokens=8192, **spec)
+    small = LLM(str(DEMO), max_total_tokens=384, chunked_prefill_size=64,
+                enable_hierarchical_cache=True, hicache_ratio=4, **spec)  # fmt: skip
+    assert _spec_run(small, batch, long) == _spec_run(roomy, batch, long)
+    assert small.engine.scheduler.stats.num_offload_preemptions > 0
+    small.engine.check_accounting()
+
+
 def test_an_sglang_format_draft_drafts_as_its_speculators_twin(tmp_path):
     prompts = [p for p, _ in _workload(seed=2)[:3]]
     greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -383,4 +428,13 @@ def test_a_restarted_engine_finds_the_drafts_kv_in_storage(tmp_path):
     assert again.engine.storage.stats.hit_pages > 0
     fetched = draft_layer(again)
     assert len(fetched) == len(computed) and torch.equal(fetched, computed)
-    assert again.engine.spec_stats.num_accepted_tokens > 0
+    # The same drafts kept as the first engine's, and whole pages with the draft's layer.
+    first_stats, stats = first.engine.spec_stats, again.engine.spec_stats
+    assert (stats.num_drafts, stats.num_accepted_tokens) == (
+        first_stats.num_drafts, first_stats.num_accepted_tokens
+    )
+    assert stats.num_accepted_tokens > 0
+    store, spec = again.engine.storage.stats, again.engine.kv.pool.spec
+    per_layer = spec.bytes_per_page // spec.num_layers  # each object: a page and its header
+    assert store.hit_pages * spec.bytes_per_page <= store.read_bytes
+    assert store.read_bytes < store.hit_pages * (spec.bytes_per_page + per_layer)

@@ -142,6 +142,36 @@ def test_tensor_parallel_ranks_draft_with_the_mtp_layer_as_one_process(mtp_dirs)
         assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 
+def test_the_shared_host_copy_brings_back_the_mtp_layers_latent_with_its_acceptance(mtp_dirs):
+    """Two ranks of an MLA target hold identical latents, the MTP layer's too, so the node
+    keeps one host copy: a prompt whose device pages were evicted by others comes back from it
+    with the drafts and accepted tokens of one process without any cache."""
+    from tests.test_hicache import random_prompts
+
+    path, greedy = str(mtp_dirs["fitted"]), SamplingParams(max_tokens=24, temperature=0,
+                                                            ignore_eos=True)  # fmt: skip
+    first = fitting_prompts(VOCAB).tolist()[0]
+    base = LLM(path, speculative_algorithm="NEXTN", disable_radix_cache=True, max_total_tokens=1024)
+    prompt = first + base.generate([first], greedy)[0].token_ids[:26]  # 2 pages
+    s = base.engine.spec_stats
+    before = (s.num_drafts, s.num_accepted_tokens)
+    want = base.generate([prompt], greedy)[0].token_ids
+    acceptance = (s.num_drafts - before[0], s.num_accepted_tokens - before[1])
+    common = {"tp_size": 2, "device": "cpu", "page_size": 16, "max_total_tokens": 160,
+              "enable_hierarchical_cache": True, "hicache_ratio": 8}  # fmt: skip
+    with LLM(path, speculative_algorithm="NEXTN", **common) as llm:
+        assert llm.engine.kv_plan.host.sharing == 2  # one copy for both ranks
+        llm.generate([prompt], greedy)
+        llm.generate(random_prompts(4, [100], seed=9), greedy)  # its device pages go
+        s = llm.engine.spec_stats
+        before = (s.num_drafts, s.num_accepted_tokens)
+        again = llm.generate([prompt], greedy)[0]
+        assert again.token_ids == want
+        assert (s.num_drafts - before[0], s.num_accepted_tokens - before[1]) == acceptance
+        assert llm.engine.kv.host.stats.host_hit_tokens >= 16  # a page (pair keys: not the last)
+    assert acceptance[1] > acceptance[0] // 2  # a fitted layer: most drafts kept
+
+
 @pytest.mark.parametrize(
     ("model", "kwargs", "words"),
     [

@@ -190,13 +190,17 @@ class Scheduler:
                 req.kv = self.kv.release(h, req.all_ids, keep_in_cache=False)
                 break
             n = min(req.remaining, budget)  # more to compute if the host part stayed behind
-            if not self.kv.grow(h, self._reach(req, n)):
+            # A request back from preemption verifies the draft it had after the tokens it
+            # recomputes (a partial page is not kept), as if it had kept running.
+            back = n == req.remaining and bool(req.output_ids)
+            draft = self._draft(req) if back else ()
+            if not self.kv.grow(h, self._reach(req, n + len(draft))):
                 req.kv = self.kv.release(h, req.all_ids, keep_in_cache=False)
                 break
             del self.waiting[i]
             self.kv.commit(h, first_admission=req.cached_tokens is None)
             self._start(req, h.cached)
-            chunks.append(ScheduledChunk(req, n))
+            chunks.append(ScheduledChunk(req, n, draft))
             budget -= n
             reserve += 1
         return chunks
