@@ -246,7 +246,8 @@ def _spec_run(llm: LLM, prompts: list[list[int]], params: SamplingParams):
     s = llm.engine.spec_stats
     before = (s.num_drafts, s.num_accepted_tokens)
     outs = llm.generate(prompts, params)
-    return [o.token_ids for o in outs], (s.num_drafts - before[0], s.num_accepted_tokens - before[1])
+    gained = (s.num_drafts - before[0], s.num_accepted_tokens - before[1])
+    return [o.token_ids for o in outs], gained
 
 
 def test_a_repeated_prompt_keeps_its_acceptance_length_in_every_tier():
@@ -431,7 +432,8 @@ def test_a_restarted_engine_finds_the_drafts_kv_in_storage(tmp_path):
     # The same drafts kept as the first engine's, and whole pages with the draft's layer.
     first_stats, stats = first.engine.spec_stats, again.engine.spec_stats
     assert (stats.num_drafts, stats.num_accepted_tokens) == (
-        first_stats.num_drafts, first_stats.num_accepted_tokens
+        first_stats.num_drafts,
+        first_stats.num_accepted_tokens,
     )
     assert stats.num_accepted_tokens > 0
     store, spec = again.engine.storage.stats, again.engine.kv.pool.spec

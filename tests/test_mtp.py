@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tests.conftest import VOCAB, make_checkpoint, randomise_all
+from tests.test_eagle3 import _spec_run
 from tierserve import LLM, SamplingParams, TierserveError
 
 FIT_STEPS = 60
@@ -153,21 +154,14 @@ def test_the_shared_host_copy_brings_back_the_mtp_layers_latent_with_its_accepta
     first = fitting_prompts(VOCAB).tolist()[0]
     base = LLM(path, speculative_algorithm="NEXTN", disable_radix_cache=True, max_total_tokens=1024)
     prompt = first + base.generate([first], greedy)[0].token_ids[:26]  # 2 pages
-    s = base.engine.spec_stats
-    before = (s.num_drafts, s.num_accepted_tokens)
-    want = base.generate([prompt], greedy)[0].token_ids
-    acceptance = (s.num_drafts - before[0], s.num_accepted_tokens - before[1])
+    want, acceptance = _spec_run(base, [prompt], greedy)
     common = {"tp_size": 2, "device": "cpu", "page_size": 16, "max_total_tokens": 160,
               "enable_hierarchical_cache": True, "hicache_ratio": 8}  # fmt: skip
     with LLM(path, speculative_algorithm="NEXTN", **common) as llm:
         assert llm.engine.kv_plan.host.sharing == 2  # one copy for both ranks
         llm.generate([prompt], greedy)
         llm.generate(random_prompts(4, [100], seed=9), greedy)  # its device pages go
-        s = llm.engine.spec_stats
-        before = (s.num_drafts, s.num_accepted_tokens)
-        again = llm.generate([prompt], greedy)[0]
-        assert again.token_ids == want
-        assert (s.num_drafts - before[0], s.num_accepted_tokens - before[1]) == acceptance
+        assert _spec_run(llm, [prompt], greedy) == (want, acceptance)
         assert llm.engine.kv.host.stats.host_hit_tokens >= 16  # a page (pair keys: not the last)
     assert acceptance[1] > acceptance[0] // 2  # a fitted layer: most drafts kept
 

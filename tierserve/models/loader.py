@@ -4,10 +4,10 @@ Weights are read tensor by tensor into parameters already allocated at the model
 loading never holds a second full copy of the model (peak ≈ the model + its largest tensor).
 Checkpoints as DeepSeek-V3 ships them load too: fp8 block-scaled weights (`weight_scale_inv`,
 blocks of `quantization_config.weight_block_size`) are dequantized as they arrive, and the
-multi-token-prediction layer (`model.layers.{num_hidden_layers}`, for speculative decoding) is
-skipped; one tensor per expert lands in the model's stacked experts (`checkpoint_target`). A
-multimodal checkpoint whose config nests the text model (Kimi-K2.5: `text_config`) loads its
-`language_model.` tensors and leaves the vision tower.
+multi-token-prediction layer (`model.layers.{num_hidden_layers}`) is left to models/mtp.py,
+which loads it as a draft; one tensor per expert lands in the model's stacked experts
+(`checkpoint_target`). A multimodal checkpoint whose config nests the text model (Kimi-K2.5:
+`text_config`) loads its `language_model.` tensors and leaves the vision tower.
 """
 
 from __future__ import annotations
