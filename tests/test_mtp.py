@@ -130,23 +130,11 @@ def test_greedy_outputs_are_identical_with_the_mtp_layer_and_a_fitted_one_is_acc
     assert acceptance["fitted"] > 1.5, acceptance
 
 
-def test_tensor_parallel_ranks_draft_with_the_mtp_layer_as_one_process(mtp_dirs):
-    """Two ranks over gloo: the MTP layer's heads and experts split as the target's, its
-    latent the same on both; greedy outputs equal one process's, drafts are kept."""
-    greedy = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
-    prompts = fitting_prompts(VOCAB).tolist()[:6]
-    path = str(mtp_dirs["fitted"])
-    want = [o.token_ids for o in LLM(path, max_total_tokens=2048).generate(prompts, greedy)]
-    spec = {"speculative_algorithm": "NEXTN", "tp_size": 2, "device": "cpu"}
-    with LLM(path, max_total_tokens=2048, **spec) as llm:
-        assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
-        assert llm.engine.spec_stats.num_accepted_tokens > 0
-
-
-def test_the_shared_host_copy_brings_back_the_mtp_layers_latent_with_its_acceptance(mtp_dirs):
-    """Two ranks of an MLA target hold identical latents, the MTP layer's too, so the node
-    keeps one host copy: a prompt whose device pages were evicted by others comes back from it
-    with the drafts and accepted tokens of one process without any cache."""
+def test_two_ranks_draft_as_one_and_the_shared_host_copy_keeps_the_mtp_layers_latent(mtp_dirs):
+    """Two ranks over gloo: the MTP layer's heads and experts split as the target's, greedy
+    outputs equal to one process's. They hold identical latents, the MTP layer's too, so the
+    node keeps one host copy: a prompt whose device pages were evicted by others comes back
+    from it with the drafts and accepted tokens of one process without any cache."""
     from tests.test_hicache import random_prompts
 
     path, greedy = str(mtp_dirs["fitted"]), SamplingParams(max_tokens=24, temperature=0,
@@ -157,7 +145,10 @@ def test_the_shared_host_copy_brings_back_the_mtp_layers_latent_with_its_accepta
     want, acceptance = _spec_run(base, [prompt], greedy)
     common = {"tp_size": 2, "device": "cpu", "page_size": 16, "max_total_tokens": 160,
               "enable_hierarchical_cache": True, "hicache_ratio": 8}  # fmt: skip
+    batch = fitting_prompts(VOCAB).tolist()[:6]
+    plain = [o.token_ids for o in LLM(path, max_total_tokens=1024).generate(batch, greedy)]
     with LLM(path, speculative_algorithm="NEXTN", **common) as llm:
+        assert [o.token_ids for o in llm.generate(batch, greedy)] == plain
         assert llm.engine.kv_plan.host.sharing == 2  # one copy for both ranks
         llm.generate([prompt], greedy)
         llm.generate(random_prompts(4, [100], seed=9), greedy)  # its device pages go
@@ -173,7 +164,6 @@ def test_the_shared_host_copy_brings_back_the_mtp_layers_latent_with_its_accepta
         ("target", {}, "holds no model.layers.3"),
         ("no-nextn", {}, "num_nextn_predict_layers is 0"),
         ("fitted", {"speculative_draft_model_path": "OTHER"}, "is not it"),
-        ("fitted", {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}, "not built yet"),
     ],
 )
 def test_nextn_without_an_mtp_layer_is_refused_by_name(
@@ -200,6 +190,10 @@ def test_sglangs_eagle_means_the_mtp_layer_and_the_plan_counts_it(mtp_dirs):
     def startup(**kw) -> Startup:
         return Startup.from_args(EngineArgs(model=str(mtp_dirs["fitted"]), max_total_tokens=1024,
                                             device="cpu", **kw))  # fmt: skip
+
+    dp = {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}  # decided before any rank
+    with pytest.raises(TierserveError, match="NEXTN with --enable-dp-attention is not built"):
+        startup(speculative_algorithm="NEXTN", **dp)
 
     vllm = EngineArgs.from_kwargs("m", speculative_config='{"method": "deepseek_mtp", '
                                   '"num_speculative_tokens": 2}')  # fmt: skip

@@ -146,9 +146,8 @@ def test_grammar_requests_mask_every_draft_row_and_keep_their_state():
     assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("dp", [1, 2], ids=["tp2", "tp2-dp2-attention"])
 @pytest.mark.parametrize("method", ["NGRAM", "EAGLE3"])
-def test_tensor_parallel_ranks_draft_and_verify_the_same_tokens(checkpoints, method, dp):
+def test_tensor_parallel_ranks_draft_and_verify_the_same_tokens(checkpoints, method):
     """Two rank processes over gloo: each schedules the same drafts (n-gram: the same tokens;
     EAGLE-3, the demo model's shipped draft: its attention and MLP split as the target's, its
     head whole on every rank) and verifies them on the same gathered logits, so greedy outputs
@@ -160,11 +159,10 @@ def test_tensor_parallel_ranks_draft_and_verify_the_same_tokens(checkpoints, met
     prompts, params = [p for p, _ in work], [s for _, s in work]
     want = [o.token_ids for o in LLM(path, max_total_tokens=4096).generate(prompts, params)]
     spec = {"speculative_algorithm": method, "tp_size": 2, "device": "cpu"}
-    if dp > 1:
-        spec |= {"dp_size": dp, "enable_dp_attention": True}
-    with LLM(path, max_total_tokens=4096, **spec) as llm:
-        assert [o.token_ids for o in llm.generate(prompts, params)] == want
-        assert llm.engine.spec_stats.num_accepted_tokens > 0
+    for layout in ({}, {"dp_size": 2, "enable_dp_attention": True}):  # tp 2; tp 2 / dp 2
+        with LLM(path, max_total_tokens=4096, **spec, **layout) as llm:
+            assert [o.token_ids for o in llm.generate(prompts, params)] == want, layout
+            assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 
 def _chi_square_p_value(counts: Counter, probs: torch.Tensor) -> float:
@@ -297,28 +295,37 @@ def test_the_chain_sizes_follow_from_either_flag():
     assert neither.speculative_ngram_max_match_window_size == 5  # vLLM's default
 
 
-@pytest.mark.parametrize("method", ["NGRAM", "EAGLE3"])
-def test_a_served_speculative_server_answers_n_and_reports_acceptance(demo_server, method):
-    """A real server with --speculative-algorithm (EAGLE3: the shipped draft, unasked, as `make
-    serve ARGS="--speculative-algorithm EAGLE3"` starts it): the official client's `n` greedy
+def test_a_served_ngram_server_answers_n_and_reports_acceptance(demo_server):
+    """A real server with --speculative-algorithm NGRAM: the official client's `n` greedy
     choices equal the shared plain demo server's, /generate's meta_info carries SGLang's spec
-    fields, and /metrics vLLM's counters."""
+    fields, and /metrics vLLM's counters (EAGLE3's served twin: test_eagle3.py)."""
     import openai
 
     from tests.conftest import Server
 
     prompt = _workload(seed=4)[0][0]
-    ask = {"model": "demo_model", "prompt": prompt, "max_tokens": 30, "temperature": 0, "n": 2}
     plain = openai.OpenAI(base_url=f"{demo_server.url}/v1", api_key="x", max_retries=0)
-    want = plain.completions.create(**ask)
-    flags = ("--device", "cpu", "--max-total-tokens", "4096", "--speculative-algorithm", method)
+    want = [c.text for c in plain.completions.create(**served_ask(prompt)).choices]
+    flags = ("--device", "cpu", "--max-total-tokens", "4096", "--speculative-algorithm", "NGRAM")
     with Server(DEMO, *flags) as s:
-        got = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x").completions.create(**ask)
-        assert [c.text for c in got.choices] == [c.text for c in want.choices]
-        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 30, "temperature": 0}}
-        meta = s.http.post(f"{s.url}/generate", json=body, timeout=60).json()["meta_info"]
-        assert meta["spec_verify_ct"] >= 1
-        assert meta["spec_accept_length"] == meta["completion_tokens"] / meta["spec_verify_ct"]
-        metrics = s.metrics()
-        assert metrics["tierserve_spec_decode_num_drafts_total"] > 0
-        assert metrics["tierserve_spec_decode_num_accepted_tokens_total"] > 0
+        check_served_spec_fields(s, prompt, want)
+
+
+def served_ask(prompt: list[int]) -> dict:
+    return {"model": "demo_model", "prompt": prompt, "max_tokens": 30, "temperature": 0, "n": 2}
+
+
+def check_served_spec_fields(s, prompt: list[int], want: list[str]) -> None:
+    """`s` answers the official client's `n` greedy choices with `want`, /generate's
+    meta_info with SGLang's spec fields, /metrics with vLLM's counters."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="x", max_retries=0)
+    assert [c.text for c in client.completions.create(**served_ask(prompt)).choices] == want
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 30, "temperature": 0}}
+    meta = s.http.post(f"{s.url}/generate", json=body, timeout=60).json()["meta_info"]
+    assert meta["spec_verify_ct"] >= 1
+    assert meta["spec_accept_length"] == meta["completion_tokens"] / meta["spec_verify_ct"]
+    metrics = s.metrics()
+    assert metrics["tierserve_spec_decode_num_drafts_total"] > 0
+    assert metrics["tierserve_spec_decode_num_accepted_tokens_total"] > 0

@@ -122,8 +122,8 @@ DRAFT_NAMES = {"eagle3": "EAGLE-3 draft", "nextn": "MTP layer"}
 
 
 def _draft_kind(args: EngineArgs, model_path: str) -> str | None:
-    """ "eagle3", "nextn" or None (no draft model). SGLang's EAGLE means the model's own MTP
-    layer when it ships one and no draft is given."""
+    """The kind of draft model the flags ask for ("eagle3", "nextn"; None: none). SGLang's
+    EAGLE means the model's own MTP layer when it ships one and no draft is given."""
     algorithm = args.speculative_algorithm
     if algorithm == "EAGLE" and args.speculative_draft_model_path is None:
         return "nextn" if nextn_layers(model_path) else "eagle3"
