@@ -248,7 +248,10 @@ TIMEOUT_FILES = {
     "test_router.py",
 }  # fmt: skip
 # The longest files first, so that neither worker is left with one of them at the end.
-LONGEST_FIRST = ("test_tp.py", "test_sliding_window.py", "test_dp_attention.py")
+LONGEST_FIRST = (
+    "test_tp.py", "test_sliding_window.py", "test_dp_attention.py", "test_eagle3.py",
+    "test_speculators.py",
+)  # fmt: skip
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
