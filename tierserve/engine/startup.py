@@ -26,7 +26,6 @@ from tierserve.models import (
     checkpoint_numels,
     draft_numel,
     draft_path_for,
-    mtp_numels,
     nextn_layers,
 )
 from tierserve.sizing import DraftSize, KVSpec, device_pool_bytes
@@ -144,11 +143,11 @@ def _draft(
                 f"checkpoint; --speculative-draft-model-path {given} is not it"
             )
             raise TierserveError(message, "speculative_draft_model_path")
-        check_nextn(model_path, cfg)
+        numels = check_nextn(model_path, cfg)
         if args.enable_dp_attention:  # its experts span every rank: all groups in lockstep
             message = "--speculative-algorithm NEXTN with --enable-dp-attention is not built yet"
             raise TierserveError(message, "enable_dp_attention")
-        return model_path, mtp_numels(model_path, cfg.num_layers)
+        return model_path, numels
     draft = draft_path_for(args.speculative_draft_model_path, model_path)
     Eagle3Config.from_dir(draft, cfg).check_target(cfg, draft)
     return draft, (0, draft_numel(draft))

@@ -99,8 +99,9 @@ def nextn_layers(model_dir: str | Path) -> int:
     return int(text_config(read_hf_config(Path(model_dir))).get("num_nextn_predict_layers") or 0)
 
 
-def check_nextn(model_dir: str | Path, cfg: ModelConfig) -> None:
-    """Refuse NEXTN, naming why, for a model without a servable MTP layer."""
+def check_nextn(model_dir: str | Path, cfg: ModelConfig) -> tuple[int, int]:
+    """The MTP layer's parameters (`mtp_numels`); a refusal naming why for a model without a
+    servable one."""
     if not cfg.kv_lora_rank or cfg.moe is None:
         message = (
             "--speculative-algorithm NEXTN drafts with DeepSeek-V3's MTP layer; "
@@ -114,12 +115,14 @@ def check_nextn(model_dir: str | Path, cfg: ModelConfig) -> None:
             "with a draft, or NGRAM"
         )
         raise TierserveError(message, FIELD)
-    if mtp_numels(model_dir, cfg.num_layers) == (0, 0):
+    numels = mtp_numels(model_dir, cfg.num_layers)
+    if numels == (0, 0):
         message = (
             f"--speculative-algorithm NEXTN: config.json says num_nextn_predict_layers 1 but "
             f"{model_dir} holds no model.layers.{cfg.num_layers}.* tensors"
         )
         raise TierserveError(message, FIELD)
+    return numels
 
 
 def mtp_numels(model_dir: str | Path, num_layers: int) -> tuple[int, int]:

@@ -242,7 +242,6 @@ def _draft_dict(inputs: PlanInputs) -> dict[str, Any] | None:
     return {
         **dataclasses.asdict(draft),
         "bytes_per_rank": draft.bytes_per_rank(inputs.tp),
-        "kv_layers": 1,
         "verify_bytes_per_request": draft.verify_bytes(inputs.model.config.vocab_size),
     }
 
@@ -347,15 +346,24 @@ def make_plan(inputs: PlanInputs) -> Plan:
     )
 
 
-def draft_lines(plan: Plan) -> list[str]:
-    """What a speculative line's draft adds, for the checks' explanations."""
-    draft, tp = plan.inputs.draft, plan.inputs.tp
-    if draft is None:
-        return []
+def draft_figures(plan: Plan) -> tuple[int, int, int]:
+    """The draft's weights per rank, its KV layer's bytes of each token's per rank, and one
+    running request's verify logits."""
+    draft = plan.inputs.draft
+    assert draft is not None
     layer = plan.kv.per_rank // plan.spec.num_layers
     verify = draft.verify_bytes(plan.inputs.model.config.vocab_size)
+    return draft.bytes_per_rank(plan.inputs.tp), layer, verify
+
+
+def draft_lines(plan: Plan) -> list[str]:
+    """What a speculative line's draft adds, for the checks' explanations."""
+    draft = plan.inputs.draft
+    if draft is None:
+        return []
+    weights, layer, verify = draft_figures(plan)
     return [
-        f"{draft.name}: {format_gb(draft.bytes_per_rank(tp))} of weights per rank "
+        f"{draft.name}: {format_gb(weights)} of weights per rank "
         f"({draft.placement}, {draft.source}) in the weights; its KV one more layer, "
         f"{format_bytes(layer)} of each token's {format_bytes(plan.kv.per_rank)}; verify "
         f"logits {format_bytes(verify)} per running request ({draft.tokens_per_step} rows)"

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from tierserve.plan.launch import launch_flags
-from tierserve.plan.plan import Plan
+from tierserve.plan.plan import Plan, draft_figures
 from tierserve.plan.sglang import SGLangCheck
 from tierserve.plan.verdict import Verdict
 from tierserve.plan.vllm import VLLMCheck
@@ -78,16 +78,14 @@ def _device_rows(plan: Plan) -> list[Row]:
 def _draft_rows(plan: Plan) -> list[Row]:
     """The draft's share of the weights above, its KV layer's share of each token's bytes, and
     the verify step's logits (activations, beside the static fraction)."""
-    draft, tp = plan.inputs.draft, plan.inputs.tp
+    draft = plan.inputs.draft
     if draft is None:
         return []
-    layer = format_bytes(plan.kv.per_rank // plan.spec.num_layers)
-    verify = format_bytes(draft.verify_bytes(plan.inputs.model.config.vocab_size))
+    weights, layer, verify = draft_figures(plan)
     return [
-        (f"  of which {draft.name}", format_gb(draft.bytes_per_rank(tp)),
-         f"{draft.source}, {draft.placement}"),
-        ("  its KV layer", layer, "per token, in the tokens' bytes below"),
-        ("  verify logits", verify,
+        (f"  of which {draft.name}", format_gb(weights), f"{draft.source}, {draft.placement}"),
+        ("  its KV layer", format_bytes(layer), "per token, in the tokens' bytes below"),
+        ("  verify logits", format_bytes(verify),
          f"per running request: {draft.tokens_per_step} rows × vocabulary × 4 B"),
     ]  # fmt: skip
 

@@ -19,6 +19,7 @@ the grammar allows are ever kept or sampled.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,15 +62,14 @@ class SpecStats:
 
     def add_since(self, now: list[int], before: list[int]) -> None:
         """Add what another group's `counts()` gained between two reports."""
-        gained = [a - (before[i] if i < len(before) else 0) for i, a in enumerate(now)]
-        self.num_drafts += gained[0] if gained else 0
-        if len(gained) < 3:
-            return
-        self.num_draft_tokens += gained[1]
-        self.num_accepted_tokens += gained[2]
-        per = gained[3:]
-        if len(self.accepted_per_position) < len(per):
-            self.accepted_per_position += [0] * (len(per) - len(self.accepted_per_position))
+        drafts, tokens, accepted, *per = (
+            a - b for a, b in itertools.zip_longest(now, before, fillvalue=0)
+        )
+        self.num_drafts += drafts
+        self.num_draft_tokens += tokens
+        self.num_accepted_tokens += accepted
+        grow = len(per) - len(self.accepted_per_position)
+        self.accepted_per_position += [0] * max(0, grow)
         for pos, n in enumerate(per):
             self.accepted_per_position[pos] += n
 
