@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -160,12 +161,13 @@ def test_a_core_that_fails_answers_503_and_the_server_exits_1(llama_dir, tmp_pat
     assert "engine loop failed" in log and "injected fault" in log
 
 
-@pytest.mark.parametrize("case", ["tiny-pool", "no-model", "no-tokenizer"])
+@pytest.mark.parametrize("case", ["tiny-pool", "no-model", "no-tokenizer", "port-in-use"])
 def test_a_refused_start_exits_2_and_leaves_no_core(llama_dir, tmp_path, case):
     """The core refuses the flags and says why; the server exits 2 before listening, and waits
     for its core first. The API process loads its tokenizer while the core starts, yet the
     core's verdict is the one reported (a missing model is not a tokenizer error), and a
-    checkpoint without tokenizer files is one line naming --tokenizer."""
+    checkpoint without tokenizer files is one line naming --tokenizer. A port another process
+    listens on is refused before any core starts."""
     model, flags, says = llama_dir, ["--max-total-tokens", "8"], "max_total_tokens"
     if case == "no-model":
         model, flags, says = tmp_path / "absent", [], "model directory not found"
@@ -173,9 +175,13 @@ def test_a_refused_start_exits_2_and_leaves_no_core(llama_dir, tmp_path, case):
         for name in ("config.json", "model.safetensors"):
             (tmp_path / name).write_bytes((llama_dir / name).read_bytes())
         model, flags, says = tmp_path, [], "--tokenizer"
+    elif case == "port-in-use":
+        flags, says = [], "cannot listen on 127.0.0.1:"
     cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(model), *flags]
-    proc = subprocess.Popen(cmd + ["--port", "1"], stderr=subprocess.PIPE, text=True)
-    _, stderr = proc.communicate(timeout=180)
+    with socket.create_server(("127.0.0.1", 0)) as other:
+        port = other.getsockname()[1] if case == "port-in-use" else free_port()
+        proc = subprocess.Popen(cmd + ["--port", str(port)], stderr=subprocess.PIPE, text=True)
+        _, stderr = proc.communicate(timeout=180)
     assert proc.returncode == 2, stderr
     assert "Traceback" not in stderr and says in stderr.strip().splitlines()[-1], stderr
     assert not [p for p in psutil.process_iter() if _core_of(p, proc.pid)]

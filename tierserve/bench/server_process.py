@@ -55,6 +55,10 @@ class LoggedProcess:
         self.http.close()
 
 
+# Launches of one server before a port taken under it is an error.
+PORT_ATTEMPTS = 3
+
+
 class ServerProcess(LoggedProcess):
     """`tierserve serve` in a subprocess on a free port; stopped with SIGTERM."""
 
@@ -66,15 +70,22 @@ class ServerProcess(LoggedProcess):
         startup_timeout_s: float = 300,
         env: Mapping[str, str] | None = None,
     ) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.cmd = self.command(model, flags)
-        self._launch(self.cmd, log_path, env)
-        try:
-            self._wait_ready(startup_timeout_s)
-        except BaseException:
-            self.stop()
-            raise
+        for attempt in range(PORT_ATTEMPTS):
+            self.port = free_port()
+            self.url = f"http://127.0.0.1:{self.port}"
+            self.cmd = self.command(model, flags)
+            self._launch(self.cmd, log_path, env)
+            try:
+                self._wait_ready(startup_timeout_s)
+                return
+            except TierserveError as err:
+                self.stop()
+                # Another process took the free port before the server bound it: another one.
+                if "already in use" not in str(err) or attempt + 1 == PORT_ATTEMPTS:
+                    raise
+            except BaseException:
+                self.stop()
+                raise
 
     def command(self, model: str, flags: Sequence[str]) -> list[str]:
         """The server's command line on `self.port` (another server's, in a subclass)."""

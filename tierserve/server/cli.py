@@ -9,12 +9,14 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import threading
 from pathlib import Path
 from types import FrameType
 
 from tierserve.args import EngineArgs
 from tierserve.errors import TierserveError
+from tierserve.net import bind_server_socket
 from tierserve.parsers import REASONING_PARSERS, TOOL_PARSERS
 from tierserve.server.grammar_worker import DEFAULT_COMPILE_TIMEOUT_S
 from tierserve.server.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
@@ -123,8 +125,6 @@ def dry_run(args: EngineArgs) -> int:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from tierserve.server.core_client import CoreClient, CoreStartError
-
     logging.basicConfig(level=ns.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     args = EngineArgs.from_cli(ns)
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
@@ -149,6 +149,16 @@ def run(ns: argparse.Namespace) -> int:
     # The engine core starts, and every flag is checked, before anything listens: a refusal
     # raises TierserveError (exit 2) here, a core that dies on the way exits 1. It starts
     # first, so that its imports, weights and pools take their time beside this process's.
+    sock = bind_server_socket(ns.host, ns.port)
+    try:
+        return _serve(ns, args, sock)
+    finally:
+        sock.close()
+
+
+def _serve(ns: argparse.Namespace, args: EngineArgs, sock: socket.socket) -> int:
+    from tierserve.server.core_client import CoreClient, CoreStartError
+
     core = CoreClient.spawn(args, ns.log_level)
     try:
         import uvicorn
@@ -206,7 +216,7 @@ def run(ns: argparse.Namespace) -> int:
     # restarts the server.
     async_engine.on_failure = lambda: _later(FAILURE_GRACE_S, server)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn raises Ctrl-C again once it has drained: a clean stop
         pass
     finally:
