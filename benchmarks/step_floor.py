@@ -9,7 +9,8 @@ own):
 - GEMMs: every linear of the model at the step's batch (the LM head at the rows that sample),
   each timed alone on this machine with the model's own weights (fused where the model fuses);
 - KV: the batch's context bytes (every layer, K and V or the latent, as stored) ÷ the measured
-  memcpy bandwidth (bytes copied per second by one large `copy_`).
+  memcpy bandwidth (bytes copied per second by one large `copy_`), measured before and after
+  each step's timing, since it moves within a run.
 
 The step is the engine's own `Engine.step()` over B requests whose prompts (64–512 token ids,
 those of benchmarks/vllm_peer.py) are prefilled, each step timed alone; then a torch profile of
@@ -252,28 +253,32 @@ def main() -> None:
         )
         for b in backends
     }
-    bandwidth = memcpy_bandwidth()
     rounds: dict[tuple[str, int], list[dict[str, float]]] = {}
     for r in range(ns.rounds):
         order = backends if r % 2 == 0 else backends[::-1]
         for backend in order:
             llm = llms[backend]
             for b in BATCHES if r % 2 == 0 else reversed(BATCHES):
+                # Measured beside each step: this machine's memory bandwidth moves within a run
+                # (23 to 41 GB/s here, as its neighbours' load does), and the step's KV reads
+                # move with it.
+                bandwidth = memcpy_bandwidth()
                 m = measure(llm, b)
+                m["bandwidth"] = (bandwidth + memcpy_bandwidth()) / 2
                 m["gemm_floor"] = gemm_floor(llm.engine.runner.model, b)
-                m["kv_floor"] = m["kv_bytes"] / bandwidth
+                m["kv_floor"] = m["kv_bytes"] / m["bandwidth"]
+                m["ratio"] = m["step"] / (m["gemm_floor"] + m["kv_floor"])
                 rounds.setdefault((backend, b), []).append(m)
                 print(f"round {r} {backend} batch {b}: step {m['step'] * 1e3:.2f} ms", flush=True)
     for llm in llms.values():
         llm.close()
-    write_report(ns, backends, rounds, bandwidth)
+    write_report(ns, backends, rounds)
 
 
 def write_report(
     ns: argparse.Namespace,
     backends: list[str],
     rounds: dict[tuple[str, int], list[dict[str, float]]],
-    bw: float,
 ) -> None:
     med = {
         key: {k: statistics.median(m[k] for m in ms) for k in ms[0]} for key, ms in rounds.items()
@@ -284,11 +289,13 @@ def write_report(
         "",
         f"`.venv/bin/python benchmarks/step_floor.py --rounds {ns.rounds} --attention-backend "
         f"{ns.attention_backend}` (demo model, float32, offline engine, "
-        f"{torch.get_num_threads()} torch threads; memcpy {bw / 1e9:.1f} GB/s; medians of "
+        f"{torch.get_num_threads()} torch threads; medians of "
         f"{ns.rounds} rounds, backends and batch sizes alternating). Times in ms per decode "
-        "step; the breakdown is a torch profile's shares of the step.",
+        "step; the breakdown is a torch profile's shares of the step. The KV floor divides by "
+        "the memcpy bandwidth measured beside each step (before and after it); step / floor "
+        "is the median of the rounds' ratios.",
         "",
-        "| backend | batch | step | floor | step / floor | GEMM floor | KV floor (MB) | "
+        "| backend | batch | step | floor | step / floor | GEMM floor | KV floor (MB, GB/s) | "
         + " | ".join(CATEGORIES)
         + " |",
         "| --- " + "| ---: " * (6 + len(CATEGORIES)) + "|",
@@ -302,9 +309,9 @@ def write_report(
                 str(b),
                 ms(m["step"]),
                 ms(floor),
-                f"{m['step'] / floor:.2f}×",
+                f"{m['ratio']:.2f}×",
                 ms(m["gemm_floor"]),
-                f"{ms(m['kv_floor'])} ({m['kv_bytes'] / 1e6:.1f})",
+                f"{ms(m['kv_floor'])} ({m['kv_bytes'] / 1e6:.1f}, {m['bandwidth'] / 1e9:.0f})",
                 *(ms(m[c]) for c in CATEGORIES),
             ]
             lines.append("| " + " | ".join(cells) + " |")
@@ -317,7 +324,7 @@ def write_report(
     ]
     for backend in backends:
         for b in BATCHES:
-            ratios = [m["step"] / (m["gemm_floor"] + m["kv_floor"]) for m in rounds[(backend, b)]]
+            ratios = [m["ratio"] for m in rounds[(backend, b)]]
             cells = " | ".join(f"{x:.2f}×" for x in ratios)
             lines.append(f"| {backend} | {b} | {cells} |")
     OUT.mkdir(parents=True, exist_ok=True)
