@@ -91,6 +91,46 @@ inline void scale_row(float* y, float a, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] *= a;
 }
 
+// Each row's running weighted sum of values (at row + 2 of its `stride` floats) rescaled, plus
+// its weights times the page's `n` values. With DIM known, rows go kRowTile at a time with their
+// sums in registers, so each value is loaded once per tile, not once per row.
+constexpr int64_t kRowTile = 4;
+
+template <int DIM>
+void accumulate(float* part, int64_t stride, int64_t rows, const float* weights,
+                const float* rescales, const float* values, int64_t dim, int64_t n,
+                int64_t page_size, int64_t v_dim) {
+  if constexpr (DIM > 0) {
+    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
+      const int64_t tile = std::min(kRowTile, rows - r0);
+      float acc[kRowTile][DIM] = {};
+      float w[kRowTile];
+      for (int64_t t = 0; t < tile; ++t) {
+        const float* sum = part + (r0 + t) * stride + 2;
+        for (int64_t d = 0; d < DIM; ++d) acc[t][d] = sum[d] * rescales[r0 + t];
+      }
+      for (int64_t j = 0; j < n; ++j) {
+        const float* __restrict value = values + j * dim;
+        for (int64_t t = 0; t < kRowTile; ++t)
+          w[t] = t < tile ? weights[(r0 + t) * page_size + j] : 0.f;
+        for (int64_t t = 0; t < kRowTile; ++t)
+          for (int64_t d = 0; d < DIM; ++d) acc[t][d] += w[t] * value[d];
+      }
+      for (int64_t t = 0; t < tile; ++t)
+        std::memcpy(part + (r0 + t) * stride + 2, acc[t], sizeof acc[t]);
+    }
+  } else {
+    for (int64_t r = 0; r < rows; ++r) {
+      float* acc = part + r * stride + 2;
+      scale_row(acc, rescales[r], v_dim);
+      for (int64_t j = 0; j < n; ++j) {
+        const float weight = weights[r * page_size + j];
+        if (weight != 0.f) axpy(acc, weight, values + j * dim, v_dim);
+      }
+    }
+  }
+}
+
 // A page block of `n` rows of `dim` as float32: a view of a float32 pool, else converted into
 // `buffer`.
 template <typename T>
@@ -162,7 +202,7 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
   const int64_t stride = v_dim + 2;
 
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> k_buf(block), v_buf(block), scores(page_size);
+    std::vector<float> k_buf(block), v_buf(block), weights, rescales;
     std::vector<float> queries;
     for (int64_t it = begin; it < end; ++it) {
       const Item& w = items[it];
@@ -170,6 +210,8 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
       const int64_t first_query = kl[w.seq] - n_q;
       // This item's queries, scaled once: row r is token r / group, head r % group.
       queries.resize(rows * dim_k);
+      weights.resize(rows * page_size);
+      rescales.resize(rows);
       for (int64_t r = 0; r < rows; ++r) {
         const float* src = qp + (qs[w.seq] + r / group) * q_row + (w.head * group + r % group) * dim_k;
         for (int64_t d = 0; d < dim_k; ++d) queries[r * dim_k + d] = src[d] * scale;
@@ -206,33 +248,38 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
             same_block ? keys
                        : as_float(kv + (base + v_part * kv_heads + w.head) * block, n, dim,
                                   v_buf.data(), lut);
+        // Each row's weights over the page's keys (0 where it sees none) and the factor its
+        // running sum is rescaled by; the sums are then updated for all rows together.
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t pos = first_query + r / group;  // this query's position
           const int64_t lo = window > 0 ? pos - window + 1 : 0;
           // The page's keys this query sees: [j_lo, j_hi) of its n tokens.
           const int64_t j_lo = std::clamp<int64_t>(lo - p * page_size, 0, n);
           const int64_t j_hi = std::clamp<int64_t>(pos + 1 - p * page_size, 0, n);
+          float* weight = weights.data() + r * page_size;
+          std::fill(weight, weight + page_size, 0.f);
+          rescales[r] = 1.f;
           if (j_lo >= j_hi) continue;
           float* row = part + r * stride;
           const float* query = queries.data() + r * dim_k;
           float best = row[0];
           for (int64_t j = j_lo; j < j_hi; ++j) {
-            scores[j] = dot(query, keys + j * dim, dim_k);
-            best = std::max(best, scores[j]);
+            weight[j] = dot(query, keys + j * dim, dim_k);
+            best = std::max(best, weight[j]);
           }
           const float rescale = exp_nonpositive(row[0] - best);  // 0 on the first keys
           float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
           for (int64_t j = j_lo; j < j_hi; ++j) {
-            scores[j] = exp_nonpositive(scores[j] - best);
-            sum += scores[j];
+            weight[j] = exp_nonpositive(weight[j] - best);
+            sum += weight[j];
           }
-          float* acc = row + 2;
-          scale_row(acc, rescale, v_dim);
-          for (int64_t j = j_lo; j < j_hi; ++j) axpy(acc, scores[j], values + j * dim, v_dim);
+          rescales[r] = rescale;
           row[0] = best;
           row[1] = row[1] * rescale + sum;
         }
+        accumulate<DIM>(part, stride, rows, weights.data(), rescales.data(), values, dim, n,
+                        page_size, v_dim);
       }
     }
   });
