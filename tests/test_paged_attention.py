@@ -1,6 +1,7 @@
 """The CPU paged attention kernel (`--attention-backend cpu`) against the torch backend, its
 oracle, on the same pool: GQA and MLA, a sliding window, float32, bf16, fp16 and fp8 KV, page sizes
-1 and 16, ragged lengths, 1 to 5 query tokens per sequence (and a span long enough for SDPA)."""
+1 and 16, ragged lengths, 1 to 5 query tokens per sequence (and a span long enough for SDPA); and
+the layer ops the same library fuses (RMSNorm, rotary, the KV store) against their torch code."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from tierserve.cache import PagedKV
 from tierserve.layers.attention import TorchAttention
 from tierserve.layers.batch import ForwardBatch, SeqSpan
 from tierserve.layers.mla import MLA, MLAConfig
+from tierserve.layers.norm import RMSNorm
 from tierserve.layers.paged_attention import CPUPagedAttention
+from tierserve.layers.rotary import RotaryEmbedding
 from tierserve.sizing import KVSpec
 
 LAYERS = 2
@@ -175,6 +178,42 @@ def test_a_long_context_is_split_and_merged_the_same_in_any_batch_and_thread_cou
     single = CPUPagedAttention(pool, LAYERS)
     single.prepare(alone)
     assert torch.equal(single.forward(0, q[rows], k[rows], v[rows]), outs[0][rows])
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_the_fused_layer_ops_equal_their_torch_code(kv_dtype):
+    """RMSNorm, rotary and the KV store as the CPU backend runs them (layer_ops.cpp) against
+    the torch code they replace, on the strided views a packed qkv GEMM hands them; the
+    backend's `adopt` turns them on for a model's modules."""
+    tokens, heads, kv_heads, dim = 7, 4, 2, 32
+    spec, stored = KVSpec("kv", LAYERS, kv_heads, dim, kv_dtype, 4), getattr(torch, kv_dtype)
+    pools = [PagedKV(spec, 6, torch.device("cpu"), compute_dtype=stored) for _ in range(2)]
+    batch = _batch(pools[0], [(3, 5), (4, 9)], seed=13)
+    backend = CPUPagedAttention(pools[0], LAYERS)
+    backend.prepare(batch)
+    g = torch.Generator().manual_seed(12)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)
+    q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k, v = (x.view(tokens, -1, dim) for x in (q, k, v))  # strided, as the model's are
+    norm = RMSNorm(dim, 1e-6)
+    norm.weight.data = torch.randn(dim, generator=g)
+    rotary = RotaryEmbedding(dim, 64, 10000.0, None)
+    positions = torch.randint(0, 64, (tokens,), generator=g)
+    outs = {}
+    for kernel in (False, True):
+        norm.kernel = rotary.kernel = kernel
+        rq, rk = rotary(positions, q.clone(), k.clone())
+        outs[kernel] = (norm(q), norm(qkv[:, :dim]), rq, rk)
+    for got, want in zip(outs[True], outs[False], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+    k, v = k.to(stored), v.to(stored)
+    backend._write(1, k, v)
+    pools[1].write(1, batch.out_slots, k, v)
+    assert torch.equal(pools[0].data, pools[1].data) and pools[0].data.any()
+    model = torch.nn.Sequential(RMSNorm(dim, 1e-6), rotary)
+    rotary.kernel = False
+    backend.adopt(model)
+    assert model[0].kernel and rotary.kernel
 
 
 def test_the_backend_is_decided_at_start_up():

@@ -96,6 +96,7 @@ class Engine:
             self.scheduler = Scheduler(sched_cfg, self.kv, proposer)
             self.spec_stats = SpecStats()
             attn = ATTENTION_BACKENDS[startup.attention_backend](pool, cfg.num_layers)
+            attn.adopt(model)
             logger.info("attention backend: %s", startup.attention_backend)
             writes = self.ranks is None or self.ranks.group_leader
             self.capture = HiddenStateCapture.of(args, cfg, self.dtype, writes)
@@ -145,6 +146,7 @@ class Engine:
         draft = load(startup.draft_path, model, self.dtype, self.device)
         logger.info("%s: %s", startup.plan.draft.name, startup.draft_path)
         attn = ATTENTION_BACKENDS[startup.attention_backend](pool, pool.spec.num_layers)
+        attn.adopt(draft)
         steps = self.args.speculative_num_steps or 0
         return DraftModelProposer(draft, attn, steps, startup.context_length - 1)
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from tierserve.cache import PagedKV
 from tierserve.layers.batch import ForwardBatch, SeqSpan, causal_mask
@@ -26,6 +27,11 @@ if TYPE_CHECKING:
 class AttentionBackend(ABC):
     def __init__(self, pool: PagedKV) -> None:
         self.pool = pool
+
+    def adopt(self, model: nn.Module) -> None:
+        """Called once with each model this backend serves: a backend with kernels of its own
+        for other layers' ops (the CPU backend's norms and rotary) hands them over here."""
+        return None
 
     @abstractmethod
     def prepare(self, batch: ForwardBatch) -> None: ...

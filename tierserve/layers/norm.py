@@ -1,4 +1,6 @@
-"""RMSNorm, computed in float32 as the reference implementations do."""
+"""RMSNorm, computed in float32 as the reference implementations do; with the CPU backend, a
+float32 model's runs tierserve's fused kernel (layers/kernels/layer_ops.cpp), this module's
+torch code being its oracle."""
 
 from __future__ import annotations
 
@@ -11,8 +13,13 @@ class RMSNorm(torch.nn.Module):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.kernel = False  # set by the CPU attention backend (CPUPagedAttention.adopt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel and _kernel_takes(x, self.weight):
+            out = torch.empty(x.shape, dtype=x.dtype)
+            torch.ops.tierserve.rms_norm(x, self.weight, self.eps, out)
+            return out
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # One op instead of six: a decode step runs 2 per layer, each a few small tensors.
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
@@ -20,3 +27,13 @@ class RMSNorm(torch.nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
+
+
+def _kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.dim() in (2, 3)
+        and x.stride(-1) == 1
+    )

@@ -4,6 +4,9 @@ attends in one kernel call per layer over the pool's pages as they lie (layers/k
 longer prefill spans go to SDPA as in the torch backend, where the attention's arithmetic, not
 its KV reads, is the cost. No decode workspace: nothing is gathered, padded or kept between
 steps, so the backend adds no memory to the plan.
+
+The same library fuses a float32 model's small per-layer ops (layer_ops.cpp): RMSNorm, rotary
+in place, and the store of new K and V into their pages, each one call where torch ran several.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from tierserve.cache import PagedKV
 from tierserve.layers import kernels
 from tierserve.layers.attention import AttentionBackend, TorchAttention
 from tierserve.layers.batch import ForwardBatch
+from tierserve.layers.norm import RMSNorm
+from tierserve.layers.rotary import RotaryEmbedding
 
 if TYPE_CHECKING:
     from tierserve.layers.mla import MLA
@@ -36,6 +41,21 @@ class CPUPagedAttention(TorchAttention):
         kernels.load(build_if_missing=True)
         self.kv_format = _KV_FORMAT[pool.spec.float8()]
         self.workspace = None
+
+    def adopt(self, model: torch.nn.Module) -> None:
+        for module in model.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding)):
+                module.kernel = True
+
+    def _write(self, layer: int, *parts: torch.Tensor) -> None:
+        """The step's new tokens into their pages: one kernel call when they are already in
+        the pool's dtype (else the pool converts them: float8 pools, a bf16 pool of a float32
+        model)."""
+        if all(x.dtype == self.pool.data.dtype for x in parts):
+            v = parts[1] if len(parts) > 1 else None
+            torch.ops.tierserve.kv_write(self.pool.data, layer, self.batch.out_slots, parts[0], v)
+        else:
+            self.pool.write(layer, self.batch.out_slots, *parts)
 
     def prepare(self, batch: ForwardBatch) -> None:
         self.batch = batch
@@ -88,7 +108,7 @@ class CPUPagedAttention(TorchAttention):
         v: torch.Tensor,
         window: int | None = None,
     ) -> torch.Tensor:
-        self.pool.write(layer, self.batch.out_slots, k, v)
+        self._write(layer, k, v)
         if self.short:
             out = self._kernel(layer, q, 0, 1, q.shape[-1], window, q.shape[-1] ** -0.5)
             out = out.to(q.dtype)
@@ -102,7 +122,7 @@ class CPUPagedAttention(TorchAttention):
     def forward_latent(
         self, layer: int, mla: MLA, q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor
     ) -> torch.Tensor:
-        self.pool.write(layer, self.batch.out_slots, latent.unsqueeze(1))
+        self._write(layer, latent.unsqueeze(1))
         rank = mla.cfg.kv_lora_rank
         if self.short:
             context = self._kernel(

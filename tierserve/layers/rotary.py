@@ -87,6 +87,9 @@ class RotaryEmbedding(torch.nn.Module):
     ) -> None:
         super().__init__()
         self._memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # Set by the CPU attention backend (CPUPagedAttention.adopt): a float32 q and k are then
+        # rotated in place by tierserve's kernel, `_rotate` being its oracle.
+        self.kernel = False
         if torch.get_default_device().type == "meta":
             # A shape-only construction (the loader rebuilds the tables for real): arithmetic
             # on meta tensors goes through torch's reference ops, whose first use imports
@@ -105,6 +108,9 @@ class RotaryEmbedding(torch.nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._rows(positions)
+        if self.kernel and _kernel_takes(q, k, cos):
+            torch.ops.tierserve.rotary_neox_(q, k, cos, sin)
+            return q, k
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [tokens, 1, head_dim/2]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
@@ -128,6 +134,17 @@ def rotary_for(cfg: ModelConfig) -> RotaryEmbedding:
     loader (which rebuilds them after a meta-device construction)."""
     return RotaryEmbedding(
         cfg.rope_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+    )
+
+
+def _kernel_takes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
+    return all(
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.dim() == 3
+        and x.stride(-1) == 1
+        and x.shape[-1] == 2 * cos.shape[-1]
+        for x in (q, k)
     )
 
 

@@ -26,7 +26,7 @@ from tierserve.errors import TierserveError
 
 logger = logging.getLogger("tierserve")
 
-SOURCES = (Path(__file__).with_name("paged_attention.cpp"),)
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "layer_ops.cpp"))
 # Fast math without -ffinite-math-only: masked scores are -inf and must stay so.
 FLAGS = (
     "-O3",
