@@ -67,9 +67,8 @@ def test_prefill_logits_match_transformers(checkpoints, family):
     attn = TorchAttention(pool, cfg.num_layers)
     prompt = random_prompts(1, [200], seed=2)[0]
     slots = torch.arange(len(prompt))
-    batch = ForwardBatch(
-        torch.tensor(prompt), slots, slots, [SeqSpan(0, 0, len(prompt), len(prompt), slots // 8)]
-    )
+    span = SeqSpan(0, 0, len(prompt), len(prompt), list(range(-(-len(prompt) // 8))))
+    batch = ForwardBatch(torch.tensor(prompt), slots, slots, [span])
     with torch.inference_mode():
         attn.prepare(batch)
         ours = model.logits(model(batch.input_ids, batch.positions, attn))
@@ -91,7 +90,7 @@ def chunked_logits(path, prompt: list[int], bounds: tuple[int, ...]) -> list[tor
     out = []
     with torch.inference_mode():
         for lo, hi in itertools.pairwise(bounds):
-            span = SeqSpan(0, 0, hi - lo, hi, pages[: -(-hi // 4)])
+            span = SeqSpan(0, 0, hi - lo, hi, pages[: -(-hi // 4)].tolist())
             batch = ForwardBatch(
                 torch.tensor(prompt[lo:hi]), torch.arange(lo, hi), slots[lo:hi], [span]
             )

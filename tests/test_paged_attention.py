@@ -36,7 +36,7 @@ def _batch(pool: PagedKV, spans: list[tuple[int, int]], seed: int) -> ForwardBat
     q_start = 0
     for i, (q_len, kv_len) in enumerate(sorted(spans)):
         pages = [free.pop() for _ in range(-(-kv_len // ps))]
-        out.append(SeqSpan(i, q_start, q_len, kv_len, torch.tensor(pages)))
+        out.append(SeqSpan(i, q_start, q_len, kv_len, pages))
         for pos in range(kv_len - q_len, kv_len):
             slots.append(pages[pos // ps] * ps + pos % ps)
             positions.append(pos)

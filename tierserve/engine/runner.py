@@ -9,7 +9,14 @@ import torch
 from torch import nn
 
 from tierserve.engine.scheduler import ScheduledChunk
-from tierserve.layers import AttentionBackend, ForwardBatch, SeqSpan, sample, token_logprobs
+from tierserve.layers import (
+    AttentionBackend,
+    ForwardBatch,
+    SeqSpan,
+    page_table,
+    sample,
+    token_logprobs,
+)
 from tierserve.outputs import TokenLogprob
 from tierserve.speculative import DraftModelProposer, DraftRows, verify
 
@@ -201,13 +208,10 @@ class ModelRunner:
             rows.append(n)
             ids.extend(_token_ids(req.prompt_ids, req.output_ids, start, start + n - len(c.draft)))
             ids.extend(c.draft)
-        width = max(map(len, tables), default=0)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
-        table = table.view(len(tables), width)
+        table = page_table(tables)
         spans, q_start = [], 0
         for i, (c, pages) in enumerate(zip(chunks, tables, strict=True)):
-            kv_len = starts[i] + rows[i]
-            spans.append(SeqSpan(c.req.arrival, q_start, rows[i], kv_len, table[i, : len(pages)]))
+            spans.append(SeqSpan(c.req.arrival, q_start, rows[i], starts[i] + rows[i], pages))
             q_start += rows[i]
         positions, slots = _positions_and_slots(table, starts, rows, ps)
         device = self.device

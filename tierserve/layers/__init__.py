@@ -39,6 +39,7 @@ EXPORTS = {
     "load_unpacked": "parallel",
     "pack_for_cpu": "parallel",
     "packed_by_name": "parallel",
+    "page_table": "batch",
     "packs_linears": "cpu_linear",
     "packed_head_bytes": "cpu_linear",
     "set_tp_group": "parallel",

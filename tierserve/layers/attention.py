@@ -163,8 +163,11 @@ class TorchAttention(AttentionBackend):
             rows = slice(span.q_start, span.q_start + span.q_len)
             context = latent[rows]
             if span.kv_len > span.q_len:  # a cached prefix or earlier chunks: from the pool
-                context = self.pool.gather(layer, span.pages)[0, 0, : span.kv_len]
+                context = self.pool.gather(layer, self._pages(span))[0, 0, : span.kv_len]
             out[rows] = mla.attend_expanded(q_nope[rows], q_rope[rows], context, mask)
+
+    def _pages(self, span: SeqSpan) -> torch.Tensor:
+        return torch.tensor(span.pages, dtype=torch.long, device=self.pool.data.device)
 
     def _decode(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None
@@ -210,7 +213,7 @@ class TorchAttention(AttentionBackend):
         mask: torch.Tensor | None,
     ) -> torch.Tensor:
         if span.kv_len > span.q_len:  # a cached prefix or earlier chunks: read it from the pool
-            k, v = self.pool.gather(layer, span.pages)  # [kv_heads, pages * page_size, dim]
+            k, v = self.pool.gather(layer, self._pages(span))  # [kv_heads, pages × size, dim]
             k, v = k[:, : span.kv_len], v[:, : span.kv_len]
         else:
             k, v = k.transpose(0, 1), v.transpose(0, 1)

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierserve.cache import PagedKV
-from tierserve.layers.batch import SeqSpan
+from tierserve.layers.batch import SeqSpan, page_table
 
 
 @dataclass
@@ -154,8 +154,9 @@ class DecodeWorkspace:
 
     def _reset_group(self, g: _Group, spans: list[SeqSpan], capacity: int | None = None) -> None:
         g.capacity = capacity or self._capacity(int(g.lens.max()))
-        g.pages = _page_table([spans[i] for i in g.row_ids], g.capacity // self.pool.page_size)
-        g.pages = g.pages.to(g.lens.device)
+        # Padding reads page 0 and is masked out.
+        rows = [spans[i].pages for i in g.row_ids]
+        g.pages = page_table(rows, g.capacity // self.pool.page_size).to(g.lens.device)
         g.kv = [None] * self.num_layers
         g.appending = False
 
@@ -179,11 +180,3 @@ class DecodeWorkspace:
 
     def reset(self) -> None:
         self.key, self.groups = (), []
-
-
-def _page_table(spans: list[SeqSpan], width: int) -> torch.Tensor:
-    """[B, width] page table; padding reads page 0 and is masked out."""
-    table = torch.zeros(len(spans), width, dtype=torch.long)
-    for i, s in enumerate(spans):
-        table[i, : len(s.pages)] = s.pages.cpu()
-    return table

@@ -118,7 +118,7 @@ class DraftModelProposer:
         for i in order:
             c = chunks[i]
             kv_len = c.start + c.kept
-            pages = torch.tensor(c.pages[: -(-kv_len // self.page_size)], dtype=torch.long)
+            pages = c.pages[: -(-kv_len // self.page_size)]
             spans.append(SeqSpan(c.seq_id, len(rows), c.kept, kv_len, pages))
             rows.extend(range(c.q_start, c.q_start + c.kept))
             ids.extend(c.next_ids)
@@ -146,7 +146,7 @@ class DraftModelProposer:
         spans, slots = [], []
         for j, (i, p) in enumerate(zip(proposing, positions, strict=True)):
             pages = chunks[i].pages[: p // ps + 1]
-            spans.append(SeqSpan(chunks[i].seq_id, j, 1, p + 1, torch.tensor(pages)))
+            spans.append(SeqSpan(chunks[i].seq_id, j, 1, p + 1, pages))
             slots.append(pages[-1] * ps + p % ps)
         step = ForwardBatch(
             input_ids=tokens,
