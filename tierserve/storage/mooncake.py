@@ -118,6 +118,9 @@ class MooncakeMaster:
         # picked itself are picked again, twice at most.
         for attempt in range(3):
             self.port, self.http_port = port or free_port(), http_port or free_port()
+            # Its metrics port defaults to 9003: a second master on the machine failed to start
+            # on it (and each test of the store waited 20 s for it).
+            self.metrics_port = free_port()
             try:
                 self.start()
                 return
@@ -129,10 +132,11 @@ class MooncakeMaster:
         beside = Path(sys.executable).parent / "mooncake_master"  # installed in the venv
         binary = shutil.which("mooncake_master") or str(beside)
         cmd = [binary, "--port", str(self.port), "--enable_http_metadata_server=true",
-               "--http_metadata_server_port", str(self.http_port)]  # fmt: skip
+               "--http_metadata_server_port", str(self.http_port),
+               "--metrics_port", str(self.metrics_port)]  # fmt: skip
         self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.proc.poll() is None:
             if self._answers():
                 return
             time.sleep(0.1)
