@@ -230,3 +230,46 @@ def _healthy(url: str) -> bool:
         return http.get(f"{url}/health", timeout=2).status_code == 200
     except httpx.TransportError:
         return False
+
+
+def _core_messages(llama_dir, steps: int) -> list[list[tuple[int, ...]]]:
+    """The tokens of each StepOutputs message an in-process engine core sends for one greedy
+    request of 17 tokens, with --num-continuous-decode-steps `steps` (a real pipe)."""
+    import tempfile
+    from multiprocessing import Pipe
+
+    from tierserve.args import EngineArgs
+    from tierserve.engine.core import EngineCore
+    from tierserve.engine.core_hooks import StepClock
+    from tierserve.engine.engine import Engine
+    from tierserve.messages import AddRequest, Shutdown, StepOutputs, decode_output, encode
+    from tierserve.sampling_params import SamplingParams
+
+    args = EngineArgs(str(llama_dir), max_total_tokens=1024, num_continuous_decode_steps=steps)
+    ours, theirs = Pipe()
+    with tempfile.TemporaryFile() as clock_file:
+        core = EngineCore(Engine(args), theirs, StepClock(clock_file.fileno()))
+        loop = threading.Thread(target=core.run)
+        loop.start()
+        params = SamplingParams(max_tokens=17, temperature=0, ignore_eos=True)
+        ours.send_bytes(encode(AddRequest("r", 0, [5, 6, 7, 8] * 4, params)))
+        messages, tokens = [], 0
+        while tokens < 17:
+            message = decode_output(ours.recv_bytes())
+            if isinstance(message, StepOutputs) and message.outputs:
+                messages.append([o.token_id for o in message.outputs])
+                tokens += len(message.outputs)
+        ours.send_bytes(encode(Shutdown()))
+        loop.join(timeout=60)
+        assert not loop.is_alive()
+    return messages
+
+
+def test_continuous_decode_steps_send_n_tokens_a_message(llama_dir):
+    """SGLang's --num-continuous-decode-steps 4: the core runs four decode steps before it
+    reads new requests and reports, so a request's 17 tokens come in 5 messages, not 17, and
+    are the same tokens."""
+    one, four = _core_messages(llama_dir, 1), _core_messages(llama_dir, 4)
+    assert [len(m) for m in one] == [1] * 17
+    assert [len(m) for m in four] == [4, 4, 4, 4, 1]
+    assert [t for m in four for t in m] == [t for m in one for t in m]

@@ -252,6 +252,16 @@ def test_nothing_else_computes_kv_bytes_per_token():
         ({"hicache_size": "5"}, "hicache_size"),  # sized, but the tier is off
         ({"hicache_write_policy": "write_back"}, "hicache_write_policy"),
         ({"max_total_tokens": 10**10}, "max_total_tokens"),  # CPU: more than the RAM
+        ({"hicache_io_backend": "direct"}, "hicache_io_backend"),  # the tier is off
+        (
+            {"enable_hierarchical_cache": True, "hicache_mem_layout": "layer_first"},
+            "hicache_mem_layout",
+        ),
+        ({"num_continuous_decode_steps": 0}, "num_continuous_decode_steps"),
+        (
+            {"num_continuous_decode_steps": 4, "speculative_algorithm": "NGRAM"},
+            "num_continuous_decode_steps",
+        ),
     ],
 )
 def test_start_up_flags_are_checked_before_anything_is_allocated(llama_dir, kwargs, field):
@@ -291,6 +301,37 @@ def test_serve_refuses_bad_sizes_with_one_line_and_status_2(llama_dir, flags):
     name = flags[-2]  # the flag, in its dashed or its field spelling
     assert len(errors) == 1
     assert name in errors[0] or name.lstrip("-").replace("-", "_") in errors[0]
+
+
+# The seed's SGLang launch line (shared/seed/), its memory flags as it ran them.
+SEED_SGLANG = (
+    "--tp-size 8 --mem-fraction-static 0.93 --num-continuous-decode-steps 4 "
+    "--disable-custom-all-reduce --enable-hierarchical-cache --hicache-write-policy "
+    "write_through --hicache-io-backend kernel --hicache-size 48"
+)
+
+
+def test_the_seeds_sglang_line_starts_tierserve_with_the_plans_verdict(tmp_path, capsys):
+    """Pasted as it is, the seed's line is a tierserve command line, and `serve --dry-run`
+    gives it the verdict `plan --check-sglang` gives SGLang on this machine's RAM (8 KV heads:
+    each of the 8 ranks holds its own host copy in both); `page_first`, the layout tierserve's
+    pools have, is taken too."""
+    from tests.conftest import make_checkpoint
+    from tierserve import cli  # the CLI's own entry point, in this process
+
+    model = make_checkpoint(tmp_path / "m", "llama", num_attention_heads=8, num_key_value_heads=8)
+    flags = [*SEED_SGLANG.split(), "--hicache-mem-layout", "page_first"]
+    code = cli.main(["serve", "--model", str(model), "--device", "cpu", "--dry-run", *flags])
+    served = capsys.readouterr()
+    assert code in (0, 2) and "Traceback" not in served.err, served.err
+    assert code == 0 or "host cache does not fit" in served.err
+    assert cli.main(["plan", "--model", str(model), "--check-sglang", SEED_SGLANG, "--json"]) in (
+        0,
+        1,
+    )
+    verdict = json.loads(capsys.readouterr().out)
+    assert verdict["kind"] == "sglang_check" and verdict["local_ranks"] == 8
+    assert (code == 0) == verdict["fits"], (served.err, verdict["explanation"])
 
 
 def serve(*args: str) -> subprocess.CompletedProcess:

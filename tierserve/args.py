@@ -175,6 +175,22 @@ class EngineArgs:
             choices=["auto", "best_effort", "wait_complete", "timeout"],
         ),
     )
+    hicache_io_backend: str = field(
+        default="kernel",
+        metadata=_flag(
+            "SGLang's host-device copy method; both copy whole page runs here: a page-major "
+            "page is one contiguous block, with no layers to gather (docs/kv-cache.md)",
+            choices=["kernel", "direct"],
+        ),
+    )
+    hicache_mem_layout: str = field(
+        default="page_first",
+        metadata=_flag(
+            "the host tier's layout as SGLang names it: tierserve's pools are page-major "
+            "(page_first; page_first_direct is the same here); layer_first is refused",
+            choices=["layer_first", "page_first", "page_first_direct"],
+        ),
+    )
     attention_backend: str = field(
         default="auto",
         metadata=_flag(
@@ -190,6 +206,20 @@ class EngineArgs:
         metadata=_flag(
             "tensor-parallel ranks (one process each; gloo on CPU, NCCL on CUDA)",
             aliases=["--tp"],
+        ),
+    )
+    disable_custom_all_reduce: bool = field(
+        default=False,
+        metadata=_flag(
+            "accepted for SGLang's command lines: tierserve has no custom all-reduce, only "
+            "torch.distributed's (gloo on CPU, NCCL on CUDA)"
+        ),
+    )
+    num_continuous_decode_steps: int = field(
+        default=1,
+        metadata=_flag(
+            "decode steps run back to back before the engine reads new requests and sends "
+            "the tokens (as SGLang): fewer messages per token, tokens streamed N at a time"
         ),
     )
     nnodes: int = field(default=1, metadata=_flag("nodes the --tp-size ranks span (as SGLang)"))
@@ -335,6 +365,10 @@ class EngineArgs:
                 if self.hicache_storage_prefetch_policy == "auto"
                 else self.hicache_storage_prefetch_policy
             ),
+            "hicache_io_backend": None if self.hicache_io_backend == "kernel" else "direct",
+            "hicache_mem_layout": (
+                None if self.hicache_mem_layout == "page_first" else self.hicache_mem_layout
+            ),
         }
         given = [name for name, value in host_flags.items() if value is not None]
         if given and not self.enable_hierarchical_cache:
@@ -344,8 +378,32 @@ class EngineArgs:
                 f"{flag} configures the host tier, which is off: add --enable-hierarchical-cache",
                 field=given[0],
             )
+        if self.hicache_mem_layout == "layer_first":
+            raise TierserveError(
+                "--hicache-mem-layout layer_first is not built: tierserve's pools are "
+                "page-major (SGLang's page_first), a page's every layer in one block that the "
+                "host tier copies, the storage tier stores and the shared host copy maps as "
+                "one; use page_first (the default here)",
+                field="hicache_mem_layout",
+            )
         self._check_distributed()
         self._check_speculative()
+        steps = self.num_continuous_decode_steps
+        if steps < 1:
+            message = f"num_continuous_decode_steps must be >= 1, got {steps}"
+            raise TierserveError(message, "num_continuous_decode_steps")
+        if steps > 1 and self.enable_dp_attention:
+            raise TierserveError(
+                "--num-continuous-decode-steps > 1 with --enable-dp-attention is not built: "
+                "rank 0 sees the other groups' queues only once a step",
+                field="num_continuous_decode_steps",
+            )
+        if steps > 1 and self.speculative_algorithm is not None:
+            raise TierserveError(
+                "--num-continuous-decode-steps > 1 with speculative decoding is not built: "
+                "each step verifies the draft the step before proposed, through the scheduler",
+                field="num_continuous_decode_steps",
+            )
         check_mem_fraction(self.mem_fraction_static)
         if self.hidden_states_dir is not None and not self.hidden_states_dir.strip():
             # An empty path would resolve to the working directory only at the first write.

@@ -117,7 +117,7 @@ class EngineCore:
                 if took:  # admission reads the queue the new requests joined
                     self._report([])
                 continue
-            self._report(self._step())
+            self._report(self._steps())
         engine.close()
 
     def _read(self) -> None:
@@ -162,6 +162,18 @@ class EngineCore:
                 self._send(Answer(message.ask_id, metrics=engine_metrics(engine)))
         else:  # AbortRequest
             engine.handle(message)
+
+    def _steps(self) -> list[StepOutput]:
+        """A step, then, while every request only decodes, up to --num-continuous-decode-steps
+        − 1 more before new requests are read and the tokens sent (SGLang's loop): one message
+        each way per N tokens of every request."""
+        engine = self.engine
+        outputs = self._step()
+        for _ in range(engine.args.num_continuous_decode_steps - 1):
+            if not engine.decoding_only() or not self.gate.allows(engine.scheduler.stats.num_steps):
+                break
+            outputs += self._step()
+        return outputs
 
     def _step(self) -> list[StepOutput]:
         self.clock.step_started()

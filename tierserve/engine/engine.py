@@ -245,6 +245,11 @@ class Engine:
             return self.scheduler.has_work() or self.groups.busy()
         return self.scheduler.has_work()
 
+    def decoding_only(self) -> bool:
+        """Requests run and every one only decodes: no prompt left to prefill, none queued."""
+        s = self.scheduler
+        return bool(s.running) and not s.waiting and all(r.remaining == 1 for r in s.running)
+
     def num_waiting(self) -> int:
         """Requests queued for admission: in every attention group under DP attention."""
         if self.groups is not None:
