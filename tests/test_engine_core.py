@@ -273,3 +273,36 @@ def test_continuous_decode_steps_send_n_tokens_a_message(llama_dir):
     assert [len(m) for m in one] == [1] * 17
     assert [len(m) for m in four] == [4, 4, 4, 4, 1]
     assert [t for m in four for t in m] == [t for m in one for t in m]
+
+
+def test_the_warm_up_runs_its_shapes_and_leaves_nothing(llama_dir, offline, tmp_path, caplog):
+    """A served engine's warm-up (the offline LLM asks for it here): the running cap's decode
+    rows and a whole prefill chunk run, then the counters start from 0, the pool is free, the
+    tree holds nothing, nothing is captured or stored, and outputs equal an engine's without it."""
+    import logging
+
+    from tierserve import LLM, SamplingParams
+
+    store = tmp_path / "store"
+    extra = json.dumps({"path": str(store)})
+    with caplog.at_level(logging.INFO, logger="tierserve"):
+        llm = LLM(
+            str(llama_dir), max_total_tokens=4096, max_running_requests=32,
+            skip_server_warmup=False, hidden_states_dir=str(tmp_path / "hs"),
+            enable_hierarchical_cache=True, hicache_storage_backend="file",
+            hicache_storage_backend_extra_config=extra,
+        )  # fmt: skip
+    assert "warm-up: a decode step of 32 rows and a 2047-token prefill" in caplog.text
+    engine = llm.engine
+    assert engine.scheduler.stats.num_steps == 0 and engine.peak_running == 0
+    assert engine.kv.cached_pages() == 0 and engine.kv.allocator.num_free == engine.kv.num_pages
+    assert engine.storage is not None and engine.storage.flush_writes()
+    assert not any((tmp_path / "hs").glob("*")) and not list(store.glob("??/*"))
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8] * 10, [9, 10, 11] * 7]
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    assert got == [o.token_ids for o in offline.generate(prompts, params)]
+    assert engine.scheduler.stats.num_steps > 0
+    assert engine.storage.flush_writes() and list(store.glob("??/*"))  # real requests store
+    assert any((tmp_path / "hs").glob("*"))  # and are captured
+    llm.close()

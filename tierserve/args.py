@@ -208,6 +208,14 @@ class EngineArgs:
             aliases=["--tp"],
         ),
     )
+    skip_server_warmup: bool = field(
+        default=False,
+        metadata=_flag(
+            "serve without the warm-up (as SGLang's flag): by default the largest decode step "
+            "the pool holds and one prefill chunk run before /health answers 200 (the offline "
+            "LLM skips it unless asked)"
+        ),
+    )
     disable_custom_all_reduce: bool = field(
         default=False,
         metadata=_flag(

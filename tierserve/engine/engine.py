@@ -29,6 +29,7 @@ from tierserve.engine.runner import ChunkResult, ModelRunner
 from tierserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from tierserve.engine.startup import Startup, resolve_device
 from tierserve.engine.tokenizer import eos_token_id, lazy_tokenizer
+from tierserve.engine.warm_up import warm_up
 from tierserve.errors import TierserveError
 from tierserve.layers import ATTENTION_BACKENDS
 from tierserve.messages import (
@@ -128,6 +129,8 @@ class Engine:
             )
             self.preparer = RequestPreparer(self.info, self._tokenizer)
             self.grammars = self.preparer.grammars
+            if not args.skip_server_warmup:
+                warm_up(self)
             if self.ranks is not None:  # ready when every rank is: rank 0 serves only then
                 self.ranks.bus.barrier()
         except BaseException:

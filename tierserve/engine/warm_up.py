@@ -1,0 +1,92 @@
+"""The warm-up a served engine runs before it says it is ready (SGLang's server warms up too;
+`--skip-server-warmup` is its flag): the pool's largest decode step and one whole prefill chunk,
+so that the first requests do not pay for the engine's first-time work (on a GPU: kernels'
+first launches, the allocator's first buffers; on CPU: oneDNN's kernels for those shapes). vLLM
+runs dummy batches before it serves for the same reason. On this 2-core CPU it costs 0.18 s for
+the demo model, and it did not close the first burst's gap: the first of 64 streams after start
+ran at 0.75–0.90× the third with it as without (benchmarks/vllm_peer.py --bursts), so what the
+first burst pays for lies elsewhere (the API process, the first use of the pool's pages).
+
+Every rank runs the same warm-up on its own, before the ranks' start-up barrier: the same
+requests, scheduled the same way, so the collectives of tensor parallelism and DP attention pair
+up without a word on the bus. The warm-up leaves nothing behind: its requests bypass the radix
+tree, the host and storage tiers and hidden-state capture, and the engine's counters start from
+zero after it (the tests' step gate counts `tierserve_engine_steps_total`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from tierserve.engine.request import Request
+from tierserve.engine.scheduler import SchedulerStats
+from tierserve.sampling_params import SamplingParams
+from tierserve.speculative import SpecStats
+
+if TYPE_CHECKING:
+    from tierserve.engine.engine import Engine
+
+logger = logging.getLogger("tierserve")
+
+# Before every real request (their arrivals count up from 0): the warm-up's sequence ids never
+# meet a real request's in a workspace keyed by them.
+_FIRST_ARRIVAL = -(2**40)
+DECODE_PROMPT = 2  # tokens per decode row's prompt: one step prefills them, the next decodes
+
+
+def warm_up(engine: Engine) -> None:
+    """Run the largest decode step the pool holds, then one prefill chunk; then forget them."""
+    start = time.perf_counter()
+    rows, chunk = _shapes(engine)
+    kv, storage = engine.kv, engine.storage
+    radix, kv_storage = kv.radix, kv.storage
+    kv.radix = kv.storage = engine.storage = None  # nothing cached, stored or fetched
+    try:
+        _run(engine, [_request(engine, i, DECODE_PROMPT, 2) for i in range(rows)])
+        if chunk > DECODE_PROMPT:
+            _run(engine, [_request(engine, rows, chunk, 1)])
+    finally:
+        kv.radix, kv.storage, engine.storage = radix, kv_storage, storage
+    engine.scheduler.stats = SchedulerStats()
+    engine.spec_stats = SpecStats()
+    engine.peak_running = 0
+    logger.info(
+        "warm-up: a decode step of %d rows and a %d-token prefill in %.2f s",
+        rows, chunk, time.perf_counter() - start,
+    )  # fmt: skip
+
+
+def _shapes(engine: Engine) -> tuple[int, int]:
+    """Decode rows (the running cap, as many as the pool holds) and the prefill chunk."""
+    args, ps = engine.args, engine.kv.page_size
+    pages = engine.kv.num_pages
+    lookahead = engine.scheduler.lookahead + engine.args.num_speculative_tokens
+    per_row = -(-(DECODE_PROMPT + 2 + lookahead) // ps)
+    rows = max(1, min(args.max_running_requests // args.dp_groups, pages // per_row))
+    budget = args.chunked_prefill_size if args.chunked_prefill_size > 0 else engine.context_length
+    chunk = min(budget, engine.context_length - 1, (pages - 1) * ps - 1 - lookahead)
+    return rows, chunk
+
+
+def _request(engine: Engine, i: int, prompt_len: int, max_tokens: int) -> Request:
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    return Request(
+        rid=f"tierserve-warm-up-{i}",
+        arrival=_FIRST_ARRIVAL + i,
+        prompt_ids=[(3 + i + j) % vocab for j in range(prompt_len)],
+        params=params,
+        generator=torch.Generator().manual_seed(0),  # the engine's default one is not touched
+    )
+
+
+def _run(engine: Engine, requests: list[Request]) -> None:
+    for req in requests:
+        engine._requests[req.rid] = req  # as a submitted request is: finishing drops it
+        engine.scheduler.add(req)
+    while engine.scheduler.has_work():
+        engine._step()
