@@ -477,3 +477,15 @@ def test_a_restarted_engine_finds_the_drafts_kv_in_storage(tmp_path):
     per_layer = spec.bytes_per_page // spec.num_layers  # each object: a page and its header
     assert store.hit_pages * spec.bytes_per_page <= store.read_bytes
     assert store.read_bytes < store.hit_pages * (spec.bytes_per_page + per_layer)
+
+
+def test_drafts_that_all_reach_the_context_end_stop_and_the_tokens_stay():
+    """Every drafting request at the context's end: each chain stops there (an empty set of
+    chains left used to be an index of the wrong dtype), and greedy tokens are the plain ones."""
+    prompt = list(range(5, 65))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    got = []
+    for spec in ({}, {"speculative_algorithm": "EAGLE3"}):
+        with LLM(str(DEMO), max_total_tokens=2048, context_length=64, **spec) as llm:
+            got.append(llm.generate([prompt], params)[0].token_ids)
+    assert got[0] == got[1] and len(got[0]) == 4

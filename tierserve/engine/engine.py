@@ -129,7 +129,7 @@ class Engine:
             )
             self.preparer = RequestPreparer(self.info, self._tokenizer)
             self.grammars = self.preparer.grammars
-            if not args.skip_server_warmup:
+            if startup.warm_up:
                 warm_up(self)
             if self.ranks is not None:  # ready when every rank is: rank 0 serves only then
                 self.ranks.bus.barrier()

@@ -69,6 +69,8 @@ class Startup:
     # "nextn"; its KV is the pool's last layer.
     draft_path: str | None = None
     draft_kind: str | None = None
+    # Rank 0's choice, so every rank (another node's too) runs the warm-up or none does.
+    warm_up: bool = False
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> Startup:
@@ -112,7 +114,7 @@ class Startup:
         flops = 2.0 * node_numel / args.tp_size
         return cls(
             model_path, cfg, device, dtype, context, weight_bytes, plan, storage, flops, backend,
-            draft, kind,
+            draft, kind, not args.skip_server_warmup,
         )  # fmt: skip
 
 

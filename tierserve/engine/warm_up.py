@@ -18,17 +18,19 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from tierserve.args import EngineArgs
+from tierserve.cache import KVCacheManager
 from tierserve.engine.request import Request
-from tierserve.engine.scheduler import SchedulerStats
+from tierserve.engine.scheduler import Scheduler, SchedulerStats
+from tierserve.model_config import ModelConfig
+from tierserve.outputs import StepOutput
 from tierserve.sampling_params import SamplingParams
 from tierserve.speculative import SpecStats
-
-if TYPE_CHECKING:
-    from tierserve.engine.engine import Engine
+from tierserve.storage import StorageTier
 
 logger = logging.getLogger("tierserve")
 
@@ -36,6 +38,22 @@ logger = logging.getLogger("tierserve")
 # meet a real request's in a workspace keyed by them.
 _FIRST_ARRIVAL = -(2**40)
 DECODE_PROMPT = 2  # tokens per decode row's prompt: one step prefills them, the next decodes
+
+
+class Engine(Protocol):
+    """What the warm-up uses of engine.Engine (named here: that module imports this one)."""
+
+    args: EngineArgs
+    kv: KVCacheManager
+    storage: StorageTier | None
+    scheduler: Scheduler
+    spec_stats: SpecStats
+    peak_running: int
+    model_config: ModelConfig
+    context_length: int
+    _requests: dict[str, Request]
+
+    def _step(self) -> list[StepOutput]: ...
 
 
 def warm_up(engine: Engine) -> None:

@@ -88,7 +88,7 @@ class DraftModelProposer:
         for _ in range(1, self.num_steps):
             alive = [j for j, p in enumerate(positions) if p < self.max_position]
             if len(alive) < len(positions):  # a chain stops at the context's end
-                keep = torch.tensor(alive, device=out.device)
+                keep = torch.tensor(alive, dtype=torch.long, device=out.device)
                 proposing = [proposing[j] for j in alive]
                 positions = [positions[j] for j in alive]
                 hidden, tokens = hidden[keep], [t[keep] for t in tokens]
