@@ -92,18 +92,29 @@ if __name__ == "__main__":
     print("RESULT", json.dumps({"seconds": seconds, "tokens": tokens}), flush=True)
 """
 )
+# What both stream clients do: each request's body, and the measured batch after the warm-up.
+STREAMS_COMMON = """
+import asyncio, json, sys, time
+url = sys.argv[1] + "/v1/completions"
+def body(p, n):
+    return {"model": "demo", "prompt": p, "max_tokens": n, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+async def measure(one, session):
+    await asyncio.gather(*(one(session, p, WARM_TOKENS) for p in WARM))
+    start = time.perf_counter()
+    tokens = sum(await asyncio.gather(*(one(session, p) for p in PROMPTS)))
+    print("RESULT", json.dumps({"seconds": time.perf_counter() - start, "tokens": tokens}))
+"""
 # aiohttp, as vLLM's and SGLang's serving benchmarks use: on 2 cores the client shares the
 # CPU with the server, and httpx's streaming took twice its CPU per token.
 STREAMS_CLIENT = (
     PROMPTS
+    + STREAMS_COMMON
     + """
-import asyncio, json, sys, time, aiohttp
-url = sys.argv[1] + "/v1/completions"
+import aiohttp
 async def one(h, p, n=128):
-    body = {"model": "demo", "prompt": p, "max_tokens": n, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     tokens = 0
-    async with h.post(url, json=body) as r:
+    async with h.post(url, json=body(p, n)) as r:
         async for line in r.content:
             if line.startswith(b"data: {") and b'"usage"' in line:
                 usage = json.loads(line[6:]).get("usage") or {}
@@ -113,10 +124,7 @@ async def main():
     connector = aiohttp.TCPConnector(limit=100)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as h:
-        await asyncio.gather(*(one(h, p, WARM_TOKENS) for p in WARM))
-        start = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(one(h, p) for p in PROMPTS)))
-        print("RESULT", json.dumps({"seconds": time.perf_counter() - start, "tokens": tokens}))
+        await measure(one, h)
 asyncio.run(main())
 """
 )
@@ -124,14 +132,12 @@ asyncio.run(main())
 # aiohttp's CPU per token, CPU the server then lacks.
 HTTPX_STREAMS_CLIENT = (
     PROMPTS
+    + STREAMS_COMMON
     + """
-import asyncio, json, sys, time, httpx
-url = sys.argv[1] + "/v1/completions"
+import httpx
 async def one(c, p, n=128):
-    body = {"model": "demo", "prompt": p, "max_tokens": n, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     tokens = 0
-    async with c.stream("POST", url, json=body) as r:
+    async with c.stream("POST", url, json=body(p, n)) as r:
         async for line in r.aiter_lines():
             if line.startswith("data: {") and '"usage"' in line:
                 usage = json.loads(line[6:]).get("usage") or {}
@@ -140,10 +146,7 @@ async def one(c, p, n=128):
 async def main():
     limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
     async with httpx.AsyncClient(limits=limits, timeout=600, trust_env=False) as c:
-        await asyncio.gather(*(one(c, p, WARM_TOKENS) for p in WARM))
-        start = time.perf_counter()
-        tokens = sum(await asyncio.gather(*(one(c, p) for p in PROMPTS)))
-        print("RESULT", json.dumps({"seconds": time.perf_counter() - start, "tokens": tokens}))
+        await measure(one, c)
 asyncio.run(main())
 """
 )

@@ -38,10 +38,9 @@ def free_port() -> int:
     between this call and the bind of the process it is meant for. Random, so that parallel
     callers seldom pick the same one."""
     low, high = _ephemeral_range()
-    top = low - 1 if low - 1 > _LOWEST + 1000 else 65535
-    bottom = _LOWEST if top == low - 1 else high + 1
-    for _ in range(100):
-        port = random.randint(bottom, top)
+    ranges = [(a, b) for a, b in ((_LOWEST, low - 1), (high + 1, 65535)) if b - a >= 1000]
+    for _ in range(100 if ranges else 0):
+        port = random.randint(*random.choice(ranges))
         if _bindable(port):
             return port
     with socket.socket() as s:  # a crowded range: let the kernel choose

@@ -146,9 +146,8 @@ def run(ns: argparse.Namespace) -> int:
 
         if global_rank(args) != 0:
             return follow(args)
-    # The engine core starts, and every flag is checked, before anything listens: a refusal
-    # raises TierserveError (exit 2) here, a core that dies on the way exits 1. It starts
-    # first, so that its imports, weights and pools take their time beside this process's.
+    # The address first: a port in use is refused in a second (exit 2), and nothing takes it
+    # while the engine loads. It listens only once uvicorn runs.
     sock = bind_server_socket(ns.host, ns.port)
     try:
         return _serve(ns, args, sock)
@@ -159,6 +158,9 @@ def run(ns: argparse.Namespace) -> int:
 def _serve(ns: argparse.Namespace, args: EngineArgs, sock: socket.socket) -> int:
     from tierserve.server.core_client import CoreClient, CoreStartError
 
+    # The engine core starts, and every flag is checked, before anything listens: a refusal
+    # raises TierserveError (exit 2) here, a core that dies on the way exits 1. It starts
+    # first, so that its imports, weights and pools take their time beside this process's.
     core = CoreClient.spawn(args, ns.log_level)
     try:
         import uvicorn
