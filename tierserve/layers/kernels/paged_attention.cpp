@@ -201,6 +201,15 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
   std::vector<float> scratch(scratch_rows * (v_dim + 2));
   const int64_t stride = v_dim + 2;
 
+  // Where one head's block of part `part` of page p of a sequence lies, and its tokens.
+  auto block_of = [&](int64_t seq, int64_t p, int64_t part, int64_t head) {
+    const int64_t page = table[seq * table_width + p];
+    return kv + ((((page * layers + layer) * parts) + part) * kv_heads + head) * block;
+  };
+  auto tokens_of = [&](int64_t seq, int64_t p) {
+    return std::min(page_size, kl[seq] - p * page_size);
+  };
+
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     std::vector<float> k_buf(block), v_buf(block), weights, rescales;
     std::vector<float> queries;
@@ -222,9 +231,7 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
         std::fill(part + r * stride + 1, part + (r + 1) * stride, 0.f);
       }
       for (int64_t p = w.first_page; p < w.end_page; ++p) {
-        const int64_t page = table[w.seq * table_width + p];
-        const int64_t base = ((page * layers + layer) * parts) * kv_heads;
-        const int64_t n = std::min(page_size, kl[w.seq] - p * page_size);
+        const int64_t n = tokens_of(w.seq, p);
         // The page this thread reads kPrefetchPages after this one, in this item or the next.
         const Item* next = &w;
         int64_t np = p + kPrefetchPages, next_it = it;
@@ -234,20 +241,14 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
           if (next != nullptr) np += next->first_page;
         }
         if (next != nullptr) {
-          const int64_t nbase =
-              ((table[next->seq * table_width + np] * layers + layer) * parts) * kv_heads;
-          const int64_t nbytes = std::min(page_size, kl[next->seq] - np * page_size) * dim *
-                                 static_cast<int64_t>(sizeof(T));
-          prefetch_block(kv + (nbase + k_part * kv_heads + next->head) * block, nbytes);
-          if (!same_block)
-            prefetch_block(kv + (nbase + v_part * kv_heads + next->head) * block, nbytes);
+          const int64_t bytes = tokens_of(next->seq, np) * dim * static_cast<int64_t>(sizeof(T));
+          prefetch_block(block_of(next->seq, np, k_part, next->head), bytes);
+          if (!same_block) prefetch_block(block_of(next->seq, np, v_part, next->head), bytes);
         }
-        const float* keys = as_float(kv + (base + k_part * kv_heads + w.head) * block, n, dim,
-                                     k_buf.data(), lut);
+        const float* keys = as_float(block_of(w.seq, p, k_part, w.head), n, dim, k_buf.data(), lut);
         const float* values =
             same_block ? keys
-                       : as_float(kv + (base + v_part * kv_heads + w.head) * block, n, dim,
-                                  v_buf.data(), lut);
+                       : as_float(block_of(w.seq, p, v_part, w.head), n, dim, v_buf.data(), lut);
         // Each row's weights over the page's keys (0 where it sees none) and the factor its
         // running sum is rescaled by; the sums are then updated for all rows together.
         for (int64_t r = 0; r < rows; ++r) {
