@@ -255,6 +255,7 @@ def _core_messages(llama_dir, steps: int) -> list[list[tuple[int, ...]]]:
         ours.send_bytes(encode(AddRequest("r", 0, [5, 6, 7, 8] * 4, params)))
         messages, tokens = [], 0
         while tokens < 17:
+            assert ours.poll(300), "the core sent nothing"  # bounds a dead core's hang only
             message = decode_output(ours.recv_bytes())
             if isinstance(message, StepOutputs) and message.outputs:
                 messages.append([o.token_id for o in message.outputs])

@@ -3,9 +3,10 @@
 so that the first requests do not pay for the engine's first-time work (on a GPU: kernels'
 first launches, the allocator's first buffers; on CPU: oneDNN's kernels for those shapes). vLLM
 runs dummy batches before it serves for the same reason. On this 2-core CPU it costs 0.18 s for
-the demo model, and it did not close the first burst's gap: the first of 64 streams after start
-ran at 0.75–0.90× the third with it as without (benchmarks/vllm_peer.py --bursts), so what the
-first burst pays for lies elsewhere (the API process, the first use of the pool's pages).
+the demo model, and it did not close the first burst's gap: the first 64 streams after start
+ran at 0.75–0.90× the third with it as without in paired runs, and at 0.91× in
+`benchmarks/vllm_peer.py --bursts 3`, so what the first burst pays for lies elsewhere (the API
+process, the first use of the pool's pages).
 
 Every rank runs the same warm-up on its own, before the ranks' start-up barrier: the same
 requests, scheduled the same way, so the collectives of tensor parallelism and DP attention pair
@@ -19,8 +20,6 @@ from __future__ import annotations
 import logging
 import time
 from typing import Protocol
-
-import torch
 
 from tierserve.args import EngineArgs
 from tierserve.cache import KVCacheManager
@@ -97,8 +96,7 @@ def _request(engine: Engine, i: int, prompt_len: int, max_tokens: int) -> Reques
         rid=f"tierserve-warm-up-{i}",
         arrival=_FIRST_ARRIVAL + i,
         prompt_ids=[(3 + i + j) % vocab for j in range(prompt_len)],
-        params=params,
-        generator=torch.Generator().manual_seed(0),  # the engine's default one is not touched
+        params=params,  # greedy: no generator, so the engine's seeded one is not touched
     )
 
 
