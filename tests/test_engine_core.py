@@ -161,7 +161,9 @@ def test_a_core_that_fails_answers_503_and_the_server_exits_1(llama_dir, tmp_pat
     assert "engine loop failed" in log and "injected fault" in log
 
 
-@pytest.mark.parametrize("case", ["tiny-pool", "no-model", "no-tokenizer", "port-in-use"])
+@pytest.mark.parametrize(
+    "case", ["tiny-pool", "no-model", "no-tokenizer", "port-in-use", "cores-not-ours"]
+)
 def test_a_refused_start_exits_2_and_leaves_no_core(llama_dir, tmp_path, case):
     """The core refuses the flags and says why; the server exits 2 before listening, and waits
     for its core first. The API process loads its tokenizer while the core starts, yet the
@@ -177,6 +179,8 @@ def test_a_refused_start_exits_2_and_leaves_no_core(llama_dir, tmp_path, case):
         model, flags, says = tmp_path, [], "--tokenizer"
     elif case == "port-in-use":
         flags, says = [], "cannot listen on 127.0.0.1:"
+    elif case == "cores-not-ours":
+        flags, says = ["--cpu-omp-threads-bind", "4096"], "are outside the"
     cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(model), *flags]
     with socket.create_server(("127.0.0.1", 0)) as other:
         port = other.getsockname()[1] if case == "port-in-use" else free_port()

@@ -26,6 +26,7 @@ from tests.test_hicache import mixed_workload, mixed_workload_reference
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.bench.client import parse_prometheus
 from tierserve.distributed import ranks as ranks_module
+from tierserve.distributed.placement import plan_placement
 from tierserve.engine import engine as engine_module
 from tierserve.engine import engine_metrics
 from tierserve.layers.parallel import TPGroup, shards_by_name, tp_group
@@ -373,10 +374,17 @@ def test_a_tp_engine_after_a_closed_one_in_the_same_process(llama_dir):
     prompts = random_prompts(4, [20, 45], seed=11)
     with LLM(str(llama_dir), **CPU) as llm:
         want = [o.token_ids for o in llm.generate(prompts, GREEDY8)]
+    cores = os.sched_getaffinity(0)
     first = LLM(str(llama_dir), tp_size=2, **CPU)
     at_2 = [o.token_ids for o in first.generate(prompts, GREEDY8)]
+    # The offline ranks split every core (each its own where there are two), and this
+    # process, rank 0, gets its own back when the engine closes.
+    split = plan_placement("auto", None, 2, sorted(cores), serving=False).ranks
+    (worker,) = first.engine.ranks.workers
+    seen = [os.sched_getaffinity(0), os.sched_getaffinity(worker.pid)]
+    assert seen == [set(c) or cores for c in split], (seen, split)
     first.close()
-    assert _group_released()
+    assert _group_released() and os.sched_getaffinity(0) == cores
     with LLM(str(llama_dir), tp_size=4, **CPU) as second:  # was: "initialize ... twice!"
         assert len(second.engine.ranks.workers) == 3
         first.close()  # idempotent: the group the second engine made is not the first's

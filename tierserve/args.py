@@ -230,6 +230,23 @@ class EngineArgs:
             "the tokens (as SGLang): fewer messages per token, tokens streamed N at a time"
         ),
     )
+    cpu_omp_threads_bind: str = field(
+        default="auto",
+        metadata=_flag(
+            "CPU cores of each local rank's torch threads, as vLLM's VLLM_CPU_OMP_THREADS_BIND: "
+            "auto (CPU-only hosts: the ranks split the cores the process may use, one thread "
+            "a core; a GPU host pins nothing), nobind (the off switch), or one list per rank, "
+            "0-3|4-7 (the other cores go to the API process); docs/cpu-placement.md"
+        ),
+    )
+    cpu_reserved_cores: int | None = field(
+        default=None,
+        metadata=_flag(
+            "with --cpu-omp-threads-bind auto, cores kept from the ranks for the API process, "
+            "its grammar workers and tokenization (as vLLM's VLLM_CPU_NUM_OF_RESERVED_CPU); "
+            "default: 1 when serving and every rank keeps at least 2 cores, else 0"
+        ),
+    )
     nnodes: int = field(default=1, metadata=_flag("nodes the --tp-size ranks span (as SGLang)"))
     node_rank: int = field(default=0, metadata=_flag("this node's index among --nnodes"))
     dist_init_addr: str | None = field(

@@ -98,6 +98,7 @@ class CoreInfo(msgspec.Struct, frozen=True):
     page_size: int
     hidden_states_dir: str | None = None  # every request's hidden states go there
     hidden_state_bytes_per_token: int = 0  # what each prompt token takes in its file
+    api_cores: tuple[int, ...] = ()  # where the API process runs (): every core; placement.py
 
 
 class CoreReady(msgspec.Struct, frozen=True, tag=True):

@@ -8,9 +8,13 @@ from tierserve.lazy import lazy_exports
 EXPORTS = {
     "ENV_ARGS": "rank_env",
     "ENV_PARENT": "rank_env",
+    "Placement": "placement",
     "Ranks": "ranks",
     "die_with_parent": "rank_env",
     "global_rank": "ranks",
+    "pin": "placement",
+    "pin_rank": "placement",
+    "resolve_placement": "placement",
     "start_from_lasting_thread": "rank_env",
 }
 __all__ = list(EXPORTS)

@@ -68,7 +68,6 @@ class Ranks:
     session: str  # rank 0's name for this launch
     workers: list[subprocess.Popen] = field(default_factory=list)
     closing: threading.Event = field(default_factory=threading.Event)
-    threads: int = 0  # torch's CPU threads before this rank took its share of the cores
     dp: DPAttention | None = None  # data-parallel attention: this rank's group among them
     released: bool = field(default=False, init=False, repr=False)
 
@@ -90,7 +89,6 @@ class Ranks:
         rank = global_rank(args)
         workers: list[subprocess.Popen] = []
         closing = threading.Event()
-        threads = torch.get_num_threads()
         _claim_group(args.tp_size)
         try:
             if ENV_RANK in os.environ:  # worker.py made this rank die with its parent
@@ -104,9 +102,9 @@ class Ranks:
             bus = CommandBus(rank, dp.group_size if dp is not None else args.tp_size)
             session = bus.session()
         except BaseException:
-            _release(workers, rank, closing, threads, wait_s=0.0)
+            _release(workers, rank, closing, wait_s=0.0)
             raise
-        return cls(rank, args.tp_size, rank % local, bus, session, workers, closing, threads, dp)
+        return cls(rank, args.tp_size, rank % local, bus, session, workers, closing, dp)
 
     def agree(self, decide: Callable[[], T]) -> T:
         """Rank 0's `decide()`, on every rank; or its refusal, raised on every rank (rank 0's
@@ -129,7 +127,7 @@ class Ranks:
         if self.released:
             return
         self.released = True
-        _release(self.workers, self.rank, self.closing, self.threads, timeout_s)
+        _release(self.workers, self.rank, self.closing, timeout_s)
 
     def kill(self) -> None:
         """A start or a stop that failed: the ranks this process started are ended at once
@@ -170,8 +168,6 @@ def _join(args: EngineArgs, rank: int, addr: str, cuda: bool) -> None:
     local = args.local_ranks
     if cuda:
         torch.cuda.set_device(rank % local)
-    else:  # the node's ranks share its cores: more threads than cores only contend
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
     dist.init_process_group(
         "nccl" if cuda else "gloo",
         init_method=f"tcp://{addr}",
@@ -202,7 +198,6 @@ def _release(
     workers: list[subprocess.Popen],
     rank: int,
     closing: threading.Event,
-    threads: int,
     wait_s: float,
 ) -> None:
     """Reap the ranks this process started (killing any still there after `wait_s`), leave
@@ -223,7 +218,6 @@ def _release(
     finally:
         set_tp_group(TPGroup())  # a model built after this in the process is whole again
         set_dp_attention(None)
-        torch.set_num_threads(threads)
         with _open_lock:
             _open_tp = None
 

@@ -71,7 +71,7 @@ def main() -> int:
     conn = Connection(int(os.environ[ENV_CORE_FD]))
     clock = StepClock(int(os.environ[ENV_CLOCK_FD]))
     try:
-        engine = Engine(EngineArgs(**json.loads(os.environ[ENV_ARGS])))
+        engine = Engine(EngineArgs(**json.loads(os.environ[ENV_ARGS])), serving=True)
     except TierserveError as err:
         conn.send_bytes(encode(CoreRefused(err.message, err.field)))
         return 2

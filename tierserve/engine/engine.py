@@ -18,7 +18,7 @@ import torch
 
 from tierserve.args import EngineArgs
 from tierserve.cache import KVCacheManager, PagedKV, TransferFactory, default_transfer, pair_keys
-from tierserve.distributed import Ranks
+from tierserve.distributed import Ranks, global_rank, pin_rank, resolve_placement
 from tierserve.engine.dp_groups import AttentionGroups
 from tierserve.engine.hidden_states import HiddenStateCapture
 from tierserve.engine.kv_plan import startup_table
@@ -52,25 +52,41 @@ logger = logging.getLogger("tierserve")
 
 
 class Engine:
-    def __init__(self, args: EngineArgs, transfer: TransferFactory = default_transfer) -> None:
+    def __init__(
+        self, args: EngineArgs, transfer: TransferFactory = default_transfer, serving: bool = False
+    ) -> None:
+        """`serving`: an API process shares this node (the engine core's); it may get cores
+        of its own (distributed/placement.py)."""
+        # The node's first process places the node's ranks; the others get its lists in args.
+        local_rank = global_rank(args) % args.local_ranks
+        placement = None
+        if local_rank == 0:
+            args, placement = resolve_placement(args, serving)
         self.args = args
         self._closed = False
+        self._pinned = pin_rank(args, local_rank)
         # Tensor parallelism: every rank joins here; rank 0 decides every size, and checks it
         # for the whole node, before any rank's weights or KV take memory.
-        device = resolve_device(args.device)
-        self.ranks = Ranks.start(args, device) if args.tp_size > 1 else None
+        try:
+            device = resolve_device(args.device)
+            self.ranks = Ranks.start(args, device) if args.tp_size > 1 else None
+        except BaseException:
+            self._pinned.release()
+            raise
         decide = lambda: Startup.from_args(args)  # noqa: E731
         try:
             self.startup = startup = self.ranks.agree(decide) if self.ranks else decide()
         except TierserveError:
             if self.ranks is not None:
                 self.ranks.close()  # the other ranks refuse too: see them out before exiting
+            self._pinned.release()
             raise
         try:
             cfg, self.device, self.dtype = startup.config, startup.device, startup.dtype
             self.model_config, self.context_length = cfg, startup.context_length
             self.kv_plan = plan = startup.plan
-            logger.info("KV cache plan:\n%s", startup_table(plan, args.dp_groups))
+            placed = placement.describe() if placement is not None else None
+            logger.info("KV cache plan:\n%s", startup_table(plan, args.dp_groups, placed))
             # Loaded where text is read (offline prompts, grammars): a core never loads it.
             self._tokenizer = lazy_tokenizer(args.tokenizer_dir)
             self.eos_token_ids = set(cfg.eos_token_ids)
@@ -126,6 +142,7 @@ class Engine:
                 page_size=self.kv.page_size,
                 hidden_states_dir=args.hidden_states_dir,
                 hidden_state_bytes_per_token=self.capture.bytes_per_token,
+                api_cores=placement.api if placement is not None else (),
             )
             self.preparer = RequestPreparer(self.info, self._tokenizer)
             self.grammars = self.preparer.grammars
@@ -138,6 +155,7 @@ class Engine:
             # now rather than after the collective's timeout, and leave the group.
             if self.ranks is not None:
                 self.ranks.kill()
+            self._pinned.release()
             raise
 
     def _proposer(self, startup: Startup, model: torch.nn.Module, pool: PagedKV) -> Proposer | None:
@@ -380,9 +398,11 @@ class Engine:
         except BaseException:
             if ranks is not None:
                 ranks.kill()  # a rank that cannot be told to stop would wait until killed
+            self._pinned.release()
             raise
         if ranks is not None:
             ranks.close()
+        self._pinned.release()
 
     def _land_host_copies(self, tp: bool) -> None:
         """Copies to the host that the last steps queued, landed and handed to storage, so a

@@ -165,7 +165,8 @@ def _sharing_rows(sizing: HostSizing) -> list[tuple[str, str]]:
     ]
 
 
-def startup_table(plan: KVPlan, dp_groups: int = 1) -> str:
+def startup_table(plan: KVPlan, dp_groups: int = 1, placement: str | None = None) -> str:
+    """The sizes (and, from the node's first process, where its ranks compute)."""
     spec = plan.spec
     rows = [
         ("KV bytes per token per rank", format_bytes(spec.bytes_per_token)),
@@ -205,5 +206,7 @@ def startup_table(plan: KVPlan, dp_groups: int = 1) -> str:
              f"{format_bytes(per_token)} of each token's (counted above); verify logits "
              f"{format_gb(plan.verify_bytes, 3)} at the running cap")
         )  # fmt: skip
+    if placement is not None:
+        rows.append(("CPU placement", placement))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierserve.args import EngineArgs
+from tierserve.distributed import pin
 from tierserve.engine import OutputBuilder, RequestPreparer, load_tokenizer
 from tierserve.errors import TierserveError
 from tierserve.messages import (
@@ -124,6 +125,8 @@ class AsyncEngine:
         except BaseException:
             core.kill()
             raise
+        # The cores the engine core left this process, its grammar workers and tokenization.
+        pin(core.info.api_cores)
         engine = cls(core, tokenizer, **kwargs)
         engine.args = args
         return engine

@@ -115,12 +115,14 @@ def served_model_name(args: EngineArgs, override: str | None = None) -> str:
 
 
 def dry_run(args: EngineArgs) -> int:
+    from tierserve.distributed import resolve_placement
     from tierserve.engine import Startup, load_tokenizer, startup_table
 
+    _, placement = resolve_placement(args, serving=True)
     startup = Startup.from_args(args)
     load_tokenizer(args.tokenizer_dir)
     print(f"tierserve serve --dry-run: {startup.model_path} would start", flush=True)
-    print(startup_table(startup.plan, args.dp_groups), flush=True)
+    print(startup_table(startup.plan, args.dp_groups, placement.describe()), flush=True)
     return 0
 
 

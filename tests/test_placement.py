@@ -1,0 +1,113 @@
+"""CPU placement (distributed/placement.py): which cores the ranks' torch threads and the API
+process run on, decided once by the node's first process inside the affinity it inherited."""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import pytest
+
+from tests.conftest import Server
+from tierserve import cli
+from tierserve.distributed.placement import allowed_cores, format_cores, plan_placement
+from tierserve.errors import TierserveError
+from tierserve.server.grammar_worker import COMPILE_HOLD_ENV
+
+
+@pytest.mark.parametrize(
+    ("cores", "ranks", "serving", "want_ranks", "want_api"),
+    [
+        # 2 cores, one rank: keeping a core would halve the GEMM threads, so none is kept.
+        ((0, 1), 1, True, ((0, 1),), ()),
+        ((4, 5, 6, 7), 1, True, ((4, 5, 6),), (7,)),  # inside the inherited set, not from 0
+        ((0, 1, 2, 3), 2, True, ((0, 1), (2, 3)), ()),  # a core kept would leave a rank one
+        (tuple(range(8)), 2, True, ((0, 1, 2, 3), (4, 5, 6)), (7,)),
+        (tuple(range(8)), 2, False, ((0, 1, 2, 3), (4, 5, 6, 7)), ()),  # offline: every core
+        ((0, 1), 2, True, ((0,), (1,)), ()),
+        ((0, 1), 4, True, ((), (), (), ()), ()),  # more ranks than cores: not pinned
+    ],
+)
+def test_auto_splits_the_inherited_cores_and_keeps_one_for_the_api_only_where_it_pays(
+    cores, ranks, serving, want_ranks, want_api
+):
+    placement = plan_placement("auto", None, ranks, cores, serving)
+    assert placement.ranks == want_ranks and placement.api == want_api
+    assert placement.spec() == ("nobind" if not any(want_ranks) else
+                                "|".join(format_cores(c) for c in want_ranks))  # fmt: skip
+    # What the node's first process decided, the others read back unchanged.
+    if placement.pinned:
+        again = plan_placement(placement.spec(), None, ranks, cores, serving)
+        assert again.ranks == placement.ranks and again.api == placement.api
+
+
+def test_the_off_switch_a_gpu_host_and_a_reserve_given_by_flag():
+    assert not plan_placement("nobind", None, 1, (0, 1, 2, 3), True).pinned
+    assert not plan_placement("auto", None, 1, (0, 1, 2, 3), True, cpu_host=False).pinned
+    reserved = plan_placement("auto", 2, 1, (0, 1, 2, 3), True)
+    assert reserved.ranks == ((0, 1),) and reserved.api == (2, 3)
+    assert "2 cores kept for the API process" in reserved.describe()
+
+
+@pytest.mark.parametrize(
+    ("bind", "reserved", "says"),
+    [
+        ("0|3-5", None, "core(s) 4-5 are outside the 0-3 this process may run on"),
+        ("0-1|1-2", None, "ranks share a core"),
+        ("0-1", None, "gives 1 core list(s) for 2 rank(s)"),
+        ("0-x|2", None, "is not a core list like 0-3,8"),
+        ("auto", 3, "--cpu-reserved-cores 3 leaves 1 of the 4 cores"),
+        ("auto", -1, "cpu_reserved_cores must be >= 0"),
+    ],
+)
+def test_lists_and_reserves_that_cannot_be_honoured_are_refused_by_name(bind, reserved, says):
+    with pytest.raises(TierserveError) as err:
+        plan_placement(bind, reserved, 2, (0, 1, 2, 3), True)
+    assert says in err.value.message
+
+
+def test_the_start_up_table_shows_the_placement(llama_dir, capsys):
+    code = cli.main(["serve", "--model", str(llama_dir), "--device", "cpu", "--dry-run"])
+    assert code == 0
+    (row,) = [line for line in capsys.readouterr().out.splitlines() if "CPU placement" in line]
+    assert f"rank 0: {'core' if len(allowed_cores()) == 1 else 'cores'} " in row, row
+    assert format_cores(allowed_cores()) in row and "API process: every core" in row, row
+
+
+def test_a_served_core_computes_on_its_cores_and_the_api_side_on_the_rest(
+    llama_dir, offline, tmp_path
+):
+    """The engine core on the first inherited core, the API process and the grammar workers it
+    starts on the others (every core when there is one only); the tokens are the same."""
+    cores = allowed_cores()
+    rest = set(cores[1:]) or set(cores)
+    hold = tmp_path / "hold"  # absent: compiles run at once; the worker stays for the next
+    flags = ("--max-total-tokens", "2048", "--cpu-omp-threads-bind", str(cores[0]))
+    with Server(llama_dir, *flags, env={COMPILE_HOLD_ENV: str(hold)}) as server:
+        assert server.core.cpu_affinity() == [cores[0]]
+        api = psutil.Process(server.proc.pid)
+        assert set(api.cpu_affinity()) == rest
+        assert all(set(os.sched_getaffinity(t.id)) == rest for t in api.threads())
+        body = {"prompt": [5, 6, 7, 8], "max_tokens": 8, "temperature": 0}
+        got = server.http.post(f"{server.url}/v1/completions", json=body, timeout=120).json()
+        want = offline.generate([[5, 6, 7, 8]], _greedy(8))[0].token_ids
+        assert got["usage"]["completion_tokens"] == 8
+        schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+        rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
+        body = {"prompt": "A", "max_tokens": 4, "response_format": rf}
+        assert server.http.post(f"{server.url}/v1/completions", json=body, timeout=120).is_success
+        workers = [p for p in api.children() if "grammar_worker" in " ".join(p.cmdline())]
+        assert workers and all(set(w.cpu_affinity()) == rest for w in workers)
+        ids = server.http.post(
+            f"{server.url}/v1/completions",
+            json={**body, "prompt": [5, 6, 7, 8], "max_tokens": 8, "response_format": None,
+                  "temperature": 0, "return_token_ids": True},
+            timeout=120,
+        ).json()  # fmt: skip
+        assert ids["choices"][0]["token_ids"] == want
+
+
+def _greedy(n: int):
+    from tierserve import SamplingParams
+
+    return SamplingParams(max_tokens=n, temperature=0)
