@@ -160,8 +160,10 @@ def pin_rank(args: EngineArgs, local_rank: int) -> Pinned:
             torch.set_num_threads(torch_threads(max(1, len(before.cores) // args.local_ranks)))
         return before
     cores = _parse_lists(bind, args.local_ranks)[local_rank]
-    pin(cores)
-    torch.set_num_threads(torch_threads(len(cores)))
+    if set(cores) != set(before.cores):  # one rank on every core: nothing to change
+        pin(cores)
+    if torch_threads(len(cores)) != before.threads:
+        torch.set_num_threads(torch_threads(len(cores)))
     return before
 
 
