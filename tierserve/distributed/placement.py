@@ -11,8 +11,8 @@ rank 0's cores for the node's.
 
 `auto` on a CPU-only host: the ranks split the cores in contiguous runs; one core is kept for
 the API process only when the ranks keep at least two each, because on this project's 2-core
-machine keeping one halved the engine's GEMM threads and served streams lost ~22% (measured
-in docs/cpu-placement.md); more ranks than cores are not pinned (one thread each), never
+machine keeping one halved the engine's GEMM threads and 64 served streams ran at 0.75×
+(docs/cpu-placement.md); more ranks than cores are not pinned (one thread each), never
 refused. On a GPU host `auto` pins nothing.
 """
 
