@@ -58,6 +58,8 @@ def test_the_off_switch_a_gpu_host_and_a_reserve_given_by_flag():
         ("0-x|2", None, "is not a core list like 0-3,8"),
         ("auto", 3, "--cpu-reserved-cores 3 leaves 1 of the 4 cores"),
         ("auto", -1, "cpu_reserved_cores must be >= 0"),
+        ("0|1", 1, "--cpu-reserved-cores shapes --cpu-omp-threads-bind auto"),
+        ("nobind", 0, "with nobind it would be ignored"),
     ],
 )
 def test_lists_and_reserves_that_cannot_be_honoured_are_refused_by_name(bind, reserved, says):

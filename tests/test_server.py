@@ -68,6 +68,17 @@ def test_chat_uses_the_template_and_streams_usage(client, offline):
     assert whole.usage.prompt_tokens == len(tok(prompt, add_special_tokens=False).input_ids)
 
 
+def test_max_completion_tokens_wins_over_max_tokens_as_in_vllm(client):
+    """speculators' regenerate-responses sends max_tokens as a context budget and a length
+    through max_completion_tokens; vLLM (and OpenAI's newer name) let the latter decide."""
+    messages = [{"role": "user", "content": "hello there"}]
+    body = {"ignore_eos": True, "max_completion_tokens": 3}
+    got = client.chat.completions.create(
+        model="llama", messages=messages, max_tokens=40, temperature=0, extra_body=body
+    )
+    assert got.usage.completion_tokens == 3 and got.choices[0].finish_reason == "length"
+
+
 def test_stop_strings_are_not_emitted(client):
     full = client.completions.create(
         model="llama",

@@ -87,6 +87,13 @@ def plan_placement(
     if reserved is not None and reserved < 0:
         message = f"cpu_reserved_cores must be >= 0, got {reserved}"
         raise TierserveError(message, "cpu_reserved_cores")
+    if reserved is not None and (bind != AUTO or not cpu_host):
+        raise TierserveError(
+            "--cpu-reserved-cores shapes --cpu-omp-threads-bind auto on a CPU-only host; "
+            f"with {bind if bind != AUTO else 'a GPU'} it would be ignored (with lists, the "
+            "cores no rank takes go to the API process)",
+            "cpu_reserved_cores",
+        )
     if bind == NOBIND or (bind == AUTO and not cpu_host):
         why = "--cpu-omp-threads-bind nobind" if bind == NOBIND else "a GPU host"
         return _unpinned(allowed, local_ranks, why)

@@ -292,7 +292,9 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     parallel_tool_calls: StrictBool = True
 
     def sampling_params(self) -> SamplingParams:
-        if self.max_tokens is None and self.max_completion_tokens is not None:
+        # OpenAI's newer name wins when both are given, as in vLLM (speculators'
+        # regenerate-responses sends max_tokens as a context budget beside it).
+        if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return super().sampling_params()
 
