@@ -444,6 +444,8 @@ class EngineArgs:
         if self.speculative_config is not None:
             for name, value in vllm_speculative_config(self).items():
                 object.__setattr__(self, name, value)
+            # Said once, in SGLang's fields: args copied or sent to the core check again.
+            object.__setattr__(self, "speculative_config", None)
         algorithm = self.speculative_algorithm
         if algorithm is None:
             given = [f.name for f in fields(self) if f.name.startswith("speculative_")]
