@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from vllm_peer import PROMPTS  # beside this script: on sys.path
+from vllm_peer import PROMPTS, _json_of  # beside this script: on sys.path
 
 from tierserve.args import default_model
 
@@ -75,12 +75,7 @@ else:
 
 
 def run(model: str, dtype: str, what: str) -> dict:
-    cmd = [sys.executable, "-c", RUN, model, "full", "0", dtype, what]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-    if done.returncode != 0:
-        raise SystemExit(f"{dtype} {what} failed:\n{done.stderr[-3000:]}")
-    (line,) = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-    return json.loads(line[len("RESULT ") :])
+    return _json_of([sys.executable, "-c", RUN, model, "full", "0", dtype, what])
 
 
 def onednn_kernel() -> str:
