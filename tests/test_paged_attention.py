@@ -180,23 +180,29 @@ def test_a_long_context_is_split_and_merged_the_same_in_any_batch_and_thread_cou
     assert torch.equal(single.forward(0, q[rows], k[rows], v[rows]), outs[0][rows])
 
 
-@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
-def test_the_fused_layer_ops_equal_their_torch_code(kv_dtype):
+@pytest.mark.parametrize(
+    ("kv_dtype", "model_dtype"),
+    [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")],
+)
+def test_the_fused_layer_ops_equal_their_torch_code(kv_dtype, model_dtype):
     """RMSNorm, rotary and the KV store as the CPU backend runs them (layer_ops.cpp) against
     the torch code they replace, on the strided views a packed qkv GEMM hands them; the
-    backend's `adopt` turns them on for a model's modules."""
+    backend's `adopt` turns them on for a model's modules. A bf16 model's rows are computed in
+    float32 and rounded once, as torch's path does: at most one bf16 ulp apart where torch's
+    float32 arithmetic rounds differently, and nearly every value the same bits."""
     tokens, heads, kv_heads, dim = 7, 4, 2, 32
     spec, stored = KVSpec("kv", LAYERS, kv_heads, dim, kv_dtype, 4), getattr(torch, kv_dtype)
-    pools = [PagedKV(spec, 6, torch.device("cpu"), compute_dtype=stored) for _ in range(2)]
+    rows = getattr(torch, model_dtype)
+    pools = [PagedKV(spec, 6, torch.device("cpu"), compute_dtype=rows) for _ in range(2)]
     batch = _batch(pools[0], [(3, 5), (4, 9)], seed=13)
     backend = CPUPagedAttention(pools[0], LAYERS)
     backend.prepare(batch)
     g = torch.Generator().manual_seed(12)
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g).to(rows)
     q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     q, k, v = (x.view(tokens, -1, dim) for x in (q, k, v))  # strided, as the model's are
     norm = RMSNorm(dim, 1e-6)
-    norm.weight.data = torch.randn(dim, generator=g)
+    norm.weight.data = torch.randn(dim, generator=g).to(rows)
     rotary = RotaryEmbedding(dim, 64, 10000.0, None)
     positions = torch.randint(0, 64, (tokens,), generator=g)
     outs = {}
@@ -204,8 +210,12 @@ def test_the_fused_layer_ops_equal_their_torch_code(kv_dtype):
         norm.kernel = rotary.kernel = kernel
         rq, rk = rotary(positions, q.clone(), k.clone())
         outs[kernel] = (norm(q), norm(qkv[:, :dim]), rq, rk)
+    ulp = 2**-7 if rows == torch.bfloat16 else 1e-5  # bf16 keeps 8 significant bits
     for got, want in zip(outs[True], outs[False], strict=True):
-        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        assert got.dtype == want.dtype == rows
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=ulp)
+        if rows == torch.bfloat16:
+            assert (got == want).float().mean() > 0.95
     k, v = k.to(stored), v.to(stored)
     backend._write(1, k, v)
     pools[1].write(1, batch.out_slots, k, v)
@@ -214,6 +224,27 @@ def test_the_fused_layer_ops_equal_their_torch_code(kv_dtype):
     rotary.kernel = False
     backend.adopt(model)
     assert model[0].kernel and rotary.kernel
+
+
+def test_a_bf16_models_queries_and_output_are_the_bits_of_converting_around_the_kernel():
+    """The kernel reads a bf16 model's queries and writes its output in bf16 (no float32
+    copies around the call): the same bits as widening q first and rounding the output after,
+    for GQA rows and for MLA's latent width (no fixed head size)."""
+    for heads, kv_heads, dim, v_dim in ((8, 2, 32, 32), (4, 1, 40, 32)):
+        pool = _pool(
+            "kv" if v_dim == dim else "latent", kv_heads, dim, "bfloat16", 16, torch.bfloat16
+        )
+        batch = _batch(pool, SPANS[:-1], seed=21)  # short spans only: the kernel's
+        _fill_context(pool, batch, parts=2 if v_dim == dim else 1, seed=22)
+        backend = CPUPagedAttention(pool, LAYERS)
+        backend.prepare(batch)
+        g = torch.Generator().manual_seed(23)
+        q = torch.randn(len(batch.input_ids), heads, dim, generator=g).to(torch.bfloat16)
+        v_part = 1 if v_dim == dim else 0
+        got = backend._kernel(1, q, 0, v_part, v_dim, None, dim**-0.5)
+        widened = backend._kernel(1, q.float(), 0, v_part, v_dim, None, dim**-0.5)
+        assert got.dtype == torch.bfloat16 and widened.dtype == torch.float32
+        assert torch.equal(got, widened.to(torch.bfloat16)) and got.float().abs().sum() > 0
 
 
 def test_the_backend_is_decided_at_start_up():

@@ -1,11 +1,13 @@
 """RMSNorm, computed in float32 as the reference implementations do; with the CPU backend, a
-float32 model's runs tierserve's fused kernel (layers/kernels/layer_ops.cpp), this module's
-torch code being its oracle."""
+float32 or bf16 model's runs tierserve's fused kernel (layers/kernels/layer_ops.cpp), this
+module's torch code being its oracle."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from tierserve.layers.kernels import ROW_DTYPES
 
 
 class RMSNorm(torch.nn.Module):
@@ -31,8 +33,8 @@ class RMSNorm(torch.nn.Module):
 
 def _kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (
-        x.dtype == torch.float32
-        and weight.dtype == torch.float32
+        x.dtype in ROW_DTYPES
+        and weight.dtype == x.dtype
         and x.device.type == "cpu"
         and x.dim() in (2, 3)
         and x.stride(-1) == 1

@@ -5,8 +5,9 @@ longer prefill spans go to SDPA as in the torch backend, where the attention's a
 its KV reads, is the cost. No decode workspace: nothing is gathered, padded or kept between
 steps, so the backend adds no memory to the plan.
 
-The same library fuses a float32 model's small per-layer ops (layer_ops.cpp): RMSNorm, rotary
-in place, and the store of new K and V into their pages, each one call where torch ran several.
+The same library fuses a float32 or bf16 model's small per-layer ops (layer_ops.cpp): RMSNorm,
+rotary in place, and the store of new K and V into their pages, each one call where torch ran
+several.
 """
 
 from __future__ import annotations
@@ -79,8 +80,9 @@ class CPUPagedAttention(TorchAttention):
         window: int | None,
         scale: float,
     ) -> torch.Tensor:
-        """[tokens, heads, v_dim] float32; rows of the short spans only."""
-        q = q.float().contiguous()
+        """[tokens, heads, v_dim] in q's dtype when the kernel takes it (float32, bf16), else
+        float32; rows of the short spans only."""
+        q = (q if q.dtype in kernels.ROW_DTYPES else q.float()).contiguous()
         out = q.new_empty(*q.shape[:2], v_dim)
         torch.ops.tierserve.paged_attention(
             q,

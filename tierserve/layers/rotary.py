@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tierserve.errors import TierserveError
+from tierserve.layers.kernels import ROW_DTYPES
 
 if TYPE_CHECKING:
     from tierserve.model_config import ModelConfig
@@ -87,8 +88,8 @@ class RotaryEmbedding(torch.nn.Module):
     ) -> None:
         super().__init__()
         self._memo: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        # Set by the CPU attention backend (CPUPagedAttention.adopt): a float32 q and k are then
-        # rotated in place by tierserve's kernel, `_rotate` being its oracle.
+        # Set by the CPU attention backend (CPUPagedAttention.adopt): a float32 or bf16 q and k
+        # are then rotated in place by tierserve's kernel, `_rotate` being its oracle.
         self.kernel = False
         if torch.get_default_device().type == "meta":
             # A shape-only construction (the loader rebuilds the tables for real): arithmetic
@@ -139,7 +140,8 @@ def rotary_for(cfg: ModelConfig) -> RotaryEmbedding:
 
 def _kernel_takes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
     return all(
-        x.dtype == torch.float32
+        x.dtype in ROW_DTYPES
+        and x.dtype == q.dtype
         and x.device.type == "cpu"
         and x.dim() == 3
         and x.stride(-1) == 1

@@ -26,7 +26,10 @@ from tierserve.errors import TierserveError
 
 logger = logging.getLogger("tierserve")
 
+# What layer_ops.cpp's rows may hold (RMSNorm, rotary): a float32 or a bf16 model's.
+ROW_DTYPES = (torch.float32, torch.bfloat16)
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "layer_ops.cpp"))
+HEADERS = (Path(__file__).with_name("bf16.h"),)
 # Fast math without -ffinite-math-only: masked scores are -inf and must stay so.
 FLAGS = (
     "-O3",
@@ -56,7 +59,7 @@ def _cpu_flags() -> str:
 
 def build_dir() -> Path:
     h = hashlib.sha256()
-    for src in SOURCES:
+    for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
     h.update(" ".join(FLAGS).encode() + torch.__version__.encode() + _cpu_flags().encode())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")

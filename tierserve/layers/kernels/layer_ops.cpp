@@ -1,7 +1,8 @@
 // The small per-layer ops of a decode step, fused, on CPU: RMSNorm, NeoX rotary on q and k in
 // place, and the store of a step's new K and V into the pool's pages. Each replaces several
 // torch ops of a few microseconds apiece (a decode step of the demo model ran ~150 of them);
-// layers/norm.py, layers/rotary.py and cache/pool.py keep the torch code as their oracles.
+// layers/norm.py, layers/rotary.py and cache/pool.py keep the torch code as their oracles. A
+// float32 or a bf16 model's rows are taken; arithmetic is float32 in both.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -10,64 +11,95 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
+
+#include "bf16.h"
 
 namespace {
 
-// Rows of `x` ([N, dim] or [N, H, dim], the last dimension contiguous): the float32 row r.
+using tierserve_bf16::narrow;
+using tierserve_bf16::wide;
+
+// Rows of `x` ([N, dim] or [N, H, dim], the last dimension contiguous): row r.
+template <typename T>
 struct Rows {
-  const float* base;
+  T* base;
   int64_t count, inner, outer_stride, inner_stride;
-  const float* row(int64_t r) const {
-    return base + (r / inner) * outer_stride + (r % inner) * inner_stride;
-  }
+  T* row(int64_t r) const { return base + (r / inner) * outer_stride + (r % inner) * inner_stride; }
 };
 
-Rows rows_of(const at::Tensor& x) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && x.stride(-1) == 1, "float32, last dim contiguous");
-  if (x.dim() == 2) return {x.data_ptr<float>(), x.size(0), 1, x.stride(0), 0};
+template <typename T>
+Rows<T> rows_of(const at::Tensor& x) {
+  TORCH_CHECK(x.stride(-1) == 1, "last dim contiguous");
+  T* base = x.data_ptr<T>();
+  if (x.dim() == 2) return {base, x.size(0), 1, x.stride(0), 0};
   TORCH_CHECK(x.dim() == 3, "[N, dim] or [N, H, dim]");
-  return {x.data_ptr<float>(), x.size(0) * x.size(1), x.size(1), x.stride(0), x.stride(1)};
+  return {base, x.size(0) * x.size(1), x.size(1), x.stride(0), x.stride(1)};
 }
 
-// out = x / sqrt(mean(x^2) + eps) * weight, per row.
-void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor out) {
-  const Rows in = rows_of(x);
+// Torch's dtypes this file's ops take: a float32 or a bf16 model's rows.
+template <typename F>
+void for_dtype(at::ScalarType dtype, F&& f) {
+  if (dtype == at::kFloat) {
+    f(float{});
+  } else {
+    TORCH_CHECK(dtype == at::kBFloat16, "float32 or bfloat16 rows, not ", dtype);
+    f(c10::BFloat16{});
+  }
+}
+
+// out = x / sqrt(mean(x^2) + eps) * weight, per row, in float32. A bf16 row is normalised,
+// rounded, then multiplied by the weight and rounded again: transformers' order, which
+// layers/norm.py's torch code keeps.
+template <typename T>
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, float eps, at::Tensor& out) {
+  const Rows<T> in = rows_of<T>(x);
   const int64_t dim = x.size(-1);
-  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.numel() == dim && weight.is_contiguous(),
-              "weight: [dim] float32");
-  TORCH_CHECK(out.is_contiguous() && out.numel() == in.count * dim, "out: contiguous");
-  const float* w = weight.data_ptr<float>();
-  float* o = out.data_ptr<float>();
+  const T* w = weight.data_ptr<T>();
+  T* o = out.data_ptr<T>();
   at::parallel_for(0, in.count, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      const float* src = in.row(r);
+      const T* src = in.row(r);
       float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
-      for (int64_t d = 0; d < dim; ++d) squares += src[d] * src[d];
-      const float inv = 1.f / std::sqrt(squares / dim + static_cast<float>(eps));
-      float* dst = o + r * dim;
+      for (int64_t d = 0; d < dim; ++d) squares += wide(src[d]) * wide(src[d]);
+      const float inv = 1.f / std::sqrt(squares / dim + eps);
+      T* dst = o + r * dim;
 #pragma omp simd
-      for (int64_t d = 0; d < dim; ++d) dst[d] = src[d] * inv * w[d];
+      for (int64_t d = 0; d < dim; ++d)
+        dst[d] = narrow<T>(wide(narrow<T>(wide(src[d]) * inv)) * wide(w[d]));
     }
   });
 }
 
+void rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor out) {
+  const int64_t dim = x.size(-1);
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && out.scalar_type() == x.scalar_type(),
+              "x, weight and out in one dtype");
+  TORCH_CHECK(weight.numel() == dim && weight.is_contiguous(), "weight: [dim]");
+  TORCH_CHECK(out.is_contiguous() && out.numel() == x.numel(), "out: contiguous, x's size");
+  for_dtype(x.scalar_type(), [&](auto tag) {
+    rms_norm_rows<decltype(tag)>(x, weight, static_cast<float>(eps), out);
+  });
+}
+
 // x's rows rotated in place in the half-rotation layout: (x1, x2) -> (x1 cos - x2 sin,
-// x2 cos + x1 sin), token t's row of cos and sin ([T, dim / 2]).
-void rotate_rows(at::Tensor& x, const float* cos, const float* sin, int64_t half) {
-  Rows rows = rows_of(x);
+// x2 cos + x1 sin), token t's row of cos and sin ([T, dim / 2], float32), in float32.
+template <typename T>
+void rotate_rows(const at::Tensor& x, const float* cos, const float* sin, int64_t half) {
+  const Rows<T> rows = rows_of<T>(x);
   const int64_t heads = rows.inner;
   at::parallel_for(0, rows.count, 256, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
-      float* a = const_cast<float*>(rows.row(r));
-      float* b = a + half;
+      T* a = rows.row(r);
+      T* b = a + half;
       const float* c = cos + (r / heads) * half;
       const float* s = sin + (r / heads) * half;
 #pragma omp simd
       for (int64_t d = 0; d < half; ++d) {
-        const float x1 = a[d], x2 = b[d];
-        a[d] = x1 * c[d] - x2 * s[d];
-        b[d] = x2 * c[d] + x1 * s[d];
+        const float x1 = wide(a[d]), x2 = wide(b[d]);
+        a[d] = narrow<T>(x1 * c[d] - x2 * s[d]);
+        b[d] = narrow<T>(x2 * c[d] + x1 * s[d]);
       }
     }
   });
@@ -78,11 +110,15 @@ void rotary_neox_(at::Tensor q, at::Tensor k, const at::Tensor& cos, const at::T
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat &&
                   cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes(),
               "cos, sin: [T, dim / 2] float32");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q and k in one dtype");
   for (const at::Tensor* x : {&q, &k})
     TORCH_CHECK(x->dim() == 3 && x->size(0) == cos.size(0) && x->size(2) == 2 * half,
                 "q, k: [T, heads, 2 * (dim / 2)]");
-  rotate_rows(q, cos.data_ptr<float>(), sin.data_ptr<float>(), half);
-  rotate_rows(k, cos.data_ptr<float>(), sin.data_ptr<float>(), half);
+  for_dtype(q.scalar_type(), [&](auto tag) {
+    using T = decltype(tag);
+    rotate_rows<T>(q, cos.data_ptr<float>(), sin.data_ptr<float>(), half);
+    rotate_rows<T>(k, cos.data_ptr<float>(), sin.data_ptr<float>(), half);
+  });
 }
 
 // Token t's rows of each part ([T, heads, dim], the pool's dtype) into slot slots[t] of layer

@@ -28,7 +28,12 @@
 #include <limits>
 #include <vector>
 
+#include "bf16.h"
+
 namespace {
+
+using tierserve_bf16::narrow;
+using tierserve_bf16::wide;
 
 // How the pool's bytes are read: its own dtype, or float8 values stored as bytes.
 enum KVFormat : int64_t { kNative = 0, kFloat8E4M3 = 1, kFloat8E5M2 = 2 };
@@ -139,10 +144,37 @@ const float* as_float(const T* src, int64_t n, int64_t dim, float* buffer, const
     return src;
   } else if constexpr (std::is_same_v<T, uint8_t>) {
     for (int64_t i = 0; i < n * dim; ++i) buffer[i] = lut[src[i]];
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+#pragma omp simd
+    for (int64_t i = 0; i < n * dim; ++i) buffer[i] = wide(src[i]);
   } else {
     for (int64_t i = 0; i < n * dim; ++i) buffer[i] = static_cast<float>(src[i]);
   }
   return buffer;
+}
+
+// `n` values of a float32 or bf16 tensor's data from element `at`, times `scale`, as float32.
+inline void load_row(const void* data, bool bf16, int64_t at, int64_t n, float scale, float* dst) {
+  if (bf16) {
+    const c10::BFloat16* src = static_cast<const c10::BFloat16*>(data) + at;
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) dst[d] = wide(src[d]) * scale;
+  } else {
+    const float* src = static_cast<const float*>(data) + at;
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) dst[d] = src[d] * scale;
+  }
+}
+
+// `n` float32 values stored from element `at` of a float32 or bf16 tensor's data.
+inline void store_row(const float* src, bool bf16, void* data, int64_t at, int64_t n) {
+  if (bf16) {
+    c10::BFloat16* dst = static_cast<c10::BFloat16*>(data) + at;
+#pragma omp simd
+    for (int64_t d = 0; d < n; ++d) dst[d] = narrow<c10::BFloat16>(src[d]);
+  } else {
+    std::memcpy(static_cast<float*>(data) + at, src, n * sizeof(float));
+  }
 }
 
 // DIM > 0: keys and values are DIM wide (GQA with a common head size), known to the compiler
@@ -161,8 +193,11 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
   const int64_t group = heads / kv_heads;
   const int64_t table_width = page_table.size(1);
   const T* kv = reinterpret_cast<const T*>(cache.data_ptr());
-  const float* qp = q.data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  // A bf16 model's queries are widened as they are read and its output rounded as it is
+  // written: the same bits as converting around the call, without the two copies.
+  const bool rows_bf16 = q.scalar_type() == at::kBFloat16;
+  const void* qp = q.data_ptr();
+  void* op = out.data_ptr();
   const int64_t* table = page_table.data_ptr<int64_t>();
   const int64_t* qs = q_start.data_ptr<int64_t>();
   const int64_t* ql = q_len.data_ptr<int64_t>();
@@ -222,8 +257,8 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
       weights.resize(rows * page_size);
       rescales.resize(rows);
       for (int64_t r = 0; r < rows; ++r) {
-        const float* src = qp + (qs[w.seq] + r / group) * q_row + (w.head * group + r % group) * dim_k;
-        for (int64_t d = 0; d < dim_k; ++d) queries[r * dim_k + d] = src[d] * scale;
+        const int64_t at = (qs[w.seq] + r / group) * q_row + (w.head * group + r % group) * dim_k;
+        load_row(qp, rows_bf16, at, dim_k, static_cast<float>(scale), queries.data() + r * dim_k);
       }
       float* part = scratch.data() + w.scratch * stride;
       for (int64_t r = 0; r < rows; ++r) {
@@ -294,6 +329,7 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
   first_item.push_back(items.size());
   const int64_t groups = static_cast<int64_t>(first_item.size()) - 1;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(v_dim);
     for (int64_t g = begin; g < end; ++g) {
       const Item& head_item = items[first_item[g]];
       const int64_t n_q = ql[head_item.seq], rows = group * n_q;
@@ -301,8 +337,7 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
         float best = -std::numeric_limits<float>::infinity();
         for (int64_t i = first_item[g]; i < first_item[g + 1]; ++i)
           best = std::max(best, scratch[(items[i].scratch + r) * stride]);
-        float* dst = op + (qs[head_item.seq] + r / group) * out_row +
-                     (head_item.head * group + r % group) * v_dim;
+        float* dst = merged.data();
         std::fill(dst, dst + v_dim, 0.f);
         float total = 0.f;
         for (int64_t i = first_item[g]; i < first_item[g + 1]; ++i) {
@@ -313,6 +348,9 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
           axpy(dst, w, row + 2, v_dim);
         }
         scale_row(dst, 1.f / total, v_dim);
+        const int64_t at = (qs[head_item.seq] + r / group) * out_row +
+                           (head_item.head * group + r % group) * v_dim;
+        store_row(dst, rows_bf16, op, at, v_dim);
       }
     }
   });
@@ -352,8 +390,9 @@ void paged_attention(const at::Tensor& q, const at::Tensor& cache, int64_t layer
                      const at::Tensor& kv_len, int64_t window, double scale, int64_t kv_format,
                      at::Tensor out) {
   TORCH_CHECK(q.device().is_cpu() && cache.device().is_cpu(), "paged_attention runs on CPU");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
-              "queries and output are float32");
+  TORCH_CHECK((q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+                  out.scalar_type() == q.scalar_type(),
+              "queries and output: float32 or bfloat16, one dtype");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && q.stride(1) == q.size(2), "q: [T, H, D]");
   TORCH_CHECK(out.dim() == 3 && out.stride(2) == 1 && out.stride(1) == v_dim, "out: [T, H, Dv]");
   TORCH_CHECK(cache.dim() == 6 && cache.is_contiguous(), "cache: the pool's page buffer");
