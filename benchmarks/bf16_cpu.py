@@ -30,6 +30,7 @@ from pathlib import Path
 from vllm_peer import PROMPTS, _json_of  # beside this script: on sys.path
 
 from tierserve.args import default_model
+from tierserve.bench.report import machine_info
 
 OUT = Path(__file__).parent / "results" / "bf16-cpu"
 DTYPES = ("float32", "bfloat16")
@@ -92,6 +93,14 @@ def onednn_kernel() -> str:
     return "(oneDNN printed no kernel)"
 
 
+def cpu_line() -> str:
+    """The CPU and the bf16 units it reports: this environment has run on more than one."""
+    with open("/proc/cpuinfo") as f:
+        flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
+    units = [u for u in ("amx_bf16", "avx512_bf16") if u in flags] or ["no bf16 units"]
+    return f"{machine_info().get('cpu_model', 'an unnamed CPU')} ({', '.join(units)})"
+
+
 def grouped(ops: dict[str, float]) -> dict[str, float]:
     out = {name: sum(ops.get(op, 0.0) for op in members) for name, members in GROUPS.items()}
     out["the rest"] = sum(ops.values()) - sum(out.values())
@@ -139,7 +148,7 @@ def write_report(
         lines.append(row)
     lines += [
         "",
-        f"oneDNN's kernel for a bf16 linear here: `{kernel}`.",
+        f"oneDNN's kernel for a bf16 linear here: `{kernel}`, on {cpu_line()}.",
         "",
         "Greedy agreement with transformers' `generate` in the same dtype (16 prompts, 32 "
         "tokens each, one at a time):",

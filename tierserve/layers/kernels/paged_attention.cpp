@@ -49,16 +49,18 @@ struct Item {
   int64_t seq, head, first_page, end_page, scratch;  // scratch: first row of its partials
 };
 
-inline float dot(const float* a, const float* b, int64_t n) {
+template <typename E>
+inline float dot(const float* a, const E* b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) s += a[i] * wide(b[i]);
   return s;
 }
 
-inline void axpy(float* y, float a, const float* x, int64_t n) {
+template <typename E>
+inline void axpy(float* y, float a, const E* x, int64_t n) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+  for (int64_t i = 0; i < n; ++i) y[i] += a * wide(x[i]);
 }
 
 // e^x for x <= 0 (a score minus its row's running max), in arithmetic the compiler vectorises
@@ -101,9 +103,9 @@ inline void scale_row(float* y, float a, int64_t n) {
 // sums in registers, so each value is loaded once per tile, not once per row.
 constexpr int64_t kRowTile = 4;
 
-template <int DIM>
+template <int DIM, typename E>
 void accumulate(float* part, int64_t stride, int64_t rows, const float* weights,
-                const float* rescales, const float* values, int64_t dim, int64_t n,
+                const float* rescales, const E* values, int64_t dim, int64_t n,
                 int64_t page_size, int64_t v_dim) {
   if constexpr (DIM > 0) {
     for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
@@ -115,11 +117,11 @@ void accumulate(float* part, int64_t stride, int64_t rows, const float* weights,
         for (int64_t d = 0; d < DIM; ++d) acc[t][d] = sum[d] * rescales[r0 + t];
       }
       for (int64_t j = 0; j < n; ++j) {
-        const float* __restrict value = values + j * dim;
+        const E* __restrict value = values + j * dim;
         for (int64_t t = 0; t < kRowTile; ++t)
           w[t] = t < tile ? weights[(r0 + t) * page_size + j] : 0.f;
         for (int64_t t = 0; t < kRowTile; ++t)
-          for (int64_t d = 0; d < DIM; ++d) acc[t][d] += w[t] * value[d];
+          for (int64_t d = 0; d < DIM; ++d) acc[t][d] += w[t] * wide(value[d]);
       }
       for (int64_t t = 0; t < tile; ++t)
         std::memcpy(part + (r0 + t) * stride + 2, acc[t], sizeof acc[t]);
@@ -136,21 +138,25 @@ void accumulate(float* part, int64_t stride, int64_t rows, const float* weights,
   }
 }
 
-// A page block of `n` rows of `dim` as float32: a view of a float32 pool, else converted into
-// `buffer`.
+// What the dot products and sums read a pool's values as: float32 and bf16 as they lie (a bf16
+// value widens in a register, a shift), other formats converted to float32 per page block.
 template <typename T>
-const float* as_float(const T* src, int64_t n, int64_t dim, float* buffer, const float* lut) {
-  if constexpr (std::is_same_v<T, float>) {
+using Read = std::conditional_t<std::is_same_v<T, c10::BFloat16>, c10::BFloat16, float>;
+
+// A page block of `n` rows of `dim` as `Read<T>`: a view of a float32 or bf16 pool, else
+// converted into `buffer`.
+template <typename T>
+const Read<T>* readable(const T* src, int64_t n, int64_t dim, float* buffer, const float* lut) {
+  if constexpr (std::is_same_v<Read<T>, T>) {
     return src;
-  } else if constexpr (std::is_same_v<T, uint8_t>) {
-    for (int64_t i = 0; i < n * dim; ++i) buffer[i] = lut[src[i]];
-  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
-#pragma omp simd
-    for (int64_t i = 0; i < n * dim; ++i) buffer[i] = wide(src[i]);
   } else {
-    for (int64_t i = 0; i < n * dim; ++i) buffer[i] = static_cast<float>(src[i]);
+    if constexpr (std::is_same_v<T, uint8_t>) {
+      for (int64_t i = 0; i < n * dim; ++i) buffer[i] = lut[src[i]];
+    } else {
+      for (int64_t i = 0; i < n * dim; ++i) buffer[i] = static_cast<float>(src[i]);
+    }
+    return buffer;
   }
-  return buffer;
 }
 
 // `n` values of a float32 or bf16 tensor's data from element `at`, times `scale`, as float32.
@@ -280,10 +286,10 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
           prefetch_block(block_of(next->seq, np, k_part, next->head), bytes);
           if (!same_block) prefetch_block(block_of(next->seq, np, v_part, next->head), bytes);
         }
-        const float* keys = as_float(block_of(w.seq, p, k_part, w.head), n, dim, k_buf.data(), lut);
-        const float* values =
+        const auto* keys = readable(block_of(w.seq, p, k_part, w.head), n, dim, k_buf.data(), lut);
+        const auto* values =
             same_block ? keys
-                       : as_float(block_of(w.seq, p, v_part, w.head), n, dim, v_buf.data(), lut);
+                       : readable(block_of(w.seq, p, v_part, w.head), n, dim, v_buf.data(), lut);
         // Each row's weights over the page's keys (0 where it sees none) and the factor its
         // running sum is rescaled by; the sums are then updated for all rows together.
         for (int64_t r = 0; r < rows; ++r) {
