@@ -297,7 +297,8 @@ def test_the_warm_up_runs_its_shapes_and_leaves_nothing(llama_dir, offline, tmp_
             enable_hierarchical_cache=True, hicache_storage_backend="file",
             hicache_storage_backend_extra_config=extra,
         )  # fmt: skip
-    assert "warm-up: a decode step of 32 rows and a 2047-token prefill" in caplog.text
+    # the chunk budget (2,048) over prompts of the context's 1,023 tokens
+    assert "warm-up: a decode step of 32 rows and a 2048-token prefill" in caplog.text
     engine = llm.engine
     assert engine.scheduler.stats.num_steps == 0 and engine.peak_running == 0
     assert engine.kv.cached_pages() == 0 and engine.kv.allocator.num_free == engine.kv.num_pages

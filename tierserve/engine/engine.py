@@ -21,6 +21,7 @@ from tierserve.cache import KVCacheManager, PagedKV, TransferFactory, default_tr
 from tierserve.distributed import Ranks, global_rank, pin_rank, resolve_placement
 from tierserve.engine.dp_groups import AttentionGroups
 from tierserve.engine.hidden_states import HiddenStateCapture
+from tierserve.engine.host_heap import keep_freed_heap
 from tierserve.engine.kv_plan import startup_table
 from tierserve.engine.kv_tiers import host_tier, storage_tier
 from tierserve.engine.prepare import RequestPreparer
@@ -69,6 +70,8 @@ class Engine:
         # for the whole node, before any rank's weights or KV take memory.
         try:
             device = resolve_device(args.device)
+            if device.type == "cpu":
+                keep_freed_heap()  # a step's activations are host memory: keep them mapped
             self.ranks = Ranks.start(args, device) if args.tp_size > 1 else None
         except BaseException:
             self._pinned.release()

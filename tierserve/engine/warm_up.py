@@ -2,11 +2,13 @@
 `--skip-server-warmup` is its flag): the pool's largest decode step and one whole prefill chunk,
 so that the first requests do not pay for the engine's first-time work (on a GPU: kernels'
 first launches, the allocator's first buffers; on CPU: oneDNN's kernels for those shapes). vLLM
-runs dummy batches before it serves for the same reason. On this 2-core CPU it costs 0.18 s for
-the demo model, and it did not close the first burst's gap: the first 64 streams after start
-ran at 0.75–0.90× the third with it as without in paired runs, and at 0.91× in
-`benchmarks/vllm_peer.py --bursts 3`, so what the first burst pays for lies elsewhere (the API
-process, the first use of the pool's pages).
+runs dummy batches before it serves for the same reason.
+
+On CPU the steps alone did not close the first burst's gap (the first 64 streams after start ran
+at 0.91× the third in `benchmarks/vllm_peer.py --bursts 3`): glibc handed the steps' freed
+activations back to the system and the first burst's prefill steps faulted them in anew, ~1.6×
+their later time. The engine now keeps its freed heap (engine/host_heap.py); this warm-up's
+prefill then leaves a whole chunk's worth of it behind.
 
 Every rank runs the same warm-up on its own, before the ranks' start-up barrier: the same
 requests, scheduled the same way, so the collectives of tensor parallelism and DP attention pair
@@ -65,7 +67,9 @@ def warm_up(engine: Engine) -> None:
     try:
         _run(engine, [_request(engine, i, DECODE_PROMPT, 2) for i in range(rows)])
         if chunk > DECODE_PROMPT:
-            _run(engine, [_request(engine, rows, chunk, 1)])
+            longest = min(chunk, engine.context_length - 1)
+            lengths = [longest] * (chunk // longest) + [chunk % longest] * (chunk % longest > 0)
+            _run(engine, [_request(engine, rows + i, n, 1) for i, n in enumerate(lengths)])
     finally:
         kv.radix, kv.storage, engine.storage = radix, kv_storage, storage
     engine.scheduler.stats = SchedulerStats()
@@ -78,14 +82,16 @@ def warm_up(engine: Engine) -> None:
 
 
 def _shapes(engine: Engine) -> tuple[int, int]:
-    """Decode rows (the running cap, as many as the pool holds) and the prefill chunk."""
+    """Decode rows (the running cap, as many as the pool holds) and the prefill chunk's tokens:
+    the whole budget, over several prompts where one cannot be that long, as a served step packs
+    prompts up to it (the demo model's context is 1,024 tokens, its chunk 2,048)."""
     args, ps = engine.args, engine.kv.page_size
     pages = engine.kv.num_pages
     lookahead = engine.scheduler.lookahead + engine.args.num_speculative_tokens
     per_row = -(-(DECODE_PROMPT + 2 + lookahead) // ps)
     rows = max(1, min(args.max_running_requests // args.dp_groups, pages // per_row))
     budget = args.chunked_prefill_size if args.chunked_prefill_size > 0 else engine.context_length
-    chunk = min(budget, engine.context_length - 1, (pages - 1) * ps - 1 - lookahead)
+    chunk = min(budget, (pages - 1) * ps - 1 - lookahead)
     return rows, chunk
 
 
