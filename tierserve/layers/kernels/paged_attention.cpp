@@ -1,7 +1,9 @@
 // Multi-query attention over the paged KV pool, on CPU: 1 ... n query tokens per sequence,
 // causal within the block, each query over its sequence's context read straight from the pool's
 // pages (no gathered or padded copy). One op serves decode, short chunks of prefill and
-// speculative verification; the torch backend (layers/attention.py) is its oracle.
+// speculative verification; the torch backend (layers/attention.py) is its oracle. A float32
+// or bf16 model's queries are read and its output written in the model's dtype; the arithmetic
+// is float32 throughout.
 //
 // The pool is [pages, layers, parts, kv_heads, page_size, dim] (cache/pool.py): one head's
 // tokens of a page are one contiguous page_size x dim block, read once per (sequence, KV head)
