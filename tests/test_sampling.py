@@ -18,7 +18,7 @@ from tierserve import LLM, SamplingParams
 from tierserve.engine.detokenizer import MAX_UNSETTLED, IncrementalDetokenizer
 from tierserve.engine.output import OutputBuilder
 from tierserve.engine.request import Request
-from tierserve.layers.sampler import sample
+from tierserve.layers.sampler import greedy_tokens, sample
 from tierserve.outputs import StepOutput
 
 
@@ -30,6 +30,20 @@ def llm(llama_dir) -> LLM:
 @pytest.fixture(scope="module")
 def tokenizer(llm):
     return llm.tokenizer
+
+
+def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does():
+    """Greedy rows (and greedy verification) take `max` along the rows, not argmax: the same
+    token in every row, ties included, in float32 and bf16 logits."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 4, (64, 4096), generator=g).float()  # many tied maxima a row
+    logits[5] = float("-inf")
+    logits[6, 100:] = 3.5
+    for rows in (logits, logits.bfloat16(), torch.randn(64, 4096, generator=g)):
+        want = rows.argmax(-1)
+        assert torch.equal(greedy_tokens(rows), want)
+        assert sample(rows, [SamplingParams(temperature=0)] * 64, [None] * 64) == want.tolist()
+    assert greedy_tokens(logits)[6] == 100 and greedy_tokens(logits)[5] == 0
 
 
 def test_filters_that_leave_one_token_are_greedy():

@@ -34,6 +34,7 @@ EXPORTS = {
     "resolve_backend": "backends",
     "rotary_for": "rotary",
     "filtered_probs": "sampler",
+    "greedy_tokens": "sampler",
     "sample": "sampler",
     "set_dp_attention": "data_parallel",
     "load_unpacked": "parallel",

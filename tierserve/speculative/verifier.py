@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tierserve.layers import Constraint, History, adjust_logits, filtered_probs
+from tierserve.layers import Constraint, History, adjust_logits, filtered_probs, greedy_tokens
 from tierserve.sampling_params import SamplingParams
 
 # The acceptance test of a sampled draft token: (uniform draw, target probability) -> keep.
@@ -136,7 +136,7 @@ def verify(
         if history.grammar is not None:
             logits, draft = _masked(logits, draft, history.grammar)
     if params.greedy:
-        target = logits.argmax(dim=-1).tolist()
+        target = greedy_tokens(logits).tolist()
         kept = 0
         while kept < len(draft) and draft[kept] == target[kept]:
             kept += 1
