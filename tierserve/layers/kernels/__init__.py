@@ -26,7 +26,8 @@ from tierserve.errors import TierserveError
 
 logger = logging.getLogger("tierserve")
 
-# What layer_ops.cpp's rows may hold (RMSNorm, rotary): a float32 or a bf16 model's.
+# What the kernels' model-dtype rows may hold (RMSNorm, rotary, paged attention's queries and
+# output): a float32 or a bf16 model's.
 ROW_DTYPES = (torch.float32, torch.bfloat16)
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "layer_ops.cpp"))
 HEADERS = (Path(__file__).with_name("bf16.h"),)

@@ -174,15 +174,10 @@ inline void load_row(const void* data, bool bf16, int64_t at, int64_t n, float s
   }
 }
 
-// `n` float32 values stored from element `at` of a float32 or bf16 tensor's data.
-inline void store_row(const float* src, bool bf16, void* data, int64_t at, int64_t n) {
-  if (bf16) {
-    c10::BFloat16* dst = static_cast<c10::BFloat16*>(data) + at;
+// `n` float32 values rounded into a bf16 row.
+inline void store_bf16_row(const float* src, c10::BFloat16* dst, int64_t n) {
 #pragma omp simd
-    for (int64_t d = 0; d < n; ++d) dst[d] = narrow<c10::BFloat16>(src[d]);
-  } else {
-    std::memcpy(static_cast<float*>(data) + at, src, n * sizeof(float));
-  }
+  for (int64_t d = 0; d < n; ++d) dst[d] = narrow<c10::BFloat16>(src[d]);
 }
 
 // DIM > 0: keys and values are DIM wide (GQA with a common head size), known to the compiler
@@ -337,7 +332,7 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
   first_item.push_back(items.size());
   const int64_t groups = static_cast<int64_t>(first_item.size()) - 1;
   at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> merged(v_dim);
+    std::vector<float> merged(rows_bf16 ? v_dim : 0);  // a bf16 row's float32 sums
     for (int64_t g = begin; g < end; ++g) {
       const Item& head_item = items[first_item[g]];
       const int64_t n_q = ql[head_item.seq], rows = group * n_q;
@@ -345,7 +340,9 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
         float best = -std::numeric_limits<float>::infinity();
         for (int64_t i = first_item[g]; i < first_item[g + 1]; ++i)
           best = std::max(best, scratch[(items[i].scratch + r) * stride]);
-        float* dst = merged.data();
+        const int64_t at = (qs[head_item.seq] + r / group) * out_row +
+                           (head_item.head * group + r % group) * v_dim;
+        float* dst = rows_bf16 ? merged.data() : static_cast<float*>(op) + at;
         std::fill(dst, dst + v_dim, 0.f);
         float total = 0.f;
         for (int64_t i = first_item[g]; i < first_item[g + 1]; ++i) {
@@ -356,9 +353,7 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
           axpy(dst, w, row + 2, v_dim);
         }
         scale_row(dst, 1.f / total, v_dim);
-        const int64_t at = (qs[head_item.seq] + r / group) * out_row +
-                           (head_item.head * group + r % group) * v_dim;
-        store_row(dst, rows_bf16, op, at, v_dim);
+        if (rows_bf16) store_bf16_row(dst, static_cast<c10::BFloat16*>(op) + at, v_dim);
       }
     }
   });
