@@ -297,7 +297,7 @@ def test_the_warm_up_runs_its_shapes_and_leaves_nothing(llama_dir, offline, tmp_
             enable_hierarchical_cache=True, hicache_storage_backend="file",
             hicache_storage_backend_extra_config=extra,
         )  # fmt: skip
-    # the chunk budget (2,048) over prompts of the context's 1,023 tokens
+    # the whole chunk budget (2,048) over prompts no longer than the context allows (2,047 + 1)
     assert "warm-up: a decode step of 32 rows and a 2048-token prefill" in caplog.text
     engine = llm.engine
     assert engine.scheduler.stats.num_steps == 0 and engine.peak_running == 0
