@@ -83,7 +83,22 @@ KV_CASES = [
 @pytest.mark.parametrize(("kv_dtype", "compute", "tol"), KV_CASES)
 @pytest.mark.parametrize("window", [None, 7])
 def test_gqa_equals_the_torch_path(page_size, kv_dtype, compute, tol, window):
-    heads, kv_heads, dim = 8, 2, 32
+    _check_gqa(8, 2, 32, page_size, kv_dtype, compute, tol, window)
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "dim"), [(6, 2, 64), (14, 2, 128)])
+@pytest.mark.parametrize("page_size", [8, 32])
+@pytest.mark.parametrize(("kv_dtype", "compute", "tol"), [KV_CASES[0], KV_CASES[-1]])
+def test_other_head_sizes_and_groups_equal_the_torch_path(
+    heads, kv_heads, dim, page_size, kv_dtype, compute, tol
+):
+    """The kernel's other compiled head sizes, whose rows' value sums go 2 and 1 at a time
+    (groups of 3 and 7 leave a partial tile), on pages that are half and twice its 16 keys
+    a score tree."""
+    _check_gqa(heads, kv_heads, dim, page_size, kv_dtype, compute, tol, window=None)
+
+
+def _check_gqa(heads, kv_heads, dim, page_size, kv_dtype, compute, tol, window):
     pool = _pool("kv", kv_heads, dim, kv_dtype, page_size, compute)
     batch = _batch(pool, SPANS, seed=page_size)
     _fill_context(pool, batch, parts=2, seed=1)

@@ -12,8 +12,11 @@
 // are its first `v_dim` values, so keys and values are the same block.
 //
 // Work items are (sequence, KV head, split of the context); a long context is split so that
-// every thread has work at batch 1. Each item keeps a running max, sum and weighted sum per
-// query row (online softmax); a second pass merges the splits.
+// every thread has work at batch 1. With a head size the compiler knows (32, 64, 128) an item
+// goes in two passes over its pages: every key's score, each row's softmax once, then the
+// values weighted; other sizes (MLA's latent) keep a running max, sum and weighted sum per row
+// (online softmax). A second pass merges the splits of a sequence that has several; an item
+// alone in its (sequence, head) writes its output rows itself.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -37,6 +40,17 @@ namespace {
 using tierserve_bf16::narrow;
 using tierserve_bf16::wide;
 
+// The kernel's steps are lambdas over its shared state; left to itself GCC called them out of
+// line, and a batch-64 decode took a third longer.
+#define INLINE __attribute__((always_inline))
+
+// SHUFFLE: __builtin_shufflevector is Clang's and GCC 12's; older GCC has __builtin_shuffle.
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, VecI{__VA_ARGS__})
+#endif
+
 // How the pool's bytes are read: its own dtype, or float8 values stored as bytes.
 enum KVFormat : int64_t { kNative = 0, kFloat8E4M3 = 1, kFloat8E5M2 = 2 };
 
@@ -49,6 +63,7 @@ constexpr int64_t kPrefetchPages = 2;
 
 struct Item {
   int64_t seq, head, first_page, end_page, scratch;  // scratch: first row of its partials
+  bool alone;  // the only item of its (sequence, head): nothing to merge
 };
 
 template <typename E>
@@ -90,9 +105,11 @@ inline float exp_nonpositive(float x) {
 // among a page's layers x parts x heads blocks: the hardware prefetchers stop at each block's
 // end, so without this every block starts with a full memory latency and a decode step read its
 // KV at about 40% of the copy bandwidth.
+// Locality 3: into L1, for the page read next; 2: into L2, for pages read later.
+template <int Locality>
 inline void prefetch_block(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
-  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, 3);
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(c + off, 0, Locality);
 }
 
 inline void scale_row(float* y, float a, int64_t n) {
@@ -101,41 +118,17 @@ inline void scale_row(float* y, float a, int64_t n) {
 }
 
 // Each row's running weighted sum of values (at row + 2 of its `stride` floats) rescaled, plus
-// its weights times the page's `n` values. With DIM known, rows go kRowTile at a time with their
-// sums in registers, so each value is loaded once per tile, not once per row.
-constexpr int64_t kRowTile = 4;
-
-template <int DIM, typename E>
+// its weights times the page's `n` values.
+template <typename E>
 void accumulate(float* part, int64_t stride, int64_t rows, const float* weights,
                 const float* rescales, const E* values, int64_t dim, int64_t n,
                 int64_t page_size, int64_t v_dim) {
-  if constexpr (DIM > 0) {
-    for (int64_t r0 = 0; r0 < rows; r0 += kRowTile) {
-      const int64_t tile = std::min(kRowTile, rows - r0);
-      float acc[kRowTile][DIM] = {};
-      float w[kRowTile];
-      for (int64_t t = 0; t < tile; ++t) {
-        const float* sum = part + (r0 + t) * stride + 2;
-        for (int64_t d = 0; d < DIM; ++d) acc[t][d] = sum[d] * rescales[r0 + t];
-      }
-      for (int64_t j = 0; j < n; ++j) {
-        const E* __restrict value = values + j * dim;
-        for (int64_t t = 0; t < kRowTile; ++t)
-          w[t] = t < tile ? weights[(r0 + t) * page_size + j] : 0.f;
-        for (int64_t t = 0; t < kRowTile; ++t)
-          for (int64_t d = 0; d < DIM; ++d) acc[t][d] += w[t] * wide(value[d]);
-      }
-      for (int64_t t = 0; t < tile; ++t)
-        std::memcpy(part + (r0 + t) * stride + 2, acc[t], sizeof acc[t]);
-    }
-  } else {
-    for (int64_t r = 0; r < rows; ++r) {
-      float* acc = part + r * stride + 2;
-      scale_row(acc, rescales[r], v_dim);
-      for (int64_t j = 0; j < n; ++j) {
-        const float weight = weights[r * page_size + j];
-        if (weight != 0.f) axpy(acc, weight, values + j * dim, v_dim);
-      }
+  for (int64_t r = 0; r < rows; ++r) {
+    float* acc = part + r * stride + 2;
+    scale_row(acc, rescales[r], v_dim);
+    for (int64_t j = 0; j < n; ++j) {
+      const float weight = weights[r * page_size + j];
+      if (weight != 0.f) axpy(acc, weight, values + j * dim, v_dim);
     }
   }
 }
@@ -180,6 +173,109 @@ inline void store_bf16_row(const float* src, c10::BFloat16* dst, int64_t n) {
   for (int64_t d = 0; d < n; ++d) dst[d] = narrow<c10::BFloat16>(src[d]);
 }
 
+// --- Head sizes the compiler knows: 16 lanes at a time ------------------------------------------
+// GCC and Clang vector types: whole AVX-512 registers here, pairs of AVX2 ones elsewhere.
+
+typedef float VecF __attribute__((vector_size(64)));
+typedef uint32_t VecU __attribute__((vector_size(64)));
+typedef uint16_t VecH __attribute__((vector_size(32)));
+typedef int32_t VecI __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+inline VecF load_lanes(const float* p) {
+  VecF v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline VecF load_lanes(const c10::BFloat16* p) {  // widened as wide() does: a shift
+  VecH h;
+  std::memcpy(&h, p, sizeof h);
+  const VecU u = __builtin_convertvector(h, VecU) << 16;
+  VecF v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+inline float lane_sum(VecF v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// Lane j of the result is the sum of v[j]'s lanes: 16 dot products' sums in one tree of
+// shuffles and adds (four levels, each adding the halves of pairs; the lanes end in
+// bit-reversed order, undone last), where a sum per key took a tree each.
+inline VecF transpose_sum(const VecF* v) {
+  VecF w[8], x[4], y[2];
+  for (int k = 0; k < 8; ++k)  // pair (a, b): [a's 8 halves' sums | b's]
+    w[k] = SHUFFLE(v[2 * k], v[2 * k + 1],
+                   0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUFFLE(v[2 * k], v[2 * k + 1],
+                   8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int k = 0; k < 4; ++k)  // 4 sums each of 4 vectors
+    x[k] = SHUFFLE(w[2 * k], w[2 * k + 1],
+                   0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           SHUFFLE(w[2 * k], w[2 * k + 1],
+                   4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int k = 0; k < 2; ++k)  // 2 sums each of 8 vectors
+    y[k] = SHUFFLE(x[2 * k], x[2 * k + 1],
+                   0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           SHUFFLE(x[2 * k], x[2 * k + 1],
+                   2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  const VecF z = SHUFFLE(y[0], y[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+                 SHUFFLE(y[0], y[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  return SHUFFLE(z, z, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
+// One row's scores against `n` keys of a block (`stride` values apart), into `out`.
+template <int DIM, typename E>
+inline void score_keys(const float* query, const E* keys, int64_t stride, int64_t n, float* out) {
+  constexpr int L = DIM / kLanes;
+  VecF q[L];
+  for (int l = 0; l < L; ++l) q[l] = load_lanes(query + l * kLanes);
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    VecF products[kLanes];
+    for (int64_t t = 0; t < kLanes; ++t) {
+      const E* key = keys + (j + t) * stride;
+      products[t] = q[0] * load_lanes(key);
+      for (int l = 1; l < L; ++l) products[t] += q[l] * load_lanes(key + l * kLanes);
+    }
+    const VecF scores = transpose_sum(products);
+    std::memcpy(out + j, &scores, sizeof scores);
+  }
+  for (; j < n; ++j) {
+    const E* key = keys + j * stride;
+    VecF product = q[0] * load_lanes(key);
+    for (int l = 1; l < L; ++l) product += q[l] * load_lanes(key + l * kLanes);
+    out[j] = lane_sum(product);
+  }
+}
+
+// Rows whose value sums stay in registers together: 8 vectors' worth.
+template <int DIM>
+constexpr int64_t kValueRows = std::max<int64_t>(1, std::min<int64_t>(4, 8 / (DIM / kLanes)));
+
+// `rows` (up to R) rows' weights (rows `ld` apart) times `n` values of a block, added to sums.
+template <int DIM, int64_t R, typename E>
+inline void add_values(VecF (&sums)[R][DIM / kLanes], const float* weights, int64_t ld,
+                       int64_t rows, const E* values, int64_t stride, int64_t n) {
+  constexpr int L = DIM / kLanes;
+  // In locals, which stay in registers: for all the compiler knows `sums` aliases `weights`.
+  VecF acc[R][L];
+  for (int64_t t = 0; t < R; ++t)
+    for (int l = 0; l < L; ++l) acc[t][l] = sums[t][l];
+  const float* w[R];  // a tile's missing rows repeat its last: their sums are never read
+  for (int64_t t = 0; t < R; ++t) w[t] = weights + std::min(t, rows - 1) * ld;
+  for (int64_t j = 0; j < n; ++j) {
+    VecF v[L];
+    for (int l = 0; l < L; ++l) v[l] = load_lanes(values + j * stride + l * kLanes);
+    for (int64_t t = 0; t < R; ++t)
+      for (int l = 0; l < L; ++l) acc[t][l] += w[t][j] * v[l];
+  }
+  for (int64_t t = 0; t < R; ++t)
+    for (int l = 0; l < L; ++l) sums[t][l] = acc[t][l];
+}
+
 // DIM > 0: keys and values are DIM wide (GQA with a common head size), known to the compiler
 // so its loops unroll into whole vectors; 0: any widths (MLA's latent).
 template <typename T, int DIM>
@@ -208,6 +304,7 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
   const int64_t q_row = q.stride(0), out_row = out.stride(0);
   const int64_t block = page_size * dim;  // one head's tokens of one page
   const bool same_block = k_part == v_part;
+  constexpr bool kTwoPass = DIM > 0 && DIM % kLanes == 0;
 
   float lut[256];
   if (kv_format != kNative) {
@@ -228,9 +325,10 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
     const int64_t first_key = window > 0 ? std::max<int64_t>(0, first_query - window + 1) : 0;
     const int64_t first_page = first_key / page_size;
     const int64_t end_page = (kl[s] + page_size - 1) / page_size;
+    const bool alone = end_page - first_page <= per_split;
     for (int64_t h = 0; h < kv_heads; ++h) {
       for (int64_t p = first_page; p < end_page; p += per_split) {
-        items.push_back({s, h, p, std::min(end_page, p + per_split), scratch_rows});
+        items.push_back({s, h, p, std::min(end_page, p + per_split), scratch_rows, alone});
         scratch_rows += group * ql[s];
       }
     }
@@ -240,25 +338,166 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
   const int64_t stride = v_dim + 2;
 
   // Where one head's block of part `part` of page p of a sequence lies, and its tokens.
-  auto block_of = [&](int64_t seq, int64_t p, int64_t part, int64_t head) {
+  auto block_of = [&](int64_t seq, int64_t p, int64_t part, int64_t head) INLINE {
     const int64_t page = table[seq * table_width + p];
     return kv + ((((page * layers + layer) * parts) + part) * kv_heads + head) * block;
   };
-  auto tokens_of = [&](int64_t seq, int64_t p) {
+  auto tokens_of = [&](int64_t seq, int64_t p) INLINE {
     return std::min(page_size, kl[seq] - p * page_size);
   };
 
+  // Asks for the page this thread reads kPrefetchPages after page p of items[it], in that item
+  // or a later one of [it, end).
+  auto prefetch_ahead = [&](int64_t it, int64_t end, int64_t p) INLINE {
+    const Item* next = &items[it];
+    int64_t np = p + kPrefetchPages, next_it = it;
+    while (next != nullptr && np >= next->end_page) {
+      np = np - next->end_page;
+      next = ++next_it < end ? &items[next_it] : nullptr;
+      if (next != nullptr) np += next->first_page;
+    }
+    if (next == nullptr) return;
+    const int64_t bytes = tokens_of(next->seq, np) * dim * static_cast<int64_t>(sizeof(T));
+    prefetch_block<3>(block_of(next->seq, np, k_part, next->head), bytes);
+    if (!same_block) prefetch_block<3>(block_of(next->seq, np, v_part, next->head), bytes);
+  };
+  // Asks for every page of an item into L2. Two pages ahead alone kept too few reads in
+  // flight: without the next item asked for as each one starts, the six layers of a batch-64
+  // decode (86 MB of KV) took 5.5 ms instead of 4.5 here.
+  auto prefetch_item = [&](const Item& w) INLINE {
+    for (int64_t p = w.first_page; p < w.end_page; ++p) {
+      const int64_t bytes = tokens_of(w.seq, p) * dim * static_cast<int64_t>(sizeof(T));
+      prefetch_block<2>(block_of(w.seq, p, k_part, w.head), bytes);
+      if (!same_block) prefetch_block<2>(block_of(w.seq, p, v_part, w.head), bytes);
+    }
+  };
+  // Row r of item w's output (token r / group, head r % group): `sums` / `total`, in place.
+  auto write_row = [&](const Item& w, int64_t r, float* sums, float total) INLINE {
+    const int64_t at = (qs[w.seq] + r / group) * out_row + (w.head * group + r % group) * v_dim;
+    scale_row(sums, 1.f / total, v_dim);
+    if (rows_bf16)
+      store_bf16_row(sums, static_cast<c10::BFloat16*>(op) + at, v_dim);
+    else
+      std::memcpy(static_cast<float*>(op) + at, sums, v_dim * sizeof(float));
+  };
+
+  // Two passes over an item's pages (DIM known): every row's score of every key into
+  // `weights` (rows x the item's tokens: at most kSplitTokens each, so it stays in cache), each
+  // row's softmax once, then the values weighted, kValueRows rows' sums at a time in registers.
+  auto two_pass = [&](int64_t it, int64_t end, const float* queries, float* part,
+                      std::vector<float>& weights, float* k_buf, float* v_buf) INLINE {
+    if constexpr (DIM > 0) {
+      const Item& w = items[it];
+      const int64_t rows = group * ql[w.seq], first_query = kl[w.seq] - ql[w.seq];
+      const int64_t base = w.first_page * page_size;
+      const int64_t tokens = std::min(w.end_page * page_size, kl[w.seq]) - base;
+      if (it + 1 < end) prefetch_item(items[it + 1]);
+      weights.resize(rows * tokens);
+      for (int64_t p = w.first_page; p < w.end_page; ++p) {
+        prefetch_ahead(it, end, p);
+        const int64_t n = tokens_of(w.seq, p);
+        const auto* keys = readable(block_of(w.seq, p, k_part, w.head), n, dim, k_buf, lut);
+        for (int64_t r = 0; r < rows; ++r)
+          score_keys<DIM>(queries + r * DIM, keys, dim, n,
+                          weights.data() + r * tokens + (p - w.first_page) * page_size);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t pos = first_query + r / group;  // this query's position
+        const int64_t lo = window > 0 ? pos - window + 1 : 0;
+        // The item's keys this query sees: [j_lo, j_hi) of its tokens; weight 0 for the rest.
+        const int64_t j_lo = std::clamp<int64_t>(lo - base, 0, tokens);
+        const int64_t j_hi = std::clamp<int64_t>(pos + 1 - base, 0, tokens);
+        float* weight = weights.data() + r * tokens;
+        float best = -std::numeric_limits<float>::infinity(), sum = 0.f;
+#pragma omp simd reduction(max : best)
+        for (int64_t j = j_lo; j < j_hi; ++j) best = std::max(best, weight[j]);
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = j_lo; j < j_hi; ++j) {
+          weight[j] = exp_nonpositive(weight[j] - best);
+          sum += weight[j];
+        }
+        std::fill(weight, weight + j_lo, 0.f);
+        std::fill(weight + std::max(j_lo, j_hi), weight + tokens, 0.f);
+        part[r * stride] = best;
+        part[r * stride + 1] = sum;
+      }
+      constexpr int64_t R = kValueRows<DIM>;
+      for (int64_t r0 = 0; r0 < rows; r0 += R) {
+        const int64_t tile = std::min(R, rows - r0);
+        VecF sums[R][DIM / kLanes] = {};
+        for (int64_t p = w.first_page; p < w.end_page; ++p) {
+          const int64_t n = tokens_of(w.seq, p);
+          const auto* values = readable(block_of(w.seq, p, v_part, w.head), n, dim, v_buf, lut);
+          const int64_t first_key = (p - w.first_page) * page_size;
+          const float* tile_weights = weights.data() + r0 * tokens + first_key;
+          add_values<DIM>(sums, tile_weights, tokens, tile, values, dim, n);
+        }
+        for (int64_t t = 0; t < tile; ++t) {
+          float* row = part + (r0 + t) * stride;
+          std::memcpy(row + 2, sums[t], sizeof sums[t]);
+          if (w.alone) write_row(w, r0 + t, row + 2, row[1]);
+        }
+      }
+    }
+  };
+
+  // Other head sizes: page by page, each row's running max, sum and weighted sum of values
+  // (online softmax) in its partial row.
+  auto online = [&](int64_t it, int64_t end, const float* queries, float* part,
+                    std::vector<float>& weights, std::vector<float>& rescales, float* k_buf,
+                    float* v_buf) INLINE {
+    const Item& w = items[it];
+    const int64_t rows = group * ql[w.seq], first_query = kl[w.seq] - ql[w.seq];
+    rescales.resize(rows);
+    weights.resize(rows * page_size);
+    for (int64_t p = w.first_page; p < w.end_page; ++p) {
+      prefetch_ahead(it, end, p);
+      const int64_t n = tokens_of(w.seq, p);
+      const auto* keys = readable(block_of(w.seq, p, k_part, w.head), n, dim, k_buf, lut);
+      const auto* values =
+          same_block ? keys : readable(block_of(w.seq, p, v_part, w.head), n, dim, v_buf, lut);
+      // Each row's weights over the page's keys (0 where it sees none) and the factor its
+      // running sum is rescaled by; the sums are then updated for all rows together.
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t pos = first_query + r / group;  // this query's position
+        const int64_t lo = window > 0 ? pos - window + 1 : 0;
+        // The page's keys this query sees: [j_lo, j_hi) of its n tokens.
+        const int64_t j_lo = std::clamp<int64_t>(lo - p * page_size, 0, n);
+        const int64_t j_hi = std::clamp<int64_t>(pos + 1 - p * page_size, 0, n);
+        float* weight = weights.data() + r * page_size;
+        std::fill(weight, weight + page_size, 0.f);
+        rescales[r] = 1.f;
+        if (j_lo >= j_hi) continue;
+        float* row = part + r * stride;
+        const float* query = queries + r * dim_k;
+        float best = row[0];
+        for (int64_t j = j_lo; j < j_hi; ++j) {
+          weight[j] = dot(query, keys + j * dim, dim_k);
+          best = std::max(best, weight[j]);
+        }
+        const float rescale = exp_nonpositive(row[0] - best);  // 0 on the first keys
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t j = j_lo; j < j_hi; ++j) {
+          weight[j] = exp_nonpositive(weight[j] - best);
+          sum += weight[j];
+        }
+        rescales[r] = rescale;
+        row[0] = best;
+        row[1] = row[1] * rescale + sum;
+      }
+      accumulate(part, stride, rows, weights.data(), rescales.data(), values, dim, n, page_size,
+                 v_dim);
+    }
+  };
+
   at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> k_buf(block), v_buf(block), weights, rescales;
-    std::vector<float> queries;
+    std::vector<float> k_buf(block), v_buf(block), weights, rescales, queries;
     for (int64_t it = begin; it < end; ++it) {
       const Item& w = items[it];
-      const int64_t n_q = ql[w.seq], rows = group * n_q;
-      const int64_t first_query = kl[w.seq] - n_q;
+      const int64_t rows = group * ql[w.seq];
       // This item's queries, scaled once: row r is token r / group, head r % group.
       queries.resize(rows * dim_k);
-      weights.resize(rows * page_size);
-      rescales.resize(rows);
       for (int64_t r = 0; r < rows; ++r) {
         const int64_t at = (qs[w.seq] + r / group) * q_row + (w.head * group + r % group) * dim_k;
         load_row(qp, rows_bf16, at, dim_k, static_cast<float>(scale), queries.data() + r * dim_k);
@@ -268,92 +507,43 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
         part[r * stride] = -std::numeric_limits<float>::infinity();
         std::fill(part + r * stride + 1, part + (r + 1) * stride, 0.f);
       }
-      for (int64_t p = w.first_page; p < w.end_page; ++p) {
-        const int64_t n = tokens_of(w.seq, p);
-        // The page this thread reads kPrefetchPages after this one, in this item or the next.
-        const Item* next = &w;
-        int64_t np = p + kPrefetchPages, next_it = it;
-        while (next != nullptr && np >= next->end_page) {
-          np = np - next->end_page;
-          next = ++next_it < end ? &items[next_it] : nullptr;
-          if (next != nullptr) np += next->first_page;
-        }
-        if (next != nullptr) {
-          const int64_t bytes = tokens_of(next->seq, np) * dim * static_cast<int64_t>(sizeof(T));
-          prefetch_block(block_of(next->seq, np, k_part, next->head), bytes);
-          if (!same_block) prefetch_block(block_of(next->seq, np, v_part, next->head), bytes);
-        }
-        const auto* keys = readable(block_of(w.seq, p, k_part, w.head), n, dim, k_buf.data(), lut);
-        const auto* values =
-            same_block ? keys
-                       : readable(block_of(w.seq, p, v_part, w.head), n, dim, v_buf.data(), lut);
-        // Each row's weights over the page's keys (0 where it sees none) and the factor its
-        // running sum is rescaled by; the sums are then updated for all rows together.
-        for (int64_t r = 0; r < rows; ++r) {
-          const int64_t pos = first_query + r / group;  // this query's position
-          const int64_t lo = window > 0 ? pos - window + 1 : 0;
-          // The page's keys this query sees: [j_lo, j_hi) of its n tokens.
-          const int64_t j_lo = std::clamp<int64_t>(lo - p * page_size, 0, n);
-          const int64_t j_hi = std::clamp<int64_t>(pos + 1 - p * page_size, 0, n);
-          float* weight = weights.data() + r * page_size;
-          std::fill(weight, weight + page_size, 0.f);
-          rescales[r] = 1.f;
-          if (j_lo >= j_hi) continue;
-          float* row = part + r * stride;
-          const float* query = queries.data() + r * dim_k;
-          float best = row[0];
-          for (int64_t j = j_lo; j < j_hi; ++j) {
-            weight[j] = dot(query, keys + j * dim, dim_k);
-            best = std::max(best, weight[j]);
-          }
-          const float rescale = exp_nonpositive(row[0] - best);  // 0 on the first keys
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t j = j_lo; j < j_hi; ++j) {
-            weight[j] = exp_nonpositive(weight[j] - best);
-            sum += weight[j];
-          }
-          rescales[r] = rescale;
-          row[0] = best;
-          row[1] = row[1] * rescale + sum;
-        }
-        accumulate<DIM>(part, stride, rows, weights.data(), rescales.data(), values, dim, n,
-                        page_size, v_dim);
-      }
+      if constexpr (kTwoPass)
+        two_pass(it, end, queries.data(), part, weights, k_buf.data(), v_buf.data());
+      else
+        online(it, end, queries.data(), part, weights, rescales, k_buf.data(), v_buf.data());
     }
   });
 
-  // Merge each (sequence, KV head)'s splits into the output rows.
-  std::vector<int64_t> first_item;  // the first item of each (sequence, head), then the end
+  // Merge the splits of each (sequence, KV head) that has several, items [first, last), into
+  // its output rows (two passes wrote a lone item's already).
+  std::vector<std::pair<int64_t, int64_t>> splits;
   for (int64_t i = 0; i < static_cast<int64_t>(items.size()); ++i) {
-    if (i == 0 || items[i].seq != items[i - 1].seq || items[i].head != items[i - 1].head)
-      first_item.push_back(i);
+    if (kTwoPass && items[i].alone) continue;
+    if (splits.empty() || items[i].seq != items[i - 1].seq || items[i].head != items[i - 1].head)
+      splits.push_back({i, i + 1});
+    else
+      splits.back().second = i + 1;
   }
-  first_item.push_back(items.size());
-  const int64_t groups = static_cast<int64_t>(first_item.size()) - 1;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> merged(rows_bf16 ? v_dim : 0);  // a bf16 row's float32 sums
+  if (splits.empty()) return;
+  at::parallel_for(0, static_cast<int64_t>(splits.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> merged(v_dim);
     for (int64_t g = begin; g < end; ++g) {
-      const Item& head_item = items[first_item[g]];
-      const int64_t n_q = ql[head_item.seq], rows = group * n_q;
+      const auto [first, last] = splits[g];
+      const int64_t rows = group * ql[items[first].seq];
       for (int64_t r = 0; r < rows; ++r) {
         float best = -std::numeric_limits<float>::infinity();
-        for (int64_t i = first_item[g]; i < first_item[g + 1]; ++i)
+        for (int64_t i = first; i < last; ++i)
           best = std::max(best, scratch[(items[i].scratch + r) * stride]);
-        const int64_t at = (qs[head_item.seq] + r / group) * out_row +
-                           (head_item.head * group + r % group) * v_dim;
-        float* dst = rows_bf16 ? merged.data() : static_cast<float*>(op) + at;
-        std::fill(dst, dst + v_dim, 0.f);
+        std::fill(merged.begin(), merged.end(), 0.f);
         float total = 0.f;
-        for (int64_t i = first_item[g]; i < first_item[g + 1]; ++i) {
+        for (int64_t i = first; i < last; ++i) {
           const float* row = scratch.data() + (items[i].scratch + r) * stride;
           if (row[1] == 0.f) continue;
           const float w = exp_nonpositive(row[0] - best);
           total += row[1] * w;
-          axpy(dst, w, row + 2, v_dim);
+          axpy(merged.data(), w, row + 2, v_dim);
         }
-        scale_row(dst, 1.f / total, v_dim);
-        if (rows_bf16) store_bf16_row(dst, static_cast<c10::BFloat16*>(op) + at, v_dim);
+        write_row(items[first], r, merged.data(), total);
       }
     }
   });
