@@ -33,13 +33,16 @@ def tokenizer(llm):
 
 
 def test_greedy_takes_the_first_of_tied_maxima_as_argmax_does():
-    """Greedy rows (and greedy verification) take `max` along the rows, not argmax: the same
-    token in every row, ties included, in float32 and bf16 logits."""
+    """Greedy rows (and greedy verification) take NumPy's argmax (float32 on CPU) or `max`
+    along the rows, not torch's argmax: the same token in every row, ties, a NaN and rows
+    picked out of a larger step's logits included, in float32 and bf16 logits."""
     g = torch.Generator().manual_seed(3)
     logits = torch.randint(0, 4, (64, 4096), generator=g).float()  # many tied maxima a row
     logits[5] = float("-inf")
     logits[6, 100:] = 3.5
-    for rows in (logits, logits.bfloat16(), torch.randn(64, 4096, generator=g)):
+    logits[7, 9] = float("nan")
+    picked = torch.randn(128, 4096, generator=g)[::2]  # rows a stride apart
+    for rows in (logits, logits.bfloat16(), torch.randn(64, 4096, generator=g), picked):
         want = rows.argmax(-1)
         assert torch.equal(greedy_tokens(rows), want)
         assert sample(rows, [SamplingParams(temperature=0)] * 64, [None] * 64) == want.tolist()

@@ -330,7 +330,8 @@ class Engine:
         if result.tokens and self.scheduler.proposer is not None:
             req.spec_steps += 1
             req.next_draft = result.draft
-        req.prompt_logprobs += result.prompt_logprobs
+        if result.prompt_logprobs:
+            req.prompt_logprobs += result.prompt_logprobs
         if result.hidden is not None:
             self.capture.keep(req, result.hidden)
         if chunk.num_tokens > 1:  # share the prompt with requests that arrive meanwhile

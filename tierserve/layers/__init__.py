@@ -38,6 +38,7 @@ EXPORTS = {
     "sample": "sampler",
     "set_dp_attention": "data_parallel",
     "load_unpacked": "parallel",
+    "long_tensor": "batch",
     "pack_for_cpu": "parallel",
     "packed_by_name": "parallel",
     "page_table": "batch",

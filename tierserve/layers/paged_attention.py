@@ -19,7 +19,7 @@ import torch
 from tierserve.cache import PagedKV
 from tierserve.layers import kernels
 from tierserve.layers.attention import AttentionBackend, TorchAttention
-from tierserve.layers.batch import ForwardBatch
+from tierserve.layers.batch import ForwardBatch, long_tensor
 from tierserve.layers.norm import RMSNorm
 from tierserve.layers.rotary import RotaryEmbedding
 
@@ -67,8 +67,9 @@ class CPUPagedAttention(TorchAttention):
         if rows:
             table = batch.table()
             self.table = table if len(rows) == len(batch.spans) else table[rows].contiguous()
-            meta = torch.tensor([[s.q_start, s.q_len, s.kv_len] for s in self.short])
-            self.q_start, self.q_len, self.kv_len = meta.T.contiguous()
+            self.q_start = long_tensor([s.q_start for s in self.short])
+            self.q_len = long_tensor([s.q_len for s in self.short])
+            self.kv_len = long_tensor([s.kv_len for s in self.short])
 
     def _kernel(
         self,
