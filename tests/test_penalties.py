@@ -4,12 +4,15 @@
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 import transformers
 
 from tests.conftest import http, random_prompts
 from tierserve import LLM, SamplingParams, TierserveError
+from tierserve.layers.sampler import sample
 
 EOS = 1
 
@@ -144,3 +147,20 @@ def test_the_server_takes_penalties_streamed_and_not(llama_dir, llm, server, cli
     }  # fmt: skip
     reply = http.post(f"{server.url}/generate", json=native, timeout=60)
     assert reply.status_code == 200 and reply.json()["text"] == expected
+
+
+def test_a_repetition_penalty_near_zero_samples_among_the_tokens_it_pushes_up(server, client):
+    """Any positive repetition penalty is valid; one near 0 divides a positive logit past
+    float32 (+inf, then NaN in softmax took the engine down). Those tokens tie at the largest
+    logit instead: the sample is one of the prompt's tokens whose logit was positive, and the
+    server serves on."""
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
+    history = types.SimpleNamespace(prompt_ids=[0, 1, 2], output_ids=[], stop_ids=(), grammar=None)
+    params = SamplingParams(temperature=1.0, repetition_penalty=1e-45)
+    gens = [torch.Generator().manual_seed(s) for s in range(40)]
+    picked = {sample(logits, [params], [g], [history])[0] for g in gens}
+    assert picked == {0, 2}  # the seen, positive ones: pushed to +inf, tied
+    ask = dict(model="llama", prompt=PROMPTS[0], max_tokens=4, temperature=1.0, seed=0)
+    done = client.completions.create(**ask, extra_body={"repetition_penalty": 1e-45})
+    assert done.usage.completion_tokens == 4
+    assert http.get(f"{server.url}/health", timeout=60).status_code == 200

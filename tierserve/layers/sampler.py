@@ -111,7 +111,9 @@ def adjust_logits(row: torch.Tensor, p: SamplingParams, h: History) -> None:
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     temps = torch.tensor([p.temperature for p in params], device=logits.device)
-    logits = logits / temps[:, None]
+    # A repetition penalty near 0 (any positive one is valid) divides a positive logit past
+    # float32's range: +inf logits tie at the largest finite one, or softmax gives NaN.
+    logits = (logits / temps[:, None]).clamp(max=torch.finfo(logits.dtype).max)
     if any(p.top_k > 0 for p in params):
         logits = _top_k(logits, [p.top_k for p in params])
     if any(p.top_p < 1.0 for p in params):
