@@ -280,6 +280,22 @@ def test_continuous_decode_steps_send_n_tokens_a_message(llama_dir):
     assert [t for m in four for t in m] == [t for m in one for t in m]
 
 
+def test_continuous_decode_steps_stream_n_tokens_a_chunk(llama_dir):
+    """Served with --num-continuous-decode-steps 4, a stream gets each message's four tokens
+    as one chunk (a request's outputs join while its stream has not taken them, as vLLM's
+    do): 17 tokens in 5 chunks, the text and tokens of the whole completion."""
+    with Server(llama_dir, "--max-total-tokens", "1024", "--num-continuous-decode-steps", "4") as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
+        ask = dict(model="llama", prompt=[5, 6, 7, 8] * 4, max_tokens=17, temperature=0)
+        ask |= dict(logprobs=0, extra_body={"ignore_eos": True})
+        whole = client.completions.create(**ask).choices[0]
+        chunks = [c.choices[0] for c in client.completions.create(**ask, stream=True) if c.choices]
+    sizes = [len(c.logprobs.tokens) for c in chunks if c.logprobs and c.logprobs.tokens]
+    assert sizes == [4, 4, 4, 4, 1]
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [t for c in chunks for t in c.logprobs.tokens] == whole.logprobs.tokens
+
+
 def test_the_warm_up_runs_its_shapes_and_leaves_nothing(llama_dir, offline, tmp_path, caplog):
     """A served engine's warm-up (the offline LLM asks for it here): the running cap's decode
     rows and a whole prefill chunk run, then the counters start from 0, the pool is free, the

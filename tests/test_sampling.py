@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import types
 from pathlib import Path
@@ -19,7 +20,8 @@ from tierserve.engine.detokenizer import MAX_UNSETTLED, IncrementalDetokenizer
 from tierserve.engine.output import OutputBuilder
 from tierserve.engine.request import Request
 from tierserve.layers.sampler import greedy_tokens, sample
-from tierserve.outputs import StepOutput
+from tierserve.outputs import RequestOutput, StepOutput, TokenLogprob
+from tierserve.server.async_engine import PendingOutputs
 
 
 @pytest.fixture(scope="module")
@@ -240,6 +242,40 @@ def test_output_builder_drops_tokens_sampled_after_a_stop(tokenizer):
     done = [o for o in outs if o is not None]
     assert done[-1].finish_reason == "stop" and done[-1].text == "one "
     assert outs[len(done) :] == [None] * (len(ids) - len(done))  # the engine's late tokens
+
+
+def test_outputs_a_consumer_has_not_taken_come_out_as_one(tokenizer):
+    """The server's hand-over of a request's outputs (PendingOutputs): those put while its
+    consumer is behind come out as one, with the text, tokens and logprobs of taking them one
+    by one, the first output's prompt fields and the last one's state; an error put after
+    them comes next."""
+    ids = tokenizer("one two three four five", add_special_tokens=False).input_ids
+    last = len(ids) - 1
+    steps = [
+        StepOutput("r", t, "length" if i == last else None, 3, 0, 0, TokenLogprob(t, -0.5))
+        for i, t in enumerate(ids)
+    ]
+    params = SamplingParams(logprobs=0)
+    one_by_one = list(map(OutputBuilder(_request(params), tokenizer).add, steps))
+
+    async def taken() -> list[RequestOutput | BaseException]:
+        pending, builder = PendingOutputs(), OutputBuilder(_request(params), tokenizer)
+        for step in steps[:3]:
+            pending.put(builder.add(step))
+        first = await pending.get()
+        for step in steps[3:]:
+            pending.put(builder.add(step))
+        pending.put(RuntimeError("the engine failed"))
+        return [first, await pending.get(), await pending.get()]
+
+    first, rest, error = asyncio.run(taken())
+    assert first.new_token_ids == ids[:3] and not first.finished
+    assert first.text_delta == "".join(o.text_delta for o in one_by_one[:3])
+    assert first.prompt_token_ids == [1] and first.num_output_tokens == 3
+    assert rest.new_token_ids == ids[3:] and rest.finished and rest.finish_reason == "length"
+    assert first.text_delta + rest.text_delta == one_by_one[-1].text == rest.text
+    assert [lp.token_id for lp in first.new_logprobs + rest.new_logprobs] == ids
+    assert isinstance(error, RuntimeError)
 
 
 def test_special_tokens_kept_for_a_parser_but_never_the_stop_token():

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import msgspec
@@ -73,3 +74,19 @@ class RequestOutput:
     # file, in the first and the final output (engine/hidden_states.py).
     hidden_states_path: str | None = None
     spec_verify_ct: int = 0  # with speculative decoding: steps that emitted tokens, so far
+
+    def then(self, later: RequestOutput) -> RequestOutput:
+        """This output and the next as one, as if they were one step's: what a stream that
+        fell behind sends (vLLM merges a slow consumer's outputs the same way). The deltas
+        join; the rest is the later one's, but the prompt's fields the first output carries."""
+        first = bool(self.prompt_token_ids)  # the first output carries the prompt's ids
+        return dataclasses.replace(
+            later,
+            new_token_ids=self.new_token_ids + later.new_token_ids,
+            text_delta=self.text_delta + later.text_delta,
+            new_logprobs=self.new_logprobs + later.new_logprobs,
+            prompt=self.prompt if first else later.prompt,
+            prompt_token_ids=self.prompt_token_ids if first else later.prompt_token_ids,
+            prompt_logprobs=self.prompt_logprobs if first else later.prompt_logprobs,
+            hidden_states_path=self.hidden_states_path or later.hidden_states_path,
+        )

@@ -175,7 +175,7 @@ class AsyncEngine:
         req = await asyncio.to_thread(prepare, prompt, params, request_id, arrival, grammar)
         if req.rid in self._streams:
             raise TierserveError(f"request id {req.rid!r} is already in flight", "request_id")
-        outputs: asyncio.Queue = asyncio.Queue()
+        outputs = PendingOutputs()
         builder = OutputBuilder(req, self.tokenizer)
         self._streams[req.rid] = Stream(asyncio.get_running_loop(), outputs, builder)
         # The reader sets `error` before it fails every registered stream: checked after
@@ -327,20 +327,20 @@ class AsyncEngine:
             except Exception as err:  # a detokenizer failure ends this request, not the loop
                 logger.exception("building the output of %s failed", step.request_id)
                 self._send(AbortRequest(step.request_id))
-                stream.outputs.put_nowait(err)
+                stream.outputs.put(err)
                 continue
             if out is None:
                 continue
             if stream.builder.stopped_here:
                 self._send(AbortRequest(step.request_id))
-            stream.outputs.put_nowait(out)
+            stream.outputs.put(out)
 
     def _deliver(self, rid: str, item: BaseException) -> None:
         stream = self._streams.get(rid)
         if stream is None:
             return
         try:
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, item)
+            stream.loop.call_soon_threadsafe(stream.outputs.put, item)
         except RuntimeError:  # that event loop is closed
             self._forget(rid)
 
@@ -349,12 +349,40 @@ class AsyncEngine:
         self._send(AbortRequest(rid))
 
 
+class PendingOutputs:
+    """One request's outputs that its consumer has not taken yet, joined as they arrive: a
+    consumer that falls behind (a slow client, a busy CPU, several decode steps a message)
+    takes them as one output and sends one chunk, not one each. vLLM's output collector joins
+    a slow consumer's outputs the same way. An error is taken after the outputs before it."""
+
+    def __init__(self) -> None:
+        self._output: RequestOutput | None = None
+        self._error: BaseException | None = None
+        self._ready = asyncio.Event()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        if isinstance(item, BaseException):
+            self._error = self._error or item
+        else:
+            self._output = item if self._output is None else self._output.then(item)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput | BaseException:
+        await self._ready.wait()
+        item: RequestOutput | BaseException | None = self._output or self._error
+        self._output = None
+        if self._error is None:
+            self._ready.clear()
+        assert item is not None
+        return item
+
+
 @dataclass(frozen=True)
 class Stream:
     """Where one request's outputs go: its event loop, its queue, and its text state."""
 
     loop: asyncio.AbstractEventLoop
-    outputs: asyncio.Queue
+    outputs: PendingOutputs
     builder: OutputBuilder
 
 

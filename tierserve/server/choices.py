@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -23,7 +22,7 @@ from tierserve.outputs import RequestOutput
 from tierserve.sampling_params import SamplingParams
 from tierserve.server.async_engine import EngineDeadError
 from tierserve.server.disconnect import unless_disconnected
-from tierserve.server.protocol import error_body, usage
+from tierserve.server.protocol import SSE_DONE, error_body, sse, usage
 
 if TYPE_CHECKING:
     from tierserve.server.completion import Completion
@@ -127,7 +126,7 @@ async def _sse(
     first: tuple[int, RequestOutput],
     outputs: AsyncIterator[tuple[int, RequestOutput]],
     n: int,
-) -> AsyncIterator[str]:
+) -> AsyncIterator[bytes]:
     seen: set[int] = set()
     finals: dict[int, RequestOutput] = {}
     try:
@@ -137,7 +136,7 @@ async def _sse(
             if out.text_delta or out.finished or index not in seen or c.logprobs:
                 chunk = c.chunk(out, index not in seen, index)
                 if chunk is not None:
-                    yield f"data: {json.dumps(chunk)}\n\n"
+                    yield sse(chunk)
                     seen.add(index)
             if out.finished:
                 finals[index] = out
@@ -145,11 +144,11 @@ async def _sse(
                 item = await anext(outputs, None)
             except EngineDeadError as err:  # headers are sent: say so in the stream
                 body = error_body(str(err), "service_unavailable", None, 503)
-                yield f"data: {json.dumps(body)}\n\n"
+                yield sse(body)
                 return
         if c.include_usage:
             tail = c.envelope(c.chunk_object(), [], usage=total_usage(finals, n))
-            yield f"data: {json.dumps(tail)}\n\n"
-        yield "data: [DONE]\n\n"
+            yield sse(tail)
+        yield SSE_DONE
     finally:
         await outputs.aclose()

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -20,7 +19,7 @@ from tierserve.server.async_engine import AsyncEngine, EngineDeadError
 from tierserve.server.disconnect import unless_disconnected
 from tierserve.server.logprobs import chat_logprobs, completion_logprobs, join
 from tierserve.server.metrics import ServerMetrics
-from tierserve.server.protocol import SamplingFields, error_body, new_id, now, usage
+from tierserve.server.protocol import SSE_DONE, SamplingFields, error_body, new_id, now, sse, usage
 from tierserve.server.tools import Reply
 
 
@@ -201,7 +200,7 @@ class Completion:
 
     async def _sse(
         self, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
-    ) -> AsyncIterator[str]:
+    ) -> AsyncIterator[bytes]:
         out, is_first = first, True
         try:
             while True:
@@ -211,7 +210,7 @@ class Completion:
                 if out.text_delta or out.finished or is_first or self.logprobs:
                     chunk = self.chunk(out, is_first)
                     if chunk is not None:
-                        yield f"data: {json.dumps(chunk)}\n\n"
+                        yield sse(chunk)
                         is_first = False
                 if out.finished:
                     break
@@ -219,12 +218,12 @@ class Completion:
                     out = await anext(outputs)
                 except EngineDeadError as err:  # headers are sent: say so in the stream
                     body = error_body(str(err), "service_unavailable", None, 503)
-                    yield f"data: {json.dumps(body)}\n\n"
+                    yield sse(body)
                     return
             if self.include_usage and self.kind != "generate":
                 tail = self.envelope(self.chunk_object(), [], usage=self._usage(out))
-                yield f"data: {json.dumps(tail)}\n\n"
-            yield "data: [DONE]\n\n"
+                yield sse(tail)
+            yield SSE_DONE
         finally:
             await outputs.aclose()  # a client that left aborts the request and frees its KV
 
