@@ -21,7 +21,7 @@ from tierserve.engine.output import OutputBuilder
 from tierserve.engine.request import Request
 from tierserve.layers.sampler import greedy_tokens, sample
 from tierserve.outputs import RequestOutput, StepOutput, TokenLogprob
-from tierserve.server.async_engine import PendingOutputs
+from tierserve.server.pending_outputs import PendingOutputs
 
 
 @pytest.fixture(scope="module")
