@@ -21,8 +21,10 @@ from tierserve.sizing import KVSpec
 
 LAYERS = 2
 # (new query tokens, context length incl. them) per sequence: decode rows, verification-like
-# blocks of 2-5, a prefix-less block, and one span past the kernel's limit (SDPA's, as torch).
+# blocks of 2-5, a prefix-less block, a turn added to a cached context, and one span past the
+# kernel's limit (SDPA's, as torch).
 SPANS = [(1, 1), (1, 17), (1, 40), (1, 100), (2, 2), (3, 33), (4, 16), (5, 71), (20, 57)]
+SPANS += [(48, 130), (CPUPagedAttention.MAX_KERNEL_QUERIES + 4, 270)]
 
 
 def _batch(pool: PagedKV, spans: list[tuple[int, int]], seed: int) -> ForwardBatch:
@@ -249,7 +251,8 @@ def test_a_bf16_models_queries_and_output_are_the_bits_of_converting_around_the_
         pool = _pool(
             "kv" if v_dim == dim else "latent", kv_heads, dim, "bfloat16", 16, torch.bfloat16
         )
-        batch = _batch(pool, SPANS[:-1], seed=21)  # short spans only: the kernel's
+        short = [s for s in SPANS if s[0] <= CPUPagedAttention.MAX_LATENT_QUERIES]
+        batch = _batch(pool, short, seed=21)  # spans the kernel takes, GQA's and MLA's
         _fill_context(pool, batch, parts=2 if v_dim == dim else 1, seed=22)
         backend = CPUPagedAttention(pool, LAYERS)
         backend.prepare(batch)

@@ -27,6 +27,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -292,6 +293,32 @@ inline void add_values(VecF (&sums)[R][DIM / kLanes], const float* weights, int6
     for (int l = 0; l < L; ++l) sums[t][l] = acc[t][l];
 }
 
+// Blocks a thread takes at a time: several a thread, so that threads that finish early take
+// more.
+constexpr int64_t kBlocksPerThread = 4;
+
+// Where each block of `items` starts (then the end): consecutive items, each block about an
+// equal share of the work, counted as query rows times keys (plus a page's worth an item).
+inline std::vector<int64_t> balanced_blocks(const std::vector<Item>& items, int64_t group,
+                                            const int64_t* q_len, int64_t page_size) {
+  const int64_t n = static_cast<int64_t>(items.size());
+  std::vector<int64_t> cost(n + 1, 0);  // prefix sums
+  for (int64_t i = 0; i < n; ++i) {
+    const Item& w = items[i];
+    cost[i + 1] = cost[i] + group * q_len[w.seq] * (w.end_page - w.first_page + 1) * page_size;
+  }
+  const int64_t threads = at::get_num_threads();
+  const int64_t blocks = std::max<int64_t>(1, std::min(n, threads * kBlocksPerThread));
+  std::vector<int64_t> bounds{0};
+  for (int64_t b = 1; b < blocks; ++b) {
+    const int64_t share = cost[n] * b / blocks;
+    const int64_t at = std::lower_bound(cost.begin(), cost.end(), share) - cost.begin();
+    if (at > bounds.back() && at < n) bounds.push_back(at);
+  }
+  bounds.push_back(n);
+  return bounds;
+}
+
 // DIM > 0: keys and values are DIM wide (GQA with a common head size), known to the compiler
 // so its loops unroll into whole vectors; 0: any widths (MLA's latent).
 template <typename T, int DIM>
@@ -506,26 +533,36 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
     }
   };
 
-  at::parallel_for(0, static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
+  // Blocks of consecutive items of about equal work, several a thread, taken in turn by
+  // whichever thread is free: a prefill span's items cost hundreds of decode rows' (an even
+  // split by count left one thread with all of them), and a thread the OS takes away for a
+  // while (a busy API process or client) leaves its blocks to the other.
+  const std::vector<int64_t> bounds = balanced_blocks(items, group, ql, page_size);
+  const int64_t blocks = static_cast<int64_t>(bounds.size()) - 1;
+  std::atomic<int64_t> next_block{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> k_buf(block), v_buf(block), weights, rescales, queries;
-    for (int64_t it = begin; it < end; ++it) {
-      const Item& w = items[it];
-      const int64_t rows = group * ql[w.seq];
-      // This item's queries, scaled once: row r is token r / group, head r % group.
-      queries.resize(rows * dim_k);
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t at = (qs[w.seq] + r / group) * q_row + (w.head * group + r % group) * dim_k;
-        load_row(qp, rows_bf16, at, dim_k, static_cast<float>(scale), queries.data() + r * dim_k);
+    for (int64_t b = next_block++; b < blocks; b = next_block++) {
+      const int64_t end = bounds[b + 1];
+      for (int64_t it = bounds[b]; it < end; ++it) {
+        const Item& w = items[it];
+        const int64_t rows = group * ql[w.seq];
+        // This item's queries, scaled once: row r is token r / group, head r % group.
+        queries.resize(rows * dim_k);
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t at = (qs[w.seq] + r / group) * q_row + (w.head * group + r % group) * dim_k;
+          load_row(qp, rows_bf16, at, dim_k, static_cast<float>(scale), queries.data() + r * dim_k);
+        }
+        float* part = scratch.data() + w.scratch * stride;
+        for (int64_t r = 0; r < rows; ++r) {
+          part[r * stride] = -std::numeric_limits<float>::infinity();
+          std::fill(part + r * stride + 1, part + (r + 1) * stride, 0.f);
+        }
+        if constexpr (kTwoPass)
+          two_pass(it, end, queries.data(), part, weights, k_buf.data(), v_buf.data());
+        else
+          online(it, end, queries.data(), part, weights, rescales, k_buf.data(), v_buf.data());
       }
-      float* part = scratch.data() + w.scratch * stride;
-      for (int64_t r = 0; r < rows; ++r) {
-        part[r * stride] = -std::numeric_limits<float>::infinity();
-        std::fill(part + r * stride + 1, part + (r + 1) * stride, 0.f);
-      }
-      if constexpr (kTwoPass)
-        two_pass(it, end, queries.data(), part, weights, k_buf.data(), v_buf.data());
-      else
-        online(it, end, queries.data(), part, weights, rescales, k_buf.data(), v_buf.data());
     }
   });
 
