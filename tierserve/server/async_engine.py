@@ -352,7 +352,7 @@ class AsyncEngine:
 
 @dataclass(frozen=True)
 class Stream:
-    """Where one request's outputs go: its event loop, its queue, and its text state."""
+    """Where one request's outputs go: its event loop, its pending outputs, and its text state."""
 
     loop: asyncio.AbstractEventLoop
     outputs: PendingOutputs
