@@ -32,6 +32,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "bf16.h"
@@ -388,6 +389,13 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
   auto tokens_of = [&](int64_t seq, int64_t p) INLINE {
     return std::min(page_size, kl[seq] - p * page_size);
   };
+  // Of the `n` keys from position `first_key`, the ones the query at `pos` sees: [lo, hi) of
+  // them (its own position and before, within the window).
+  auto visible = [&](int64_t pos, int64_t first_key, int64_t n) INLINE {
+    const int64_t lo = window > 0 ? pos - window + 1 : 0;
+    return std::pair{std::clamp<int64_t>(lo - first_key, 0, n),
+                     std::clamp<int64_t>(pos + 1 - first_key, 0, n)};
+  };
 
   // Asks for the page this thread reads kPrefetchPages after page p of items[it], in that item
   // or a later one of [it, end).
@@ -445,11 +453,8 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
                           weights.data() + r * tokens + (p - w.first_page) * page_size);
       }
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t pos = first_query + r / group;  // this query's position
-        const int64_t lo = window > 0 ? pos - window + 1 : 0;
-        // The item's keys this query sees: [j_lo, j_hi) of its tokens; weight 0 for the rest.
-        const int64_t j_lo = std::clamp<int64_t>(lo - base, 0, tokens);
-        const int64_t j_hi = std::clamp<int64_t>(pos + 1 - base, 0, tokens);
+        // The item's keys this row's query sees; weight 0 for the rest.
+        const auto [j_lo, j_hi] = visible(first_query + r / group, base, tokens);
         float* weight = weights.data() + r * tokens;
         const float best = max_of(weight + j_lo, j_hi - j_lo);
         float sum = 0.f;
@@ -501,11 +506,8 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
       // Each row's weights over the page's keys (0 where it sees none) and the factor its
       // running sum is rescaled by; the sums are then updated for all rows together.
       for (int64_t r = 0; r < rows; ++r) {
-        const int64_t pos = first_query + r / group;  // this query's position
-        const int64_t lo = window > 0 ? pos - window + 1 : 0;
-        // The page's keys this query sees: [j_lo, j_hi) of its n tokens.
-        const int64_t j_lo = std::clamp<int64_t>(lo - p * page_size, 0, n);
-        const int64_t j_hi = std::clamp<int64_t>(pos + 1 - p * page_size, 0, n);
+        // The page's keys this row's query sees.
+        const auto [j_lo, j_hi] = visible(first_query + r / group, p * page_size, n);
         float* weight = weights.data() + r * page_size;
         std::fill(weight, weight + page_size, 0.f);
         rescales[r] = 1.f;
