@@ -295,6 +295,12 @@ def main() -> None:
     logs.mkdir(parents=True, exist_ok=True)
     runs = Path(tempfile.mkdtemp())
     tuned = shlex.split(ns.tierserve_flags)
+    servers: list[tuple[str, Callable[[], ServerProcess]]] = [
+        ("tierserve", lambda: tierserve_server(model, logs))
+    ]
+    if tuned:
+        servers.append(("tuned", lambda: tierserve_server(model, logs, tuned)))
+    servers.append(("vllm", lambda: vllm_server(python, model, logs)))
     rows: list[dict[str, float]] = []
     agree = ""
     for r in range(ns.rounds):
@@ -306,14 +312,7 @@ def main() -> None:
             "tierserve_offline_tok_s": NUM_PROMPTS * OUTPUT_TOKENS / ours["seconds"],
             "vllm_offline_tok_s": NUM_PROMPTS * OUTPUT_TOKENS / theirs["seconds"],
         }
-        servers: list[tuple[str, Callable[[], ServerProcess]]] = [
-            ("tierserve", lambda: tierserve_server(model, logs)),
-            ("tuned", lambda: tierserve_server(model, logs, tuned)),
-            ("vllm", lambda: vllm_server(python, model, logs)),
-        ]
         for who, start in servers:
-            if who == "tuned" and not tuned:
-                continue
             server = start()
             try:
                 got = served_round(server, model, runs, f"{who}-{r}", warmup, clients, ns.bursts)
