@@ -13,8 +13,8 @@
 //
 // Work items are (sequence, KV head, split of the context); a long context is split so that
 // every thread has work at batch 1. With a head size the compiler knows (32, 64, 128) an item
-// goes in two passes over its pages: every key's score, each row's softmax once, then the
-// values weighted; other sizes (MLA's latent) keep a running max, sum and weighted sum per row
+// goes in two passes over its pages: every key's score (the rows of a KV head's query heads
+// against each key read once), each row's softmax once, then the values weighted; other sizes (MLA's latent) keep a running max, sum and weighted sum per row
 // (online softmax). A second pass merges the splits of a sequence that has several; an item
 // alone in its (sequence, head) writes its output rows itself.
 
@@ -60,8 +60,10 @@ enum KVFormat : int64_t { kNative = 0, kFloat8E4M3 = 1, kFloat8E5M2 = 2 };
 // is then the same bits in any batch (the splits' merge order never changes), and a long one
 // still spreads over the threads at batch 1.
 constexpr int64_t kSplitTokens = 512;
-// How far ahead a thread asks for the pages it will read.
+// How far ahead a thread asks for the pages it will read: the online path, in pages of its
+// item; two passes, in blocks (one head's K or V of one page) of all the blocks it reads next.
 constexpr int64_t kPrefetchPages = 2;
+constexpr int64_t kAheadBlocks = 4;
 
 struct Item {
   int64_t seq, head, first_page, end_page, scratch;  // scratch: first row of its partials
@@ -107,7 +109,7 @@ inline float exp_nonpositive(float x) {
 // among a page's layers x parts x heads blocks: the hardware prefetchers stop at each block's
 // end, so without this every block starts with a full memory latency and a decode step read its
 // KV at about 40% of the copy bandwidth.
-// Locality 3: into L1, for the page read next; 2: into L2, for pages read later.
+// Locality 3: into L1 (the online path's next pages); 2: into L2 (two passes' blocks ahead).
 template <int Locality>
 inline void prefetch_block(const void* p, int64_t bytes) {
   const char* c = static_cast<const char*>(p);
@@ -244,28 +246,47 @@ inline float max_of(const float* x, int64_t n) {
   return best;
 }
 
-// One row's scores against `n` keys of a block (`stride` values apart), into `out`.
-template <int DIM, typename E>
-inline void score_keys(const float* query, const E* keys, int64_t stride, int64_t n, float* out) {
+// Rows scored together against each key read once: R rows' queries stay in registers and
+// each key is loaded once for all of them (GQA's query heads share their KV head). 16 / R keys
+// x R rows of products make one shuffle tree's 16 scores.
+template <int DIM>
+constexpr int kScoreRows = DIM == 32 ? 4 : DIM == 64 ? 2 : 1;
+
+// `rows` (up to R) rows' scores (queries DIM apart, outputs `ld` apart) against `n` keys.
+template <int DIM, int R, typename E>
+inline void score_rows(const float* queries, int64_t rows, const E* keys, int64_t stride,
+                       int64_t n, float* out, int64_t ld) {
   constexpr int L = DIM / kLanes;
-  VecF q[L];
-  for (int l = 0; l < L; ++l) q[l] = load_lanes(query + l * kLanes);
+  constexpr int K = kLanes / R;
+  VecF q[R][L];
+  for (int r = 0; r < R; ++r)  // a tile's missing rows repeat its last: never written out
+    for (int l = 0; l < L; ++l)
+      q[r][l] = load_lanes(queries + std::min<int64_t>(r, rows - 1) * DIM + l * kLanes);
   int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
+  for (; j + K <= n; j += K) {
     VecF products[kLanes];
-    for (int64_t t = 0; t < kLanes; ++t) {
-      const E* key = keys + (j + t) * stride;
-      products[t] = q[0] * load_lanes(key);
-      for (int l = 1; l < L; ++l) products[t] += q[l] * load_lanes(key + l * kLanes);
+    for (int t = 0; t < K; ++t) {
+      VecF key[L];
+      for (int l = 0; l < L; ++l) key[l] = load_lanes(keys + (j + t) * stride + l * kLanes);
+      for (int r = 0; r < R; ++r) {
+        VecF p = q[r][0] * key[0];
+        for (int l = 1; l < L; ++l) p += q[r][l] * key[l];
+        products[r * K + t] = p;
+      }
     }
-    const VecF scores = transpose_sum(products);
-    std::memcpy(out + j, &scores, sizeof scores);
+    float scores[kLanes];
+    const VecF s = transpose_sum(products);
+    std::memcpy(scores, &s, sizeof s);
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(out + r * ld + j, scores + r * K, K * 4);
   }
   for (; j < n; ++j) {
-    const E* key = keys + j * stride;
-    VecF product = q[0] * load_lanes(key);
-    for (int l = 1; l < L; ++l) product += q[l] * load_lanes(key + l * kLanes);
-    out[j] = lane_sum(product);
+    VecF key[L];
+    for (int l = 0; l < L; ++l) key[l] = load_lanes(keys + j * stride + l * kLanes);
+    for (int64_t r = 0; r < rows; ++r) {
+      VecF p = q[r][0] * key[0];
+      for (int l = 1; l < L; ++l) p += q[r][l] * key[l];
+      out[r * ld + j] = lane_sum(p);
+    }
   }
 }
 
@@ -397,8 +418,8 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
                      std::clamp<int64_t>(pos + 1 - first_key, 0, n)};
   };
 
-  // Asks for the page this thread reads kPrefetchPages after page p of items[it], in that item
-  // or a later one of [it, end).
+  // The online path: asks for the page this thread reads kPrefetchPages after page p of
+  // items[it], in that item or a later one of [it, end).
   auto prefetch_ahead = [&](int64_t it, int64_t end, int64_t p) INLINE {
     const Item* next = &items[it];
     int64_t np = p + kPrefetchPages, next_it = it;
@@ -412,14 +433,28 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
     prefetch_block<3>(block_of(next->seq, np, k_part, next->head), bytes);
     if (!same_block) prefetch_block<3>(block_of(next->seq, np, v_part, next->head), bytes);
   };
-  // Asks for every page of an item into L2. Two pages ahead alone kept too few reads in
-  // flight: without the next item asked for as each one starts, the six layers of a batch-64
-  // decode (86 MB of KV) took 5.5 ms instead of 4.5 here.
-  auto prefetch_item = [&](const Item& w) INLINE {
-    for (int64_t p = w.first_page; p < w.end_page; ++p) {
-      const int64_t bytes = tokens_of(w.seq, p) * dim * static_cast<int64_t>(sizeof(T));
-      prefetch_block<2>(block_of(w.seq, p, k_part, w.head), bytes);
-      if (!same_block) prefetch_block<2>(block_of(w.seq, p, v_part, w.head), bytes);
+  // The blocks a thread reads in two passes, in order: each item's K pages, then its V pages.
+  // `ahead` walks them kAheadBlocks in front of the reads, into L2, one block asked for as one
+  // is read: memory reads stay in flight beside the arithmetic. Asking for a whole item's
+  // pages as the one before starts (a burst of ~1,300 prefetches at batch 64) stalled the
+  // thread until most had landed: six layers of a batch-64 decode (64 MB of KV) took 3.4 ms,
+  // against 2.6 ms this way (between 2 and 8 blocks ahead, the same; into L1, 3.7 ms).
+  struct Cursor {
+    int64_t it, end, p;
+    int part;
+  };
+  auto prefetch_next = [&](Cursor& c) INLINE {
+    if (c.it >= c.end) return;
+    const Item& w = items[c.it];
+    const int64_t bytes = tokens_of(w.seq, c.p) * dim * static_cast<int64_t>(sizeof(T));
+    prefetch_block<2>(block_of(w.seq, c.p, c.part == 0 ? k_part : v_part, w.head), bytes);
+    if (++c.p < w.end_page) return;
+    if (c.part == 0 && !same_block) {
+      c.part = 1;
+      c.p = w.first_page;
+    } else if (++c.it < c.end) {
+      c.part = 0;
+      c.p = items[c.it].first_page;
     }
   };
   // Row r of item w's output (token r / group, head r % group): `sums` / `total`, in place.
@@ -436,21 +471,23 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
   // `weights` (rows x the item's tokens: at most kSplitTokens each, so it stays in cache), each
   // row's softmax once, then the values weighted, kValueRows rows' sums at a time in registers.
   auto two_pass = [&](int64_t it, int64_t end, const float* queries, float* part,
-                      std::vector<float>& weights, float* k_buf, float* v_buf) INLINE {
+                      std::vector<float>& weights, float* k_buf, float* v_buf,
+                      Cursor& ahead) INLINE {
     if constexpr (DIM > 0) {
       const Item& w = items[it];
       const int64_t rows = group * ql[w.seq], first_query = kl[w.seq] - ql[w.seq];
       const int64_t base = w.first_page * page_size;
       const int64_t tokens = std::min(w.end_page * page_size, kl[w.seq]) - base;
-      if (it + 1 < end) prefetch_item(items[it + 1]);
       weights.resize(rows * tokens);
       for (int64_t p = w.first_page; p < w.end_page; ++p) {
-        prefetch_ahead(it, end, p);
+        prefetch_next(ahead);
         const int64_t n = tokens_of(w.seq, p);
         const auto* keys = readable(block_of(w.seq, p, k_part, w.head), n, dim, k_buf, lut);
-        for (int64_t r = 0; r < rows; ++r)
-          score_keys<DIM>(queries + r * DIM, keys, dim, n,
-                          weights.data() + r * tokens + (p - w.first_page) * page_size);
+        constexpr int SR = kScoreRows<DIM>;
+        for (int64_t r = 0; r < rows; r += SR)
+          score_rows<DIM, SR>(queries + r * DIM, std::min<int64_t>(SR, rows - r), keys, dim, n,
+                              weights.data() + r * tokens + (p - w.first_page) * page_size,
+                              tokens);
       }
       for (int64_t r = 0; r < rows; ++r) {
         // The item's keys this row's query sees; weight 0 for the rest.
@@ -473,6 +510,7 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
         const int64_t tile = std::min(R, rows - r0);
         VecF sums[R][DIM / kLanes] = {};
         for (int64_t p = w.first_page; p < w.end_page; ++p) {
+          if (r0 == 0) prefetch_next(ahead);  // later tiles read the item's values from L2
           const int64_t n = tokens_of(w.seq, p);
           const auto* values = readable(block_of(w.seq, p, v_part, w.head), n, dim, v_buf, lut);
           const int64_t first_key = (p - w.first_page) * page_size;
@@ -546,6 +584,8 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
     std::vector<float> k_buf(block), v_buf(block), weights, rescales, queries;
     for (int64_t b = next_block++; b < blocks; b = next_block++) {
       const int64_t end = bounds[b + 1];
+      Cursor ahead{bounds[b], end, items[bounds[b]].first_page, 0};
+      for (int64_t i = 0; i < kAheadBlocks && kTwoPass; ++i) prefetch_next(ahead);
       for (int64_t it = bounds[b]; it < end; ++it) {
         const Item& w = items[it];
         const int64_t rows = group * ql[w.seq];
@@ -561,7 +601,7 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
           std::fill(part + r * stride + 1, part + (r + 1) * stride, 0.f);
         }
         if constexpr (kTwoPass)
-          two_pass(it, end, queries.data(), part, weights, k_buf.data(), v_buf.data());
+          two_pass(it, end, queries.data(), part, weights, k_buf.data(), v_buf.data(), ahead);
         else
           online(it, end, queries.data(), part, weights, rescales, k_buf.data(), v_buf.data());
       }
