@@ -14,6 +14,7 @@ from tierserve.cache import PagedKV
 from tierserve.layers.attention import TorchAttention
 from tierserve.layers.batch import ForwardBatch, SeqSpan
 from tierserve.layers.mla import MLA, MLAConfig
+from tierserve.layers.mlp import GatedMLP
 from tierserve.layers.norm import RMSNorm
 from tierserve.layers.paged_attention import CPUPagedAttention
 from tierserve.layers.rotary import RotaryEmbedding
@@ -202,11 +203,12 @@ def test_a_long_context_is_split_and_merged_the_same_in_any_batch_and_thread_cou
     [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")],
 )
 def test_the_fused_layer_ops_equal_their_torch_code(kv_dtype, model_dtype):
-    """RMSNorm, rotary and the KV store as the CPU backend runs them (layer_ops.cpp) against
-    the torch code they replace, on the strided views a packed qkv GEMM hands them; the
-    backend's `adopt` turns them on for a model's modules. A bf16 model's rows are computed in
-    float32 and rounded once, as torch's path does: at most one bf16 ulp apart where torch's
-    float32 arithmetic rounds differently, and nearly every value the same bits."""
+    """RMSNorm, rotary, the KV store and the gated MLP's SiLU x up as the CPU backend runs them
+    (layer_ops.cpp) against the torch code they replace, on the strided views a packed GEMM
+    hands them; the backend's `adopt` turns them on for a model's modules. A bf16 model's rows
+    are computed in float32 and rounded once, as torch's path does: at most one bf16 ulp apart
+    where torch's float32 arithmetic rounds differently, and nearly every value the same
+    bits."""
     tokens, heads, kv_heads, dim = 7, 4, 2, 32
     spec, stored = KVSpec("kv", LAYERS, kv_heads, dim, kv_dtype, 4), getattr(torch, kv_dtype)
     rows = getattr(torch, model_dtype)
@@ -222,11 +224,15 @@ def test_the_fused_layer_ops_equal_their_torch_code(kv_dtype, model_dtype):
     norm.weight.data = torch.randn(dim, generator=g).to(rows)
     rotary = RotaryEmbedding(dim, 64, 10000.0, None)
     positions = torch.randint(0, 64, (tokens,), generator=g)
+    mlp = GatedMLP(dim, 3 * dim).to(rows)
+    for p in mlp.parameters():
+        p.data = torch.randn(p.shape, generator=g).to(rows)  # gate values past +-20: e^x's ends
+    mlp.down_proj = torch.nn.Identity()  # compared at SiLU(gate) x up, before a sum blurs it
     outs = {}
     for kernel in (False, True):
-        norm.kernel = rotary.kernel = kernel
+        norm.kernel = rotary.kernel = mlp.kernel = kernel
         rq, rk = rotary(positions, q.clone(), k.clone())
-        outs[kernel] = (norm(q), norm(qkv[:, :dim]), rq, rk)
+        outs[kernel] = (norm(q), norm(qkv[:, :dim]), rq, rk, mlp(qkv[:, :dim]))
     ulp = 2**-7 if rows == torch.bfloat16 else 1e-5  # bf16 keeps 8 significant bits
     for got, want in zip(outs[True], outs[False], strict=True):
         assert got.dtype == want.dtype == rows
@@ -237,10 +243,10 @@ def test_the_fused_layer_ops_equal_their_torch_code(kv_dtype, model_dtype):
     backend._write(1, k, v)
     pools[1].write(1, batch.out_slots, k, v)
     assert torch.equal(pools[0].data, pools[1].data) and pools[0].data.any()
-    model = torch.nn.Sequential(RMSNorm(dim, 1e-6), rotary)
-    rotary.kernel = False
+    model = torch.nn.Sequential(RMSNorm(dim, 1e-6), rotary, mlp)
+    rotary.kernel = mlp.kernel = False
     backend.adopt(model)
-    assert model[0].kernel and rotary.kernel
+    assert model[0].kernel and rotary.kernel and mlp.kernel
 
 
 def test_a_bf16_models_queries_and_output_are_the_bits_of_converting_around_the_kernel():

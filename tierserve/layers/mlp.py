@@ -1,5 +1,7 @@
 """The gated MLP (SwiGLU) of Llama's layers and DeepSeek's dense layers and shared experts:
-gate and up packed column-parallel (one GEMM), down row-parallel, so a rank holds 1/tp of each."""
+gate and up packed column-parallel (one GEMM), down row-parallel, so a rank holds 1/tp of each.
+With the CPU backend, a float32 or bf16 model's SiLU(gate) x up is tierserve's fused kernel
+(layers/kernels/layer_ops.cpp), this module's torch code being its oracle."""
 
 from __future__ import annotations
 
@@ -7,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierserve.layers.kernels import ROW_DTYPES
 from tierserve.layers.parallel import PackedColumnLinear, RowParallelLinear, load_unpacked
 
 
@@ -17,7 +20,23 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = PackedColumnLinear(hidden, parts, bias=False)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=False)
         load_unpacked(self)
+        self.kernel = False  # set by the CPU attention backend (CPUPagedAttention.adopt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
+        if self.kernel and _kernel_takes(gate, up):
+            out = torch.empty(gate.shape, dtype=gate.dtype)
+            torch.ops.tierserve.silu_and_mul(gate, up, out)
+            return self.down_proj(out)
         return self.down_proj(F.silu(gate).mul_(up))  # one temporary, not two
+
+
+def _kernel_takes(gate: torch.Tensor, up: torch.Tensor) -> bool:
+    return (
+        gate.dtype in ROW_DTYPES
+        and up.dtype == gate.dtype
+        and gate.device.type == "cpu"
+        and gate.dim() == 2
+        and gate.stride(-1) == 1
+        and up.stride(-1) == 1
+    )

@@ -6,8 +6,8 @@ attention's arithmetic, not its KV reads, is the cost. No decode workspace: noth
 padded or kept between steps, so the backend adds no memory to the plan.
 
 The same library fuses a float32 or bf16 model's small per-layer ops (layer_ops.cpp): RMSNorm,
-rotary in place, and the store of new K and V into their pages, each one call where torch ran
-several.
+rotary in place, the store of new K and V into their pages and the gated MLP's SiLU x up, each
+one call where torch ran several.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from tierserve.cache import PagedKV
 from tierserve.layers import kernels
 from tierserve.layers.attention import AttentionBackend, TorchAttention
 from tierserve.layers.batch import ForwardBatch, long_tensor
+from tierserve.layers.mlp import GatedMLP
 from tierserve.layers.norm import RMSNorm
 from tierserve.layers.rotary import RotaryEmbedding
 
@@ -50,7 +51,7 @@ class CPUPagedAttention(TorchAttention):
 
     def adopt(self, model: torch.nn.Module) -> None:
         for module in model.modules():
-            if isinstance(module, (RMSNorm, RotaryEmbedding)):
+            if isinstance(module, (RMSNorm, RotaryEmbedding, GatedMLP)):
                 module.kernel = True
 
     def _write(self, layer: int, *parts: torch.Tensor) -> None:

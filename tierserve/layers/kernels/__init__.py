@@ -30,7 +30,7 @@ logger = logging.getLogger("tierserve")
 # output): a float32 or a bf16 model's.
 ROW_DTYPES = (torch.float32, torch.bfloat16)
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "layer_ops.cpp"))
-HEADERS = (Path(__file__).with_name("bf16.h"),)
+HEADERS = tuple(Path(__file__).with_name(n) for n in ("bf16.h", "exp.h"))
 # Fast math without -ffinite-math-only: masked scores are -inf and must stay so.
 FLAGS = (
     "-O3",
