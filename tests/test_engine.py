@@ -108,6 +108,41 @@ def test_max_running_requests_is_respected(llama_dir, prompts, reference):
     assert seen == 2
 
 
+def test_a_prefilling_steps_budget_counts_its_decode_rows(llama_dir, prompts):
+    """--chunked-prefill-size counts the decode rows beside a step's prompt chunks (SGLang's
+    mixed chunks): while prompts wait, every step carries exactly the budget's tokens, so the
+    CPU's GEMMs see one row count; with more decode rows than half the budget, prompts still
+    get half. Outputs are those of unchunked prefill."""
+    budget, params = 24, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    whole = LLM(str(llama_dir), chunked_prefill_size=-1, disable_radix_cache=True)
+    reference = [o.token_ids for o in whole.generate(prompts, params)]
+    llm = LLM(str(llama_dir), chunked_prefill_size=budget, disable_radix_cache=True)
+    engine, steps = llm.engine, []
+    schedule = engine.scheduler.schedule
+
+    def recorded() -> list:
+        chunks = schedule()
+        waiting = bool(engine.scheduler.waiting) or any(
+            c.req.num_computed + c.num_tokens < len(c.req.prompt_ids) for c in chunks
+        )
+        prompt = sum(c.num_tokens for c in chunks if c.num_rows > 1)
+        steps.append((sum(c.num_rows for c in chunks), prompt, waiting))
+        return chunks
+
+    engine.scheduler.schedule = recorded
+    # 20 requests: more decode rows than half the budget while prompts still wait
+    rids = [engine.add_request(p, params) for p in [*prompts, *prompts]]
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outputs.setdefault(o.request_id, []).append(o.token_id)
+    full = [(rows - prompt, prompt) for rows, prompt, waiting in steps if prompt and waiting]
+    assert all(prompt == max(budget - decode, budget // 2) for decode, prompt in full)
+    assert sum(decode + prompt == budget for decode, prompt in full) >= 10
+    assert any(decode > budget // 2 for decode, _ in full)  # prompts kept half the budget
+    assert [outputs[r] for r in rids] == [*reference, *reference]
+
+
 def test_flush_cache_frees_every_page(llama_dir, prompts):
     llm = LLM(str(llama_dir), max_total_tokens=4096)
     llm.generate(prompts, GREEDY)

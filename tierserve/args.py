@@ -108,7 +108,11 @@ class EngineArgs:
     )
     chunked_prefill_size: int = field(
         default=2048,
-        metadata=_flag("most prompt tokens prefilled in one step; -1 disables chunking"),
+        metadata=_flag(
+            "most tokens in a step that prefills: its prompt chunks plus the decode rows beside "
+            "them (as SGLang's mixed chunks count them), at least half for prompts; -1 disables "
+            "chunking"
+        ),
     )
     context_length: int | None = field(
         default=None,
