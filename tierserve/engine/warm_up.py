@@ -8,7 +8,9 @@ On CPU the steps alone did not close the first burst's gap (the first 64 streams
 at 0.91× the third in `benchmarks/vllm_peer.py --bursts 3`): glibc handed the steps' freed
 activations back to the system and the first burst's prefill steps faulted them in anew, ~1.6×
 their later time. The engine now keeps its freed heap (engine/host_heap.py); this warm-up's
-prefill then leaves a whole chunk's worth of it behind.
+prefill then leaves a whole chunk's worth of it behind. And oneDNN builds a GEMM kernel per
+row count it has not seen: the scheduler's budget counts a step's decode rows with its prompt
+tokens (engine/scheduler.py), so a prefilling step under load has this prefill's row count.
 
 Every rank runs the same warm-up on its own, before the ranks' start-up barrier: the same
 requests, scheduled the same way, so the collectives of tensor parallelism and DP attention pair

@@ -14,8 +14,8 @@
 // Work items are (sequence, KV head, split of the context); a long context is split so that
 // every thread has work at batch 1. With a head size the compiler knows (32, 64, 128) an item
 // goes in two passes over its pages: every key's score (the rows of a KV head's query heads
-// against each key read once), each row's softmax once, then the values weighted; other sizes (MLA's latent) keep a running max, sum and weighted sum per row
-// (online softmax). A second pass merges the splits of a sequence that has several; an item
+// against each key read once), each row's softmax once, then the values weighted; other sizes
+// (MLA's latent) keep a running max, sum and weighted sum per row (online softmax). A second pass merges the splits of a sequence that has several; an item
 // alone in its (sequence, head) writes its output rows itself.
 
 #include <ATen/ATen.h>
@@ -258,7 +258,7 @@ inline void score_rows(const float* queries, int64_t rows, const E* keys, int64_
     float scores[kLanes];
     const VecF s = transpose_sum(products);
     std::memcpy(scores, &s, sizeof s);
-    for (int64_t r = 0; r < rows; ++r) std::memcpy(out + r * ld + j, scores + r * K, K * 4);
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(out + r * ld + j, scores + r * K, K * sizeof(float));
   }
   for (; j < n; ++j) {
     VecF key[L];
@@ -451,7 +451,7 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
   // Two passes over an item's pages (DIM known): every row's score of every key into
   // `weights` (rows x the item's tokens: at most kSplitTokens each, so it stays in cache), each
   // row's softmax once, then the values weighted, kValueRows rows' sums at a time in registers.
-  auto two_pass = [&](int64_t it, int64_t end, const float* queries, float* part,
+  auto two_pass = [&](int64_t it, const float* queries, float* part,
                       std::vector<float>& weights, float* k_buf, float* v_buf,
                       Cursor& ahead) INLINE {
     if constexpr (DIM > 0) {
@@ -582,7 +582,7 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
           std::fill(part + r * stride + 1, part + (r + 1) * stride, 0.f);
         }
         if constexpr (kTwoPass)
-          two_pass(it, end, queries.data(), part, weights, k_buf.data(), v_buf.data(), ahead);
+          two_pass(it, queries.data(), part, weights, k_buf.data(), v_buf.data(), ahead);
         else
           online(it, end, queries.data(), part, weights, rescales, k_buf.data(), v_buf.data());
       }
