@@ -152,7 +152,9 @@ class Scheduler:
         size = self.cfg.chunked_prefill_size
         if size <= 0:
             return self.cfg.context_length
-        decoding = sum(r.remaining == 1 and r.status is Status.RUNNING for r in running)
+        decoding = sum(
+            r.remaining == 1 and r.status is Status.RUNNING and r.kv.ready for r in running
+        )  # the rows the loop below schedules: a request still loading its KV runs later
         return max(size - decoding, size // 2)
 
     def _make_room(self, req: Request, num_tokens: int) -> bool:

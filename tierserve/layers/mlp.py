@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierserve.layers.kernels import ROW_DTYPES
+from tierserve.layers.kernels import takes_rows
 from tierserve.layers.parallel import PackedColumnLinear, RowParallelLinear, load_unpacked
 
 
@@ -24,19 +24,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
-        if self.kernel and _kernel_takes(gate, up):
+        if self.kernel and takes_rows(gate, up, dims=(2,)):
             out = torch.empty(gate.shape, dtype=gate.dtype)
             torch.ops.tierserve.silu_and_mul(gate, up, out)
             return self.down_proj(out)
         return self.down_proj(F.silu(gate).mul_(up))  # one temporary, not two
-
-
-def _kernel_takes(gate: torch.Tensor, up: torch.Tensor) -> bool:
-    return (
-        gate.dtype in ROW_DTYPES
-        and up.dtype == gate.dtype
-        and gate.device.type == "cpu"
-        and gate.dim() == 2
-        and gate.stride(-1) == 1
-        and up.stride(-1) == 1
-    )

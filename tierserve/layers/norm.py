@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from tierserve.layers.kernels import ROW_DTYPES
+from tierserve.layers.kernels import takes_rows
 
 
 class RMSNorm(torch.nn.Module):
@@ -32,10 +32,4 @@ class RMSNorm(torch.nn.Module):
 
 
 def _kernel_takes(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (
-        x.dtype in ROW_DTYPES
-        and weight.dtype == x.dtype
-        and x.device.type == "cpu"
-        and x.dim() in (2, 3)
-        and x.stride(-1) == 1
-    )
+    return takes_rows(x, dims=(2, 3)) and weight.dtype == x.dtype

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from tierserve.errors import TierserveError
-from tierserve.layers.kernels import ROW_DTYPES
+from tierserve.layers.kernels import takes_rows
 
 if TYPE_CHECKING:
     from tierserve.model_config import ModelConfig
@@ -139,15 +139,8 @@ def rotary_for(cfg: ModelConfig) -> RotaryEmbedding:
 
 
 def _kernel_takes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> bool:
-    return all(
-        x.dtype in ROW_DTYPES
-        and x.dtype == q.dtype
-        and x.device.type == "cpu"
-        and x.dim() == 3
-        and x.stride(-1) == 1
-        and x.shape[-1] == 2 * cos.shape[-1]
-        for x in (q, k)
-    )
+    half = cos.shape[-1]
+    return takes_rows(q, k, dims=(3,)) and q.shape[-1] == k.shape[-1] == 2 * half
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

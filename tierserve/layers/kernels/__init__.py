@@ -29,6 +29,18 @@ logger = logging.getLogger("tierserve")
 # What the kernels' model-dtype rows may hold (RMSNorm, rotary, paged attention's queries and
 # output): a float32 or a bf16 model's.
 ROW_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def takes_rows(*rows: torch.Tensor, dims: tuple[int, ...]) -> bool:
+    """Whether the kernels take `rows` as they are: CPU tensors of one dtype of ROW_DTYPES, of
+    `dims` dimensions, their last contiguous (the rest may be strided views)."""
+    dtype = rows[0].dtype
+    return dtype in ROW_DTYPES and all(
+        x.dtype == dtype and x.device.type == "cpu" and x.dim() in dims and x.stride(-1) == 1
+        for x in rows
+    )
+
+
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "layer_ops.cpp"))
 HEADERS = tuple(Path(__file__).with_name(n) for n in ("bf16.h", "exp.h"))
 # Fast math without -ffinite-math-only: masked scores are -inf and must stay so.

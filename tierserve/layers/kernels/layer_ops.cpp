@@ -1,9 +1,9 @@
 // The small per-layer ops of a decode step, fused, on CPU: RMSNorm, NeoX rotary on q and k in
-// place, the store of a step's new K and V into the pool's pages, and the gated MLP's SiLU(gate)
-// x up. Each replaces several
-// torch ops of a few microseconds apiece (a decode step of the demo model ran ~150 of them);
-// layers/norm.py, layers/rotary.py, layers/mlp.py and cache/pool.py keep the torch code as their oracles. A
-// float32 or a bf16 model's rows are taken; arithmetic is float32 in both.
+// place, the store of a step's new K and V into the pool's pages, and the gated MLP's
+// SiLU(gate) x up. Each replaces several torch ops of a few microseconds apiece (a decode step
+// of the demo model ran ~150 of them); layers/norm.py, layers/rotary.py, layers/mlp.py and
+// cache/pool.py keep the torch code as their oracles. A float32 or a bf16 model's rows are
+// taken; arithmetic is float32 in both.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -164,9 +164,10 @@ void kv_write(at::Tensor cache, int64_t layer, const at::Tensor& slots, const at
 
 // out = SiLU(gate) x up per element, gate and up [N, I] (rows strided: the halves of the packed
 // gate/up GEMM's output). SiLU(x) = x / (1 + e^-x), through e^-|x| so the exponential never
-// overflows; rounded to T before the product, as torch's F.silu(gate).mul_(up) is (float32: within
-// a few ulps of torch's). Torch's two ops and temporary took 0.55 ms for a 2,048-token chunk of
-// the demo model's layer and 17 us for 64 decode rows; this, 0.35 ms and 11 us (2 threads).
+// overflows; rounded to T before the product, as torch's F.silu(gate).mul_(up) is (float32:
+// within a few ulps of torch's). Torch's two ops and temporary took 0.55 ms for a 2,048-token
+// chunk of the demo model's layer and 17 us for 64 decode rows; this, 0.35 ms and 11 us (2
+// threads).
 template <typename T>
 void silu_mul_rows(const at::Tensor& gate, const at::Tensor& up, at::Tensor& out) {
   const int64_t rows = gate.size(0), width = gate.size(1);

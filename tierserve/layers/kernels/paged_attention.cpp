@@ -15,8 +15,9 @@
 // every thread has work at batch 1. With a head size the compiler knows (32, 64, 128) an item
 // goes in two passes over its pages: every key's score (the rows of a KV head's query heads
 // against each key read once), each row's softmax once, then the values weighted; other sizes
-// (MLA's latent) keep a running max, sum and weighted sum per row (online softmax). A second pass merges the splits of a sequence that has several; an item
-// alone in its (sequence, head) writes its output rows itself.
+// (MLA's latent) keep a running max, sum and weighted sum per row (online softmax). A second
+// pass merges the splits of a sequence that has several; an item alone in its (sequence,
+// head) writes its output rows itself.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -258,7 +259,8 @@ inline void score_rows(const float* queries, int64_t rows, const E* keys, int64_
     float scores[kLanes];
     const VecF s = transpose_sum(products);
     std::memcpy(scores, &s, sizeof s);
-    for (int64_t r = 0; r < rows; ++r) std::memcpy(out + r * ld + j, scores + r * K, K * sizeof(float));
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(out + r * ld + j, scores + r * K, K * sizeof(float));
   }
   for (; j < n; ++j) {
     VecF key[L];
