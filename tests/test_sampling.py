@@ -278,6 +278,39 @@ def test_outputs_a_consumer_has_not_taken_come_out_as_one(tokenizer):
     assert isinstance(error, RuntimeError)
 
 
+def test_a_stream_interval_wakes_its_consumer_every_n_tokens(tokenizer):
+    """--stream-interval 3 (vLLM's semantics): the first token is taken at once, then the
+    consumer sleeps until three more have joined, and the last output wakes it whatever the
+    count; the chunks hold every token once, in order."""
+    ids = tokenizer("one two three four five six seven eight", add_special_tokens=False)
+    ids = ids.input_ids[:8]
+    steps = [StepOutput("r", t, "length" if i == 7 else None, 3, 0, 0) for i, t in enumerate(ids)]
+
+    async def asleep(task: asyncio.Task) -> bool:
+        for _ in range(5):  # loop turns, not time: a woken get() is done after one
+            await asyncio.sleep(0)
+        return not task.done()
+
+    async def taken() -> list[RequestOutput | BaseException]:
+        pending, builder = PendingOutputs(3), OutputBuilder(_request(SamplingParams()), tokenizer)
+        got = []
+        for chunk in (steps[:1], steps[1:4], steps[4:7], steps[7:]):
+            task = asyncio.create_task(pending.get())
+            for step in chunk[:-1]:
+                pending.put(builder.add(step))
+                assert await asleep(task), "the consumer woke before three tokens joined"
+            pending.put(builder.add(chunk[-1]))
+            got.append(await task)
+        return got
+
+    got = asyncio.run(taken())
+    assert [o.new_token_ids for o in got] == [ids[:1], ids[1:4], ids[4:7], ids[7:]]
+    assert [o.finished for o in got] == [False, False, False, True]
+    whole = OutputBuilder(_request(SamplingParams()), tokenizer)
+    *_, last = [whole.add(step) for step in steps]
+    assert "".join(o.text_delta for o in got) == last.text
+
+
 def test_special_tokens_kept_for_a_parser_but_never_the_stop_token():
     """skip_special_tokens false (what Kimi's and DeepSeek's tool parsers ask): a special
     token's text is in the output, the EOS that ends the request is not."""

@@ -76,6 +76,7 @@ class AsyncEngine:
         on_failure: Callable[[], None] | None = None,
         watchdog_timeout_s: float | None = None,
         grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
+        stream_interval: int = 1,
     ) -> None:
         """`on_failure` runs once the core has died (on the reader thread) or hung (on the
         watchdog's) and every waiting call has its 503: the server uses it to shut down and
@@ -86,6 +87,7 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.preparer = RequestPreparer(core.info, lambda: tokenizer)
         self.on_failure = on_failure
+        self.stream_interval = stream_interval  # --stream-interval: tokens a chunk
         self.grammar_pool = GrammarCompilePool(self.preparer.grammars, grammar_compile_timeout_s)
         self._watchdog = (
             StepWatchdog(watchdog_timeout_s, self._stalled_for, self._hung)
@@ -176,7 +178,7 @@ class AsyncEngine:
         req = await asyncio.to_thread(prepare, prompt, params, request_id, arrival, grammar)
         if req.rid in self._streams:
             raise TierserveError(f"request id {req.rid!r} is already in flight", "request_id")
-        outputs = PendingOutputs()
+        outputs = PendingOutputs(self.stream_interval)
         builder = OutputBuilder(req, self.tokenizer)
         self._streams[req.rid] = Stream(asyncio.get_running_loop(), outputs, builder)
         # The reader sets `error` before it fails every registered stream: checked after

@@ -93,6 +93,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"process is ended and the request answered 400 (default: {DEFAULT_COMPILE_TIMEOUT_S:g})",
     )
     parser.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="a stream sends its first token, then a chunk each time this many tokens have "
+        "joined, and the last (vLLM's and SGLang's flag; default: 1, every token). Larger "
+        "values cost the API process and the clients fewer chunks",
+    )
+    parser.add_argument(
         "--max-queued-requests",
         type=int,
         default=None,
@@ -137,6 +145,9 @@ def run(ns: argparse.Namespace) -> int:
             f"max_queued_requests must be >= 1, got {ns.max_queued_requests}",
             field="max_queued_requests",
         )
+    if ns.stream_interval < 1:
+        message = f"stream_interval must be >= 1, got {ns.stream_interval}"
+        raise TierserveError(message, field="stream_interval")
     for name in ("body_timeout", "watchdog_timeout", "grammar_compile_timeout"):
         if not 0 < getattr(ns, name) < 1e6:
             message = f"{name} must be in (0, 1e6) seconds, got {getattr(ns, name)}"
@@ -180,6 +191,7 @@ def _serve(ns: argparse.Namespace, args: EngineArgs, sock: socket.socket) -> int
             core,
             watchdog_timeout_s=ns.watchdog_timeout,
             grammar_compile_timeout_s=ns.grammar_compile_timeout,
+            stream_interval=ns.stream_interval,
         )
     except CoreStartError as err:
         logging.getLogger("tierserve").error("tierserve serve: %s", err)
