@@ -26,7 +26,8 @@ float32 with the prefix cache on. Each round, tierserve first, then vLLM:
   workloads beside the default one (after it, before vLLM), its rows named by its flags;
 - `--vllm-flags FLAGS`: likewise a second vLLM server (after the default one), the peer of
   the tuned tierserve rows (e.g. `--stream-interval 4`, vLLM's knob for fewer stream chunks).
-  Bursts run on the default servers only.
+  Bursts run on the default servers only;
+- `--offline-only`: the offline pair alone, no servers (a quicker check of that ratio).
 
 One server runs at a time. Writes benchmarks/results/vllm-peer/report.md (report-cold.md with
 `--cold`): medians of the rounds, and every round.
@@ -292,6 +293,7 @@ def main() -> None:
         help="serve flags of a second vLLM server, the peer of --tierserve-flags' rows, e.g. "
         "'--stream-interval 4'",
     )
+    ap.add_argument("--offline-only", action="store_true", help="the offline pair only, no servers")
     ns = ap.parse_args()
     clients = ns.clients.split(",")
     unknown = sorted(set(clients) - set(STREAM_CLIENTS))
@@ -313,6 +315,8 @@ def main() -> None:
     vllm_tuned = shlex.split(ns.vllm_flags)
     if vllm_tuned:
         servers.append(("vllm_tuned", lambda: vllm_server(python, model, logs, vllm_tuned)))
+    if ns.offline_only:
+        servers = []
     rows: list[dict[str, float]] = []
     agree = ""
     for r in range(ns.rounds):
@@ -336,6 +340,7 @@ def main() -> None:
         print(json.dumps({"round": r, **row}), flush=True)
     extra = f" --clients {ns.clients}" if ns.clients != "aiohttp" else ""
     extra += f" --bursts {ns.bursts}" if ns.bursts else ""
+    extra += " --offline-only" if ns.offline_only else ""
     write_report(rows, agree, ns.rounds, ns.cold, extra, ns.tierserve_flags, ns.vllm_flags)
 
 
@@ -353,8 +358,13 @@ def write_report(
     med = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
     shown = f" --tierserve-flags '{tuned}'" if tuned else ""
     shown += f" --vllm-flags '{vllm_tuned}'" if vllm_tuned else ""
-    own = [row["tierserve_streams_tok_s"] / row["tierserve_offline_tok_s"] for row in rows]
-    peer = [row["vllm_streams_tok_s"] / row["vllm_offline_tok_s"] for row in rows]
+    served = "tierserve_streams_tok_s" in rows[0]
+    own = (
+        [row["tierserve_streams_tok_s"] / row["tierserve_offline_tok_s"] for row in rows]
+        if served
+        else []
+    )
+    peer = [row["vllm_streams_tok_s"] / row["vllm_offline_tok_s"] for row in rows] if served else []
     flag, warmed = (
         (" --cold", "after two 4-token requests: the first full batch of each process")
         if cold
@@ -402,10 +412,13 @@ def write_report(
             "First burst after start / third burst on the same server (median of the rounds' "
             f"ratios): tierserve {ratios['tierserve']:.2f}×, vLLM {ratios['vllm']:.2f}×.",
         ]
+    if served:
+        lines += [
+            "",
+            f"Served streams / own offline (median of the rounds' ratios): tierserve "
+            f"{statistics.median(own):.2f}×, vLLM {statistics.median(peer):.2f}×.",
+        ]
     lines += [
-        "",
-        f"Served streams / own offline (median of the rounds' ratios): tierserve "
-        f"{statistics.median(own):.2f}×, vLLM {statistics.median(peer):.2f}×.",
         "",
         "Every round:",
         "",
