@@ -280,20 +280,25 @@ def test_continuous_decode_steps_send_n_tokens_a_message(llama_dir):
     assert [t for m in four for t in m] == [t for m in one for t in m]
 
 
-def test_continuous_decode_steps_stream_n_tokens_a_chunk(llama_dir):
-    """Served with --num-continuous-decode-steps 4, a stream gets each message's four tokens
-    as one chunk (a request's outputs join while its stream has not taken them, as vLLM's
-    do): 17 tokens in 5 chunks, the text and tokens of the whole completion."""
-    with Server(llama_dir, "--max-total-tokens", "1024", "--num-continuous-decode-steps", "4") as s:
+def _streamed_17(llama_dir: Path, *flags: str) -> list[int]:
+    """A 17-token completion streamed from a server with `flags`: each chunk's token count,
+    after checking that the chunks hold the text and tokens of the same request unstreamed."""
+    with Server(llama_dir, "--max-total-tokens", "1024", *flags) as s:
         client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
         ask = dict(model="llama", prompt=[5, 6, 7, 8] * 4, max_tokens=17, temperature=0)
         ask |= dict(logprobs=0, extra_body={"ignore_eos": True})
         whole = client.completions.create(**ask).choices[0]
         chunks = [c.choices[0] for c in client.completions.create(**ask, stream=True) if c.choices]
-    sizes = [len(c.logprobs.tokens) for c in chunks if c.logprobs and c.logprobs.tokens]
-    assert sizes == [4, 4, 4, 4, 1]
     assert "".join(c.text for c in chunks) == whole.text
     assert [t for c in chunks for t in c.logprobs.tokens] == whole.logprobs.tokens
+    return [len(c.logprobs.tokens) for c in chunks if c.logprobs and c.logprobs.tokens]
+
+
+def test_continuous_decode_steps_stream_n_tokens_a_chunk(llama_dir):
+    """Served with --num-continuous-decode-steps 4, a stream gets each message's four tokens
+    as one chunk (a request's outputs join while its stream has not taken them, as vLLM's
+    do): 17 tokens in 5 chunks, the text and tokens of the whole completion."""
+    assert _streamed_17(llama_dir, "--num-continuous-decode-steps", "4") == [4, 4, 4, 4, 1]
 
 
 def test_a_stream_interval_streams_n_tokens_a_chunk(llama_dir):
@@ -301,17 +306,9 @@ def test_a_stream_interval_streams_n_tokens_a_chunk(llama_dir):
     comes as the first token, then chunks of at least five (more when the API process fell
     behind), then the rest: at most 5 chunks where each token was one; the same text and
     tokens as the whole completion."""
-    with Server(llama_dir, "--max-total-tokens", "1024", "--stream-interval", "5") as s:
-        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="none", max_retries=0)
-        ask = dict(model="llama", prompt=[5, 6, 7, 8] * 4, max_tokens=17, temperature=0)
-        ask |= dict(logprobs=0, extra_body={"ignore_eos": True})
-        whole = client.completions.create(**ask).choices[0]
-        chunks = [c.choices[0] for c in client.completions.create(**ask, stream=True) if c.choices]
-    sizes = [len(c.logprobs.tokens) for c in chunks if c.logprobs and c.logprobs.tokens]
+    sizes = _streamed_17(llama_dir, "--stream-interval", "5")
     assert len(sizes) <= 5 and sum(sizes) == 17  # the exact rule: test_sampling.py's
     assert all(n >= 5 for n in sizes[1:-1]), sizes
-    assert "".join(c.text for c in chunks) == whole.text
-    assert [t for c in chunks for t in c.logprobs.tokens] == whole.logprobs.tokens
 
 
 def test_the_warm_up_runs_its_shapes_and_leaves_nothing(llama_dir, offline, tmp_path, caplog):
