@@ -358,13 +358,6 @@ def write_report(
     med = {key: statistics.median(row[key] for row in rows) for key in rows[0]}
     shown = f" --tierserve-flags '{tuned}'" if tuned else ""
     shown += f" --vllm-flags '{vllm_tuned}'" if vllm_tuned else ""
-    served = "tierserve_streams_tok_s" in rows[0]
-    own = (
-        [row["tierserve_streams_tok_s"] / row["tierserve_offline_tok_s"] for row in rows]
-        if served
-        else []
-    )
-    peer = [row["vllm_streams_tok_s"] / row["vllm_offline_tok_s"] for row in rows] if served else []
     flag, warmed = (
         (" --cold", "after two 4-token requests: the first full batch of each process")
         if cold
@@ -412,11 +405,17 @@ def write_report(
             "First burst after start / third burst on the same server (median of the rounds' "
             f"ratios): tierserve {ratios['tierserve']:.2f}×, vLLM {ratios['vllm']:.2f}×.",
         ]
-    if served:
+    if "tierserve_streams_tok_s" in rows[0]:  # not with --offline-only
+        own, peer = (
+            statistics.median(
+                row[f"{who}_streams_tok_s"] / row[f"{who}_offline_tok_s"] for row in rows
+            )
+            for who in ("tierserve", "vllm")
+        )
         lines += [
             "",
-            f"Served streams / own offline (median of the rounds' ratios): tierserve "
-            f"{statistics.median(own):.2f}×, vLLM {statistics.median(peer):.2f}×.",
+            "Served streams / own offline (median of the rounds' ratios): tierserve "
+            f"{own:.2f}×, vLLM {peer:.2f}×.",
         ]
     lines += [
         "",

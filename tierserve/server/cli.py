@@ -140,14 +140,10 @@ def run(ns: argparse.Namespace) -> int:
     if ns.enable_auto_tool_choice and ns.tool_call_parser is None:
         message = "--enable-auto-tool-choice needs --tool-call-parser (the format to read)"
         raise TierserveError(message, field="tool_call_parser")
-    if ns.max_queued_requests is not None and ns.max_queued_requests < 1:
-        raise TierserveError(
-            f"max_queued_requests must be >= 1, got {ns.max_queued_requests}",
-            field="max_queued_requests",
-        )
-    if ns.stream_interval < 1:
-        message = f"stream_interval must be >= 1, got {ns.stream_interval}"
-        raise TierserveError(message, field="stream_interval")
+    for name in ("max_queued_requests", "stream_interval"):
+        value = getattr(ns, name)
+        if value is not None and value < 1:
+            raise TierserveError(f"{name} must be >= 1, got {value}", field=name)
     for name in ("body_timeout", "watchdog_timeout", "grammar_compile_timeout"):
         if not 0 < getattr(ns, name) < 1e6:
             message = f"{name} must be in (0, 1e6) seconds, got {getattr(ns, name)}"
