@@ -281,3 +281,20 @@ def test_the_backend_is_decided_at_start_up():
     assert resolve_backend("auto", torch.device("cuda")) == "torch"
     with pytest.raises(TierserveError, match="runs on CPU, not cuda"):
         resolve_backend("cpu", torch.device("cuda"))
+
+
+def test_auto_says_when_the_kernels_are_not_built(tmp_path, monkeypatch, caplog):
+    """A kernel source edited or torch upgraded since the last build: `auto` serves with the
+    torch backend and says why and how to build, instead of running slower without a word."""
+    import logging
+
+    from tierserve.layers import kernels, resolve_backend
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # a cache with no build in it
+    monkeypatch.setattr(kernels, "_loaded", False)
+    with caplog.at_level(logging.WARNING, logger="tierserve"):
+        assert resolve_backend("auto", torch.device("cpu")) == "torch"
+    (record,) = [r for r in caplog.records if "not built" in r.getMessage()]
+    assert str(tmp_path) in record.getMessage()
+    assert "python -m tierserve.layers.kernels" in record.getMessage()
+    assert not list(tmp_path.rglob("*.so"))  # auto never builds at a plain start
