@@ -30,9 +30,9 @@ from pathlib import Path
 
 import psutil
 import torch
-from step_floor import prompts  # this folder is on the path of a script run from it
+from step_floor import prefilled  # this folder is on the path of a script run from it
 
-from tierserve import LLM, SamplingParams
+from tierserve import LLM
 from tierserve.args import default_model
 
 OUT = Path(__file__).parent / "results" / "busy-neighbour"
@@ -51,59 +51,45 @@ while True:
 
 
 class Neighbour:
-    """The spinning process, started before the steps and stopped after; `cores` is the CPU
-    it got meanwhile, in cores."""
+    """The spinning process, started before the steps and stopped after (none at duty 0);
+    `cores` is the CPU it got meanwhile, in cores."""
 
     def __init__(self, burst_s: float, duty: float) -> None:
         self.args = [sys.executable, "-c", NEIGHBOUR, str(burst_s), str(duty)]
-        self.cores = 0.0
+        self.duty, self.cores = duty, 0.0
 
     def __enter__(self) -> Neighbour:
-        self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, text=True)
-        assert self.proc.stdout is not None and self.proc.stdout.readline() == "ready\n"
-        self.usage = psutil.Process(self.proc.pid)
-        self.cpu0, self.wall0 = sum(self.usage.cpu_times()[:2]), time.perf_counter()
+        if self.duty:
+            self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE, text=True)
+            assert self.proc.stdout is not None and self.proc.stdout.readline() == "ready\n"
+            self.usage = psutil.Process(self.proc.pid)
+            self.cpu0, self.wall0 = sum(self.usage.cpu_times()[:2]), time.perf_counter()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        cpu = sum(self.usage.cpu_times()[:2]) - self.cpu0
-        self.cores = cpu / (time.perf_counter() - self.wall0)
-        self.proc.kill()
-        self.proc.wait()
+        if self.duty:
+            cpu = sum(self.usage.cpu_times()[:2]) - self.cpu0
+            self.cores = cpu / (time.perf_counter() - self.wall0)
+            self.proc.kill()
+            self.proc.wait()
 
 
-def decode_step_s(llm: LLM, neighbour: Neighbour | None) -> tuple[float, float]:
+def decode_step_s(llm: LLM, neighbour: Neighbour) -> tuple[float, float]:
     """The median decode step of BATCH requests (seconds), and the neighbour's cores."""
-    engine = llm.engine
-    engine.flush_cache()
-    params = SamplingParams(max_tokens=STEPS + 2, temperature=0, ignore_eos=True)
-    for ids in prompts(BATCH):
-        llm._submit(ids, params)
-    while any(not r.output_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
-        engine.step()  # prefill until every request decodes
+    engine = prefilled(llm, BATCH, STEPS + 2)
     times = []
-    with neighbour or _Alone() as busy:
+    with neighbour:
         for _ in range(STEPS):
             start = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - start)
     while engine.has_unfinished():
         engine.step()
-    return statistics.median(times), busy.cores
+    return statistics.median(times), neighbour.cores
 
 
 def _threads(n: int) -> str:
     return f"{n} thread{'' if n == 1 else 's'}"
-
-
-class _Alone:
-    cores = 0.0
-
-    def __enter__(self) -> _Alone:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
 
 
 def main() -> None:
@@ -115,9 +101,11 @@ def main() -> None:
     if not 0 < ns.duty < 1:
         raise SystemExit("--duty is a share of one core: between 0 and 1")
     llm = LLM(
-        default_model(), max_running_requests=BATCH, max_total_tokens=65536,
+        default_model(),
+        max_running_requests=BATCH,
+        max_total_tokens=65536,
         attention_backend="cpu",
-    )  # fmt: skip
+    )
     cores = len(os.sched_getaffinity(0))
     threads = sorted({torch.get_num_threads(), 1}, reverse=True)
     results: dict[tuple[int, bool], list[tuple[float, float]]] = {}
@@ -125,7 +113,7 @@ def main() -> None:
         for t in threads if r % 2 == 0 else threads[::-1]:
             torch.set_num_threads(t)
             for busy in (False, True) if r % 2 == 0 else (True, False):
-                neighbour = Neighbour(ns.burst_us * 1e-6, ns.duty) if busy else None
+                neighbour = Neighbour(ns.burst_us * 1e-6, ns.duty if busy else 0.0)
                 step, used = decode_step_s(llm, neighbour)
                 results.setdefault((t, busy), []).append((step, used))
                 print(f"round {r}: {_threads(t)}, {'beside' if busy else 'alone'}: "

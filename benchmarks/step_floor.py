@@ -40,6 +40,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from tierserve import LLM, SamplingParams
 from tierserve.args import default_model
+from tierserve.engine import Engine
 from tierserve.layers.cpu_linear import linear, packs_linears
 
 OUT = Path(__file__).parent / "results" / "step-floor"
@@ -209,16 +210,21 @@ def breakdown(llm: LLM, steps: int) -> dict[str, float]:
     return {k: v / 1e6 / steps for k, v in us.items()}
 
 
-def measure(llm: LLM, batch: int) -> dict[str, float]:
-    llm.engine.flush_cache()
-    params = SamplingParams(
-        max_tokens=TIMED_STEPS + PROFILED_STEPS + 4, temperature=0, ignore_eos=True
-    )
+def prefilled(llm: LLM, batch: int, max_tokens: int) -> Engine:
+    """`llm`'s engine with `batch` requests of prompts(batch) prefilled, each decoding (up to
+    `max_tokens` greedy tokens, EOS ignored), from an empty prefix cache."""
+    engine = llm.engine
+    engine.flush_cache()
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     for ids in prompts(batch):
         llm._submit(ids, params)
-    engine = llm.engine
     while any(not r.output_ids for r in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()  # prefill until every request decodes
+    return engine
+
+
+def measure(llm: LLM, batch: int) -> dict[str, float]:
+    engine = prefilled(llm, batch, TIMED_STEPS + PROFILED_STEPS + 4)
     times, kv = [], []
     for _ in range(TIMED_STEPS):
         kv.append(kv_bytes(llm))
