@@ -12,10 +12,11 @@ each step's chunks). The neighbour's CPU is measured over the timed steps: it ge
 asked when it waits for a core.
 
 A work-conserving split (the neighbour gets its CPU, the engine every other cycle) would make
-the step `cores / (cores - neighbour's cores)` as long; torch's fork-join regions split each
-op's work evenly between their threads up front and wait at the end for the slowest, so a
-thread the neighbour takes the core from holds back the other. Rounds alternate the
-conditions; figures are medians of the rounds. Writes benchmarks/results/busy-neighbour/report.md.
+the step `threads / min(threads, cores - neighbour's cores)` as long; torch's fork-join
+regions split each op's work evenly between their threads up front and wait at the end for
+the slowest, so a thread the neighbour takes the core from holds back the other. Rounds
+alternate the conditions; figures are medians of the rounds. Writes
+benchmarks/results/busy-neighbour/report.md.
 """
 
 from __future__ import annotations
@@ -139,14 +140,14 @@ def write_report(
         f"kernels, offline engine, batch {BATCH}, {cores} cores; medians of {ns.rounds} "
         "alternating rounds). The neighbour spins in bursts of "
         f"{ns.burst_us:g} µs for {ns.duty:g} of a core; 'work-conserving' is the step alone × "
-        "cores ÷ (cores − the neighbour's measured cores).",
+        "threads ÷ min(threads, cores − the neighbour's measured cores).",
         "",
         "| torch threads | step alone | step beside | × | work-conserving × | neighbour's cores |",
         "| ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for t in threads:
         alone, beside, used = med(t, False, 0), med(t, True, 0), med(t, True, 1)
-        ideal = cores / (cores - used) if t == cores else 1.0
+        ideal = t / min(t, cores - used)  # t threads on the cores the neighbour leaves
         lines.append(
             f"| {t} | {alone * 1e3:.2f} ms | {beside * 1e3:.2f} ms | {beside / alone:.2f}× "
             f"| {ideal:.2f}× | {used:.2f} |"

@@ -305,18 +305,15 @@ def main() -> None:
     logs = OUT / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     runs = Path(tempfile.mkdtemp())
-    tuned = shlex.split(ns.tierserve_flags)
-    servers: list[tuple[str, Callable[[], ServerProcess]]] = [
-        ("tierserve", lambda: tierserve_server(model, logs))
-    ]
-    if tuned:
-        servers.append(("tuned", lambda: tierserve_server(model, logs, tuned)))
-    servers.append(("vllm", lambda: vllm_server(python, model, logs)))
-    vllm_tuned = shlex.split(ns.vllm_flags)
-    if vllm_tuned:
-        servers.append(("vllm_tuned", lambda: vllm_server(python, model, logs, vllm_tuned)))
-    if ns.offline_only:
-        servers = []
+    tuned, vllm_tuned = shlex.split(ns.tierserve_flags), shlex.split(ns.vllm_flags)
+    servers: list[tuple[str, Callable[[], ServerProcess]]] = []
+    if not ns.offline_only:
+        servers.append(("tierserve", lambda: tierserve_server(model, logs)))
+        if tuned:
+            servers.append(("tuned", lambda: tierserve_server(model, logs, tuned)))
+        servers.append(("vllm", lambda: vllm_server(python, model, logs)))
+        if vllm_tuned:
+            servers.append(("vllm_tuned", lambda: vllm_server(python, model, logs, vllm_tuned)))
     rows: list[dict[str, float]] = []
     agree = ""
     for r in range(ns.rounds):
