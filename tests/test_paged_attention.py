@@ -22,10 +22,12 @@ from tierserve.sizing import KVSpec
 
 LAYERS = 2
 # (new query tokens, context length incl. them) per sequence: decode rows, verification-like
-# blocks of 2-5, a prefix-less block, a turn added to a cached context, and one span past the
-# kernel's limit (SDPA's, as torch).
+# blocks of 2-5, a prefix-less block, a turn added to a cached context, prompts whose rows the
+# kernel takes in several chunks (one with a prefix, one across a split of its context), and
+# one span past the kernel's limit (SDPA's, as torch).
 SPANS = [(1, 1), (1, 17), (1, 40), (1, 100), (2, 2), (3, 33), (4, 16), (5, 71), (20, 57)]
-SPANS += [(48, 130), (CPUPagedAttention.MAX_KERNEL_QUERIES + 4, 270)]
+SPANS += [(48, 130), (90, 90), (100, 300), (150, 700)]
+SPANS += [(CPUPagedAttention.MAX_KERNEL_QUERIES + 4, CPUPagedAttention.MAX_KERNEL_QUERIES + 14)]
 
 
 def _batch(pool: PagedKV, spans: list[tuple[int, int]], seed: int) -> ForwardBatch:

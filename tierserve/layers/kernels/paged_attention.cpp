@@ -67,6 +67,9 @@ constexpr int64_t kSplitTokens = 512;
 // item; two passes, in blocks (one head's K or V of one page) of all the blocks it reads next.
 constexpr int64_t kPrefetchPages = 2;
 constexpr int64_t kAheadBlocks = 4;
+// Query rows (tokens x the query heads of a KV head) a prefill item scores, weighs and sums
+// at a time: 256 rows' weights over a split's 512 keys are 512 KB, which L2 holds.
+constexpr int64_t kChunkRows = 256;
 
 struct Item {
   int64_t seq, head, first_page, end_page, scratch;  // scratch: first row of its partials
@@ -303,14 +306,21 @@ inline void add_values(VecF (&sums)[R][DIM / kLanes], const float* weights, int6
 constexpr int64_t kBlocksPerThread = 4;
 
 // Where each block of `items` starts (then the end): consecutive items, each block about an
-// equal share of the work, counted as query rows times keys (plus a page's worth an item).
+// equal share of the work, counted as the keys each query row sees in the item (a prompt's
+// causal half is not scored), plus a page's worth an item.
 inline std::vector<int64_t> balanced_blocks(const std::vector<Item>& items, int64_t group,
-                                            const int64_t* q_len, int64_t page_size) {
+                                            const int64_t* q_len, const int64_t* kv_len,
+                                            int64_t page_size) {
   const int64_t n = static_cast<int64_t>(items.size());
   std::vector<int64_t> cost(n + 1, 0);  // prefix sums
   for (int64_t i = 0; i < n; ++i) {
     const Item& w = items[i];
-    cost[i + 1] = cost[i] + group * q_len[w.seq] * (w.end_page - w.first_page + 1) * page_size;
+    const int64_t first_key = w.first_page * page_size;
+    const int64_t keys = std::min(w.end_page * page_size, kv_len[w.seq]) - first_key;
+    int64_t seen = 0;
+    for (int64_t pos = kv_len[w.seq] - q_len[w.seq]; pos < kv_len[w.seq]; ++pos)
+      seen += std::clamp<int64_t>(pos + 1 - first_key, 0, keys);
+    cost[i + 1] = cost[i] + group * seen + page_size;
   }
   const int64_t threads = at::get_num_threads();
   const int64_t blocks = std::max<int64_t>(1, std::min(n, threads * kBlocksPerThread));
@@ -461,49 +471,76 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
       const int64_t rows = group * ql[w.seq], first_query = kl[w.seq] - ql[w.seq];
       const int64_t base = w.first_page * page_size;
       const int64_t tokens = std::min(w.end_page * page_size, kl[w.seq]) - base;
-      weights.resize(rows * tokens);
-      for (int64_t p = w.first_page; p < w.end_page; ++p) {
-        prefetch_next(ahead);
-        const int64_t n = tokens_of(w.seq, p);
-        const auto* keys = readable(block_of(w.seq, p, k_part, w.head), n, dim, k_buf, lut);
-        constexpr int SR = kScoreRows<DIM>;
-        for (int64_t r = 0; r < rows; r += SR)
-          score_rows<DIM, SR>(queries + r * DIM, std::min<int64_t>(SR, rows - r), keys, dim, n,
-                              weights.data() + r * tokens + (p - w.first_page) * page_size,
-                              tokens);
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        // The item's keys this row's query sees; weight 0 for the rest.
-        const auto [j_lo, j_hi] = visible(first_query + r / group, base, tokens);
-        float* weight = weights.data() + r * tokens;
-        const float best = max_of(weight + j_lo, j_hi - j_lo);
-        float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-        for (int64_t j = j_lo; j < j_hi; ++j) {
-          weight[j] = exp_nonpositive(weight[j] - best);
-          sum += weight[j];
-        }
-        std::fill(weight, weight + j_lo, 0.f);
-        std::fill(weight + std::max(j_lo, j_hi), weight + tokens, 0.f);
-        part[r * stride] = best;
-        part[r * stride + 1] = sum;
-      }
-      constexpr int64_t R = kValueRows<DIM>;
-      for (int64_t r0 = 0; r0 < rows; r0 += R) {
-        const int64_t tile = std::min(R, rows - r0);
-        VecF sums[R][DIM / kLanes] = {};
+      const int64_t chunk = std::min(rows, kChunkRows);
+      weights.resize(chunk * tokens);
+      // A prefill span's rows in chunks: one chunk's weights stay in L2, and its keys and
+      // values are read again from cache by the next.
+      for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
+        const int64_t c1 = std::min(rows, c0 + chunk);
+        float* chunk_weights = weights.data() - c0 * tokens;  // indexed by the item's row
+        // The chunk's last query sees the most keys; past them nothing is scored or read.
+        const int64_t last_query = first_query + (c1 - 1) / group;
+        const int64_t end_page = std::min(
+            w.end_page, w.first_page + (visible(last_query, base, tokens).second + page_size - 1) /
+                                           page_size);
         for (int64_t p = w.first_page; p < w.end_page; ++p) {
-          if (r0 == 0) prefetch_next(ahead);  // later tiles read the item's values from L2
+          if (c0 == 0) prefetch_next(ahead);  // later chunks read the item's keys from cache
+          if (p >= end_page) continue;
           const int64_t n = tokens_of(w.seq, p);
-          const auto* values = readable(block_of(w.seq, p, v_part, w.head), n, dim, v_buf, lut);
-          const int64_t first_key = (p - w.first_page) * page_size;
-          const float* tile_weights = weights.data() + r0 * tokens + first_key;
-          add_values<DIM>(sums, tile_weights, tokens, tile, values, dim, n);
+          const auto* keys = readable(block_of(w.seq, p, k_part, w.head), n, dim, k_buf, lut);
+          constexpr int SR = kScoreRows<DIM>;
+          const int64_t first_key = base + (p - w.first_page) * page_size;
+          for (int64_t r = c0; r < c1; r += SR) {
+            // Only the keys the tile's last query sees: a prefill span's causal half is never
+            // scored (the softmax zeroes the weights past each row's last key).
+            const int64_t tile = std::min<int64_t>(SR, c1 - r);
+            const int64_t seen = visible(first_query + (r + tile - 1) / group, first_key, n).second;
+            if (seen > 0)
+              score_rows<DIM, SR>(queries + r * DIM, tile, keys, dim, seen,
+                                  chunk_weights + r * tokens + (p - w.first_page) * page_size,
+                                  tokens);
+          }
         }
-        for (int64_t t = 0; t < tile; ++t) {
-          float* row = part + (r0 + t) * stride;
-          std::memcpy(row + 2, sums[t], sizeof sums[t]);
-          if (w.alone) write_row(w, r0 + t, row + 2, row[1]);
+        for (int64_t r = c0; r < c1; ++r) {
+          // The item's keys this row's query sees; weight 0 for the rest.
+          const auto [j_lo, j_hi] = visible(first_query + r / group, base, tokens);
+          float* weight = chunk_weights + r * tokens;
+          const float best = max_of(weight + j_lo, j_hi - j_lo);
+          float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+          for (int64_t j = j_lo; j < j_hi; ++j) {
+            weight[j] = exp_nonpositive(weight[j] - best);
+            sum += weight[j];
+          }
+          std::fill(weight, weight + j_lo, 0.f);
+          std::fill(weight + std::max(j_lo, j_hi), weight + tokens, 0.f);
+          part[r * stride] = best;
+          part[r * stride + 1] = sum;
+        }
+        constexpr int64_t R = kValueRows<DIM>;
+        for (int64_t r0 = c0; r0 < c1; r0 += R) {
+          const int64_t tile = std::min(R, c1 - r0);
+          VecF sums[R][DIM / kLanes] = {};
+          for (int64_t p = w.first_page; p < w.end_page; ++p) {
+            // Later tiles and chunks read the item's values from cache.
+            if (r0 == 0) prefetch_next(ahead);
+            const int64_t n = tokens_of(w.seq, p);
+            const int64_t first_key = (p - w.first_page) * page_size;
+            // Keys past the tile's last query weigh 0 for all its rows: not read (half of a
+            // prefill span's values).
+            const int64_t tile_query = first_query + (r0 + tile - 1) / group;
+            const int64_t seen = visible(tile_query, base + first_key, n).second;
+            if (seen == 0) continue;
+            const auto* values =
+                readable(block_of(w.seq, p, v_part, w.head), n, dim, v_buf, lut);
+            const float* tile_weights = chunk_weights + r0 * tokens + first_key;
+            add_values<DIM>(sums, tile_weights, tokens, tile, values, dim, seen);
+          }
+          for (int64_t t = 0; t < tile; ++t) {
+            float* row = part + (r0 + t) * stride;
+            std::memcpy(row + 2, sums[t], sizeof sums[t]);
+            if (w.alone) write_row(w, r0 + t, row + 2, row[1]);
+          }
         }
       }
     }
@@ -560,7 +597,7 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
   // whichever thread is free: a prefill span's items cost hundreds of decode rows' (an even
   // split by count left one thread with all of them), and a thread the OS takes away for a
   // while (a busy API process or client) leaves its blocks to the other.
-  const std::vector<int64_t> bounds = balanced_blocks(items, group, ql, page_size);
+  const std::vector<int64_t> bounds = balanced_blocks(items, group, ql, kl, page_size);
   const int64_t blocks = static_cast<int64_t>(bounds.size()) - 1;
   std::atomic<int64_t> next_block{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
