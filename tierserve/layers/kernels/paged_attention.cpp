@@ -1,7 +1,8 @@
 // Multi-query attention over the paged KV pool, on CPU: 1 ... n query tokens per sequence,
 // causal within the block, each query over its sequence's context read straight from the pool's
-// pages (no gathered or padded copy). One op serves decode, short chunks of prefill and
-// speculative verification; the torch backend (layers/attention.py) is its oracle. A float32
+// pages (no gathered or padded copy). One op serves decode, prefill spans (up to
+// paged_attention.py's limit) and speculative verification; the torch backend
+// (layers/attention.py) is its oracle. A float32
 // or bf16 model's queries are read and its output written in the model's dtype; the arithmetic
 // is float32 throughout.
 //
@@ -14,7 +15,8 @@
 // Work items are (sequence, KV head, split of the context); a long context is split so that
 // every thread has work at batch 1. With a head size the compiler knows (32, 64, 128) an item
 // goes in two passes over its pages: every key's score (the rows of a KV head's query heads
-// against each key read once), each row's softmax once, then the values weighted; other sizes
+// against each key read once), each row's softmax once, then the values weighted, a prompt's
+// rows 256 at a time and only up to the last key each tile of rows sees; other sizes
 // (MLA's latent) keep a running max, sum and weighted sum per row (online softmax). A second
 // pass merges the splits of a sequence that has several; an item alone in its (sequence,
 // head) writes its output rows itself.
