@@ -2,9 +2,8 @@
 // causal within the block, each query over its sequence's context read straight from the pool's
 // pages (no gathered or padded copy). One op serves decode, prefill spans (up to
 // paged_attention.py's limit) and speculative verification; the torch backend
-// (layers/attention.py) is its oracle. A float32
-// or bf16 model's queries are read and its output written in the model's dtype; the arithmetic
-// is float32 throughout.
+// (layers/attention.py) is its oracle. A float32 or bf16 model's queries are read and its
+// output written in the model's dtype; the arithmetic is float32 throughout.
 //
 // The pool is [pages, layers, parts, kv_heads, page_size, dim] (cache/pool.py): one head's
 // tokens of a page are one contiguous page_size x dim block, read once per (sequence, KV head)
@@ -480,18 +479,15 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
       for (int64_t c0 = 0; c0 < rows; c0 += chunk) {
         const int64_t c1 = std::min(rows, c0 + chunk);
         float* chunk_weights = weights.data() - c0 * tokens;  // indexed by the item's row
-        // The chunk's last query sees the most keys; past them nothing is scored or read.
+        // The chunk's last query sees the most keys; a page past them is neither scored nor read.
         const int64_t last_query = first_query + (c1 - 1) / group;
-        const int64_t end_page = std::min(
-            w.end_page, w.first_page + (visible(last_query, base, tokens).second + page_size - 1) /
-                                           page_size);
         for (int64_t p = w.first_page; p < w.end_page; ++p) {
           if (c0 == 0) prefetch_next(ahead);  // later chunks read the item's keys from cache
-          if (p >= end_page) continue;
           const int64_t n = tokens_of(w.seq, p);
+          const int64_t first_key = base + (p - w.first_page) * page_size;
+          if (visible(last_query, first_key, n).second == 0) continue;
           const auto* keys = readable(block_of(w.seq, p, k_part, w.head), n, dim, k_buf, lut);
           constexpr int SR = kScoreRows<DIM>;
-          const int64_t first_key = base + (p - w.first_page) * page_size;
           for (int64_t r = c0; r < c1; r += SR) {
             // Only the keys the tile's last query sees: a prefill span's causal half is never
             // scored (the softmax zeroes the weights past each row's last key).
