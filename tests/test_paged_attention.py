@@ -254,23 +254,34 @@ def test_the_fused_layer_ops_equal_their_torch_code(kv_dtype, model_dtype):
 def test_a_bf16_models_queries_and_output_are_the_bits_of_converting_around_the_kernel():
     """The kernel reads a bf16 model's queries and writes its output in bf16 (no float32
     copies around the call): the same bits as widening q first and rounding the output after,
-    for GQA rows and for MLA's latent width (no fixed head size)."""
-    for heads, kv_heads, dim, v_dim in ((8, 2, 32, 32), (4, 1, 40, 32)):
+    for GQA rows (each head size the kernel knows; prompts too) and for MLA's latent width (no
+    fixed head size). On a CPU with AVX512-BF16, GQA's bf16 queries are scored as they lie
+    (exact products, the scale after the sum): their output is within a bf16 rounding of the
+    widened one's, nearly every value the same bits."""
+    shapes = ((8, 2, 32, 32), (4, 2, 64, 64), (2, 1, 128, 128), (4, 1, 40, 32))
+    for heads, kv_heads, dim, v_dim in shapes:
         pool = _pool(
             "kv" if v_dim == dim else "latent", kv_heads, dim, "bfloat16", 16, torch.bfloat16
         )
-        short = [s for s in SPANS if s[0] <= CPUPagedAttention.MAX_LATENT_QUERIES]
-        batch = _batch(pool, short, seed=21)  # spans the kernel takes, GQA's and MLA's
+        most = CPUPagedAttention.MAX_KERNEL_QUERIES
+        most = most if v_dim == dim else CPUPagedAttention.MAX_LATENT_QUERIES
+        batch = _batch(pool, [s for s in SPANS if s[0] <= most], seed=21)  # the kernel's spans
         _fill_context(pool, batch, parts=2 if v_dim == dim else 1, seed=22)
         backend = CPUPagedAttention(pool, LAYERS)
         backend.prepare(batch)
         g = torch.Generator().manual_seed(23)
         q = torch.randn(len(batch.input_ids), heads, dim, generator=g).to(torch.bfloat16)
         v_part = 1 if v_dim == dim else 0
+        exact_scores = not torch.ops.tierserve.bf16_scores()  # loaded by the backend
         got = backend._kernel(1, q, 0, v_part, v_dim, None, dim**-0.5)
         widened = backend._kernel(1, q.float(), 0, v_part, v_dim, None, dim**-0.5)
         assert got.dtype == torch.bfloat16 and widened.dtype == torch.float32
-        assert torch.equal(got, widened.to(torch.bfloat16)) and got.float().abs().sum() > 0
+        assert got.float().abs().sum() > 0
+        if exact_scores or v_dim != dim:
+            assert torch.equal(got, widened.to(torch.bfloat16))
+        else:
+            torch.testing.assert_close(got.float(), widened, atol=1e-6, rtol=2**-8)
+            assert (got == widened.to(torch.bfloat16)).float().mean() > 0.95
 
 
 def test_the_backend_is_decided_at_start_up():

@@ -3,7 +3,9 @@
 // pages (no gathered or padded copy). One op serves decode, prefill spans (up to
 // paged_attention.py's limit) and speculative verification; the torch backend
 // (layers/attention.py) is its oracle. A float32 or bf16 model's queries are read and its
-// output written in the model's dtype; the arithmetic is float32 throughout.
+// output written in the model's dtype; the arithmetic is float32 throughout, but for a bf16
+// model's scores against a bf16 pool on a CPU with AVX512-BF16: exact bf16 products, summed
+// in float32.
 //
 // The pool is [pages, layers, parts, kv_heads, page_size, dim] (cache/pool.py): one head's
 // tokens of a page are one contiguous page_size x dim block, read once per (sequence, KV head)
@@ -39,6 +41,10 @@
 
 #include "bf16.h"
 #include "exp.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -277,6 +283,65 @@ inline void score_rows(const float* queries, int64_t rows, const E* keys, int64_
   }
 }
 
+// A bf16 model's scores on a CPU with AVX512-BF16: its bf16 queries, unscaled, against bf16
+// keys as they lie in the pool. vdpbf16ps multiplies 16 pairs of bf16 exactly and adds them in
+// float32: half the multiply-adds of widening both first, and no widening; the scale is
+// applied to each score. Where the CPU lacks the instruction, bf16 queries are widened and
+// scaled like float32 ones.
+#if defined(__AVX512BF16__)
+template <int DIM>
+constexpr bool kBf16Scores = DIM > 0 && DIM % 32 == 0;
+
+inline __m512bh load_bf16_pairs(const c10::BFloat16* p) {
+  return (__m512bh)_mm512_loadu_si512(p);
+}
+
+// `rows` (up to R) rows' scores against `n` keys, as score_rows's, from bf16 queries.
+template <int DIM, int R>
+inline void score_rows_bf16(const c10::BFloat16* queries, int64_t rows,
+                            const c10::BFloat16* keys, int64_t stride, int64_t n, float scale,
+                            float* out, int64_t ld) {
+  constexpr int L = DIM / 32;  // a register holds 32 bf16
+  constexpr int K = kLanes / R;
+  __m512bh q[R][L];
+  for (int r = 0; r < R; ++r)  // a tile's missing rows repeat its last: never written out
+    for (int l = 0; l < L; ++l)
+      q[r][l] = load_bf16_pairs(queries + std::min<int64_t>(r, rows - 1) * DIM + l * 32);
+  auto products_of = [&](const c10::BFloat16* key_row, VecF* out_rows, int step) INLINE {
+    __m512bh key[L];
+    for (int l = 0; l < L; ++l) key[l] = load_bf16_pairs(key_row + l * 32);
+    for (int r = 0; r < R; ++r) {
+      __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[r][0], key[0]);
+      for (int l = 1; l < L; ++l) p = _mm512_dpbf16_ps(p, q[r][l], key[l]);
+      out_rows[r * step] = (VecF)p;
+    }
+  };
+  int64_t j = 0;
+  for (; j + K <= n; j += K) {
+    VecF products[kLanes];
+    for (int t = 0; t < K; ++t) products_of(keys + (j + t) * stride, products + t, K);
+    float scores[kLanes];
+    const VecF s = transpose_sum(products) * scale;
+    std::memcpy(scores, &s, sizeof s);
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(out + r * ld + j, scores + r * K, K * sizeof(float));
+  }
+  for (; j < n; ++j) {
+    VecF products[R];
+    products_of(keys + j * stride, products, 1);
+    for (int64_t r = 0; r < rows; ++r) out[r * ld + j] = lane_sum(products[r]) * scale;
+  }
+}
+
+#else
+template <int DIM>
+constexpr bool kBf16Scores = false;
+
+template <int DIM, int R>
+inline void score_rows_bf16(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t,
+                            int64_t, float, float*, int64_t) {}
+#endif
+
 // Rows whose value sums stay in registers together: 8 vectors' worth.
 template <int DIM>
 constexpr int64_t kValueRows = std::max<int64_t>(1, std::min<int64_t>(4, 8 / (DIM / kLanes)));
@@ -352,8 +417,12 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
   const int64_t table_width = page_table.size(1);
   const T* kv = reinterpret_cast<const T*>(cache.data_ptr());
   // A bf16 model's queries are widened as they are read and its output rounded as it is
-  // written: the same bits as converting around the call, without the two copies.
+  // written: the same bits as converting around the call, without the two copies (unless its
+  // scores are taken from its bf16 queries as they lie, below).
   const bool rows_bf16 = q.scalar_type() == at::kBFloat16;
+  // bf16 queries against a bf16 pool: scored as they lie (score_rows_bf16), not widened.
+  constexpr bool kBf16Pool = std::is_same_v<T, c10::BFloat16>;
+  const bool bf16_scores = kBf16Scores<DIM> && kBf16Pool && rows_bf16;
   const void* qp = q.data_ptr();
   void* op = out.data_ptr();
   const int64_t* table = page_table.data_ptr<int64_t>();
@@ -493,10 +562,17 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
             // scored (the softmax zeroes the weights past each row's last key).
             const int64_t tile = std::min<int64_t>(SR, c1 - r);
             const int64_t seen = visible(first_query + (r + tile - 1) / group, first_key, n).second;
-            if (seen > 0)
-              score_rows<DIM, SR>(queries + r * DIM, tile, keys, dim, seen,
-                                  chunk_weights + r * tokens + (p - w.first_page) * page_size,
-                                  tokens);
+            if (seen == 0) continue;
+            float* scores = chunk_weights + r * tokens + (p - w.first_page) * page_size;
+            if constexpr (kBf16Scores<DIM> && kBf16Pool) {
+              if (bf16_scores) {
+                const auto* rows_q = reinterpret_cast<const c10::BFloat16*>(queries) + r * DIM;
+                score_rows_bf16<DIM, SR>(rows_q, tile, keys, dim, seen, static_cast<float>(scale),
+                                         scores, tokens);
+                continue;
+              }
+            }
+            score_rows<DIM, SR>(queries + r * DIM, tile, keys, dim, seen, scores, tokens);
           }
         }
         for (int64_t r = c0; r < c1; ++r) {
@@ -607,11 +683,16 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
       for (int64_t it = bounds[b]; it < end; ++it) {
         const Item& w = items[it];
         const int64_t rows = group * ql[w.seq];
-        // This item's queries, scaled once: row r is token r / group, head r % group.
+        // This item's queries, scaled once (bf16 ones that are scored as they lie: copied,
+        // the scale applied to their scores): row r is token r / group, head r % group.
         queries.resize(rows * dim_k);
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t at = (qs[w.seq] + r / group) * q_row + (w.head * group + r % group) * dim_k;
-          load_row(qp, rows_bf16, at, dim_k, static_cast<float>(scale), queries.data() + r * dim_k);
+          if (bf16_scores)
+            std::memcpy(reinterpret_cast<c10::BFloat16*>(queries.data()) + r * dim_k,
+                        static_cast<const c10::BFloat16*>(qp) + at, dim_k * sizeof(c10::BFloat16));
+          else
+            load_row(qp, rows_bf16, at, dim_k, static_cast<float>(scale), queries.data() + r * dim_k);
         }
         float* part = scratch.data() + w.scratch * stride;
         for (int64_t r = 0; r < rows; ++r) {
@@ -723,9 +804,14 @@ void paged_attention(const at::Tensor& q, const at::Tensor& cache, int64_t layer
   }
 }
 
+// Whether a bf16 model's scores are taken from its bf16 queries as they lie (score_rows_bf16):
+// then its output is not the bits of widening its queries first.
+bool bf16_scores() { return kBf16Scores<32>; }
+
 }  // namespace
 
 TORCH_LIBRARY(tierserve, m) {
+  m.def("bf16_scores() -> bool", &bf16_scores);
   m.def(
       "paged_attention(Tensor q, Tensor cache, int layer, int k_part, int v_part, int v_dim, "
       "Tensor page_table, Tensor q_start, Tensor q_len, Tensor kv_len, int window, float scale, "
