@@ -251,7 +251,7 @@ def test_the_fused_layer_ops_equal_their_torch_code(kv_dtype, model_dtype):
     assert model[0].kernel and rotary.kernel and mlp.kernel
 
 
-def test_a_bf16_models_queries_and_output_are_the_bits_of_converting_around_the_kernel():
+def test_a_bf16_models_queries_and_output_match_converting_around_the_kernel():
     """The kernel reads a bf16 model's queries and writes its output in bf16 (no float32
     copies around the call): the same bits as widening q first and rounding the output after,
     for GQA rows (each head size the kernel knows; prompts too) and for MLA's latent width (no
@@ -272,12 +272,12 @@ def test_a_bf16_models_queries_and_output_are_the_bits_of_converting_around_the_
         g = torch.Generator().manual_seed(23)
         q = torch.randn(len(batch.input_ids), heads, dim, generator=g).to(torch.bfloat16)
         v_part = 1 if v_dim == dim else 0
-        exact_scores = not torch.ops.tierserve.bf16_scores()  # loaded by the backend
+        widens = not torch.ops.tierserve.bf16_scores()  # the op: loaded by the backend
         got = backend._kernel(1, q, 0, v_part, v_dim, None, dim**-0.5)
         widened = backend._kernel(1, q.float(), 0, v_part, v_dim, None, dim**-0.5)
         assert got.dtype == torch.bfloat16 and widened.dtype == torch.float32
         assert got.float().abs().sum() > 0
-        if exact_scores or v_dim != dim:
+        if widens or v_dim != dim:
             assert torch.equal(got, widened.to(torch.bfloat16))
         else:
             torch.testing.assert_close(got.float(), widened, atol=1e-6, rtol=2**-8)
