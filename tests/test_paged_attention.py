@@ -260,24 +260,22 @@ def test_a_bf16_models_queries_and_output_match_converting_around_the_kernel():
     widened one's, nearly every value the same bits."""
     shapes = ((8, 2, 32, 32), (4, 2, 64, 64), (2, 1, 128, 128), (4, 1, 40, 32))
     for heads, kv_heads, dim, v_dim in shapes:
-        pool = _pool(
-            "kv" if v_dim == dim else "latent", kv_heads, dim, "bfloat16", 16, torch.bfloat16
-        )
-        most = CPUPagedAttention.MAX_KERNEL_QUERIES
-        most = most if v_dim == dim else CPUPagedAttention.MAX_LATENT_QUERIES
+        gqa = v_dim == dim  # else MLA's latent
+        pool = _pool("kv" if gqa else "latent", kv_heads, dim, "bfloat16", 16, torch.bfloat16)
+        most = CPUPagedAttention.MAX_KERNEL_QUERIES if gqa else CPUPagedAttention.MAX_LATENT_QUERIES
         batch = _batch(pool, [s for s in SPANS if s[0] <= most], seed=21)  # the kernel's spans
-        _fill_context(pool, batch, parts=2 if v_dim == dim else 1, seed=22)
+        _fill_context(pool, batch, parts=2 if gqa else 1, seed=22)
         backend = CPUPagedAttention(pool, LAYERS)
         backend.prepare(batch)
         g = torch.Generator().manual_seed(23)
         q = torch.randn(len(batch.input_ids), heads, dim, generator=g).to(torch.bfloat16)
-        v_part = 1 if v_dim == dim else 0
+        v_part = 1 if gqa else 0
         widens = not torch.ops.tierserve.bf16_scores()  # the op: loaded by the backend
         got = backend._kernel(1, q, 0, v_part, v_dim, None, dim**-0.5)
         widened = backend._kernel(1, q.float(), 0, v_part, v_dim, None, dim**-0.5)
         assert got.dtype == torch.bfloat16 and widened.dtype == torch.float32
         assert got.float().abs().sum() > 0
-        if widens or v_dim != dim:
+        if widens or not gqa:
             assert torch.equal(got, widened.to(torch.bfloat16))
         else:
             torch.testing.assert_close(got.float(), widened, atol=1e-6, rtol=2**-8)

@@ -286,8 +286,8 @@ inline void score_rows(const float* queries, int64_t rows, const E* keys, int64_
 // A bf16 model's scores on a CPU with AVX512-BF16: its bf16 queries, unscaled, against bf16
 // keys as they lie in the pool. vdpbf16ps multiplies 32 query and key values exactly and adds
 // them, two to a lane, in float32: half the multiply-adds of widening both first, and no
-// widening; the scale is applied to each score. Where the CPU lacks the instruction, bf16 queries are widened and
-// scaled like float32 ones.
+// widening; the scale is applied to each score. Where the CPU lacks the instruction, bf16
+// queries are widened and scaled like float32 ones.
 #if defined(__AVX512BF16__)
 template <int DIM>
 constexpr bool kBf16Scores = DIM > 0 && DIM % 32 == 0;
