@@ -42,7 +42,8 @@ def takes_rows(*rows: torch.Tensor, dims: tuple[int, ...]) -> bool:
 
 
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("paged_attention.cpp", "layer_ops.cpp"))
-HEADERS = tuple(Path(__file__).with_name(n) for n in ("bf16.h", "exp.h"))
+# Every header beside the sources: each is part of the build's key, so a changed one rebuilds.
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 # Fast math without -ffinite-math-only: masked scores are -inf and must stay so.
 FLAGS = (
     "-O3",

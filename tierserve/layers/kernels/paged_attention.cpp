@@ -21,6 +21,9 @@
 // (MLA's latent) keep a running max, sum and weighted sum per row (online softmax). A second
 // pass merges the splits of a sequence that has several; an item alone in its (sequence,
 // head) writes its output rows itself.
+//
+// This file holds the items, their order over the threads and the passes; the loops over a tile
+// of query rows (scores, weighted values) are attention_tiles.h's, the 16-lane vectors lanes.h's.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -39,29 +42,25 @@
 #include <utility>
 #include <vector>
 
+#include "attention_tiles.h"
 #include "bf16.h"
 #include "exp.h"
-
-#if defined(__AVX512BF16__)
-#include <immintrin.h>
-#endif
+#include "lanes.h"
 
 namespace {
 
 using tierserve_bf16::narrow;
 using tierserve_bf16::wide;
 using tierserve_math::exp_nonpositive;
-
-// The kernel's steps are lambdas over its shared state; left to itself GCC called them out of
-// line, and a batch-64 decode took a third longer.
-#define INLINE __attribute__((always_inline))
-
-// SHUFFLE: __builtin_shufflevector is Clang's and GCC 12's; older GCC has __builtin_shuffle.
-#if defined(__clang__) || __GNUC__ >= 12
-#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, VecI{__VA_ARGS__})
-#endif
+using tierserve_lanes::kLanes;
+using tierserve_lanes::max_of;
+using tierserve_lanes::VecF;
+using tierserve_attention::add_values;
+using tierserve_attention::kBf16Scores;
+using tierserve_attention::kScoreRows;
+using tierserve_attention::kValueRows;
+using tierserve_attention::score_rows;
+using tierserve_attention::score_rows_bf16;
 
 // How the pool's bytes are read: its own dtype, or float8 values stored as bytes.
 enum KVFormat : int64_t { kNative = 0, kFloat8E4M3 = 1, kFloat8E5M2 = 2 };
@@ -167,204 +166,6 @@ inline void load_row(const void* data, bool bf16, int64_t at, int64_t n, float s
 inline void store_bf16_row(const float* src, c10::BFloat16* dst, int64_t n) {
 #pragma omp simd
   for (int64_t d = 0; d < n; ++d) dst[d] = narrow<c10::BFloat16>(src[d]);
-}
-
-// --- Head sizes the compiler knows: 16 lanes at a time ------------------------------------------
-// GCC and Clang vector types: whole AVX-512 registers here, pairs of AVX2 ones elsewhere.
-
-typedef float VecF __attribute__((vector_size(64)));
-typedef uint32_t VecU __attribute__((vector_size(64)));
-typedef uint16_t VecH __attribute__((vector_size(32)));
-typedef int32_t VecI __attribute__((vector_size(64)));
-constexpr int64_t kLanes = 16;
-
-inline VecF load_lanes(const float* p) {
-  VecF v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline VecF load_lanes(const c10::BFloat16* p) {  // widened as wide() does: a shift
-  VecH h;
-  std::memcpy(&h, p, sizeof h);
-  const VecU u = __builtin_convertvector(h, VecU) << 16;
-  VecF v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
-inline float lane_sum(VecF v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
-
-// Lane j of the result is the sum of v[j]'s lanes: 16 dot products' sums in one tree of
-// shuffles and adds (four levels, each adding the halves of pairs; the lanes end in
-// bit-reversed order, undone last), where a sum per key took a tree each.
-inline VecF transpose_sum(const VecF* v) {
-  VecF w[8], x[4], y[2];
-  for (int k = 0; k < 8; ++k)  // pair (a, b): [a's 8 halves' sums | b's]
-    w[k] = SHUFFLE(v[2 * k], v[2 * k + 1],
-                   0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           SHUFFLE(v[2 * k], v[2 * k + 1],
-                   8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int k = 0; k < 4; ++k)  // 4 sums each of 4 vectors
-    x[k] = SHUFFLE(w[2 * k], w[2 * k + 1],
-                   0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
-           SHUFFLE(w[2 * k], w[2 * k + 1],
-                   4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
-  for (int k = 0; k < 2; ++k)  // 2 sums each of 8 vectors
-    y[k] = SHUFFLE(x[2 * k], x[2 * k + 1],
-                   0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
-           SHUFFLE(x[2 * k], x[2 * k + 1],
-                   2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
-  const VecF z = SHUFFLE(y[0], y[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
-                 SHUFFLE(y[0], y[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
-  return SHUFFLE(z, z, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
-}
-
-// The largest of `n` floats (-inf for none), 16 lanes at a time: GCC left a max loop scalar
-// even under `omp simd`, and a decode step spent an eighth of its attention there.
-inline float max_of(const float* x, int64_t n) {
-  const float lowest = -std::numeric_limits<float>::infinity();
-  VecF m = VecF{} + lowest;
-  int64_t j = 0;
-  for (; j + kLanes <= n; j += kLanes) {
-    const VecF v = load_lanes(x + j);
-    m = v > m ? v : m;
-  }
-  float best = lowest;
-  for (int i = 0; i < kLanes; ++i) best = m[i] > best ? m[i] : best;
-  for (; j < n; ++j) best = x[j] > best ? x[j] : best;
-  return best;
-}
-
-// Rows scored together against each key read once: R rows' queries stay in registers and
-// each key is loaded once for all of them (GQA's query heads share their KV head). 16 / R keys
-// x R rows of products make one shuffle tree's 16 scores.
-template <int DIM>
-constexpr int kScoreRows = DIM == 32 ? 4 : DIM == 64 ? 2 : 1;
-
-// `rows` (up to R) rows' scores (queries DIM apart, outputs `ld` apart) against `n` keys.
-template <int DIM, int R, typename E>
-inline void score_rows(const float* queries, int64_t rows, const E* keys, int64_t stride,
-                       int64_t n, float* out, int64_t ld) {
-  constexpr int L = DIM / kLanes;
-  constexpr int K = kLanes / R;
-  VecF q[R][L];
-  for (int r = 0; r < R; ++r)  // a tile's missing rows repeat its last: never written out
-    for (int l = 0; l < L; ++l)
-      q[r][l] = load_lanes(queries + std::min<int64_t>(r, rows - 1) * DIM + l * kLanes);
-  int64_t j = 0;
-  for (; j + K <= n; j += K) {
-    VecF products[kLanes];
-    for (int t = 0; t < K; ++t) {
-      VecF key[L];
-      for (int l = 0; l < L; ++l) key[l] = load_lanes(keys + (j + t) * stride + l * kLanes);
-      for (int r = 0; r < R; ++r) {
-        VecF p = q[r][0] * key[0];
-        for (int l = 1; l < L; ++l) p += q[r][l] * key[l];
-        products[r * K + t] = p;
-      }
-    }
-    float scores[kLanes];
-    const VecF s = transpose_sum(products);
-    std::memcpy(scores, &s, sizeof s);
-    for (int64_t r = 0; r < rows; ++r)
-      std::memcpy(out + r * ld + j, scores + r * K, K * sizeof(float));
-  }
-  for (; j < n; ++j) {
-    VecF key[L];
-    for (int l = 0; l < L; ++l) key[l] = load_lanes(keys + j * stride + l * kLanes);
-    for (int64_t r = 0; r < rows; ++r) {
-      VecF p = q[r][0] * key[0];
-      for (int l = 1; l < L; ++l) p += q[r][l] * key[l];
-      out[r * ld + j] = lane_sum(p);
-    }
-  }
-}
-
-// A bf16 model's scores on a CPU with AVX512-BF16: its bf16 queries, unscaled, against bf16
-// keys as they lie in the pool. vdpbf16ps multiplies 32 query and key values exactly and adds
-// them, two to a lane, in float32: half the multiply-adds of widening both first, and no
-// widening; the scale is applied to each score. Where the CPU lacks the instruction, bf16
-// queries are widened and scaled like float32 ones.
-#if defined(__AVX512BF16__)
-template <int DIM>
-constexpr bool kBf16Scores = DIM > 0 && DIM % 32 == 0;
-
-inline __m512bh load_bf16_pairs(const c10::BFloat16* p) {
-  return (__m512bh)_mm512_loadu_si512(p);
-}
-
-// `rows` (up to R) rows' scores against `n` keys, as score_rows's, from bf16 queries.
-template <int DIM, int R>
-inline void score_rows_bf16(const c10::BFloat16* queries, int64_t rows,
-                            const c10::BFloat16* keys, int64_t stride, int64_t n, float scale,
-                            float* out, int64_t ld) {
-  constexpr int L = DIM / 32;  // a register holds 32 bf16
-  constexpr int K = kLanes / R;
-  __m512bh q[R][L];
-  for (int r = 0; r < R; ++r)  // a tile's missing rows repeat its last: never written out
-    for (int l = 0; l < L; ++l)
-      q[r][l] = load_bf16_pairs(queries + std::min<int64_t>(r, rows - 1) * DIM + l * 32);
-  auto products_of = [&](const c10::BFloat16* key_row, VecF* out_rows, int step) INLINE {
-    __m512bh key[L];
-    for (int l = 0; l < L; ++l) key[l] = load_bf16_pairs(key_row + l * 32);
-    for (int r = 0; r < R; ++r) {
-      __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[r][0], key[0]);
-      for (int l = 1; l < L; ++l) p = _mm512_dpbf16_ps(p, q[r][l], key[l]);
-      out_rows[r * step] = (VecF)p;
-    }
-  };
-  int64_t j = 0;
-  for (; j + K <= n; j += K) {
-    VecF products[kLanes];
-    for (int t = 0; t < K; ++t) products_of(keys + (j + t) * stride, products + t, K);
-    float scores[kLanes];
-    const VecF s = transpose_sum(products) * scale;
-    std::memcpy(scores, &s, sizeof s);
-    for (int64_t r = 0; r < rows; ++r)
-      std::memcpy(out + r * ld + j, scores + r * K, K * sizeof(float));
-  }
-  for (; j < n; ++j) {
-    VecF products[R];
-    products_of(keys + j * stride, products, 1);
-    for (int64_t r = 0; r < rows; ++r) out[r * ld + j] = lane_sum(products[r]) * scale;
-  }
-}
-
-#else
-template <int DIM>
-constexpr bool kBf16Scores = false;
-
-template <int DIM, int R>
-inline void score_rows_bf16(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t,
-                            int64_t, float, float*, int64_t) {}
-#endif
-
-// Rows whose value sums stay in registers together: 8 vectors' worth.
-template <int DIM>
-constexpr int64_t kValueRows = std::max<int64_t>(1, std::min<int64_t>(4, 8 / (DIM / kLanes)));
-
-// `rows` (up to R) rows' weights (rows `ld` apart) times `n` values of a block, added to sums.
-template <int DIM, int64_t R, typename E>
-inline void add_values(VecF (&sums)[R][DIM / kLanes], const float* weights, int64_t ld,
-                       int64_t rows, const E* values, int64_t stride, int64_t n) {
-  constexpr int L = DIM / kLanes;
-  // In locals, which stay in registers: for all the compiler knows `sums` aliases `weights`.
-  VecF acc[R][L];
-  for (int64_t t = 0; t < R; ++t)
-    for (int l = 0; l < L; ++l) acc[t][l] = sums[t][l];
-  const float* w[R];  // a tile's missing rows repeat its last: their sums are never read
-  for (int64_t t = 0; t < R; ++t) w[t] = weights + std::min(t, rows - 1) * ld;
-  for (int64_t j = 0; j < n; ++j) {
-    VecF v[L];
-    for (int l = 0; l < L; ++l) v[l] = load_lanes(values + j * stride + l * kLanes);
-    for (int64_t t = 0; t < R; ++t)
-      for (int l = 0; l < L; ++l) acc[t][l] += w[t][j] * v[l];
-  }
-  for (int64_t t = 0; t < R; ++t)
-    for (int l = 0; l < L; ++l) sums[t][l] = acc[t][l];
 }
 
 // Blocks a thread takes at a time: several a thread, so that threads that finish early take

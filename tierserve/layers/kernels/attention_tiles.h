@@ -1,0 +1,155 @@
+// The attention kernel's (paged_attention.cpp) inner loops over a tile of query rows: their
+// scores against a page block's keys, and their weights times its values, in 16-lane vectors.
+
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "lanes.h"
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
+namespace tierserve_attention {
+
+using tierserve_lanes::kLanes;
+using tierserve_lanes::lane_sum;
+using tierserve_lanes::load_lanes;
+using tierserve_lanes::transpose_sum;
+using tierserve_lanes::VecF;
+
+// Rows scored together against each key read once: R rows' queries stay in registers and
+// each key is loaded once for all of them (GQA's query heads share their KV head). 16 / R keys
+// x R rows of products make one shuffle tree's 16 scores.
+template <int DIM>
+constexpr int kScoreRows = DIM == 32 ? 4 : DIM == 64 ? 2 : 1;
+
+// `rows` (up to R) rows' scores (queries DIM apart, outputs `ld` apart) against `n` keys.
+template <int DIM, int R, typename E>
+inline void score_rows(const float* queries, int64_t rows, const E* keys, int64_t stride,
+                       int64_t n, float* out, int64_t ld) {
+  constexpr int L = DIM / kLanes;
+  constexpr int K = kLanes / R;
+  VecF q[R][L];
+  for (int r = 0; r < R; ++r)  // a tile's missing rows repeat its last: never written out
+    for (int l = 0; l < L; ++l)
+      q[r][l] = load_lanes(queries + std::min<int64_t>(r, rows - 1) * DIM + l * kLanes);
+  int64_t j = 0;
+  for (; j + K <= n; j += K) {
+    VecF products[kLanes];
+    for (int t = 0; t < K; ++t) {
+      VecF key[L];
+      for (int l = 0; l < L; ++l) key[l] = load_lanes(keys + (j + t) * stride + l * kLanes);
+      for (int r = 0; r < R; ++r) {
+        VecF p = q[r][0] * key[0];
+        for (int l = 1; l < L; ++l) p += q[r][l] * key[l];
+        products[r * K + t] = p;
+      }
+    }
+    float scores[kLanes];
+    const VecF s = transpose_sum(products);
+    std::memcpy(scores, &s, sizeof s);
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(out + r * ld + j, scores + r * K, K * sizeof(float));
+  }
+  for (; j < n; ++j) {
+    VecF key[L];
+    for (int l = 0; l < L; ++l) key[l] = load_lanes(keys + j * stride + l * kLanes);
+    for (int64_t r = 0; r < rows; ++r) {
+      VecF p = q[r][0] * key[0];
+      for (int l = 1; l < L; ++l) p += q[r][l] * key[l];
+      out[r * ld + j] = lane_sum(p);
+    }
+  }
+}
+
+// A bf16 model's scores on a CPU with AVX512-BF16: its bf16 queries, unscaled, against bf16
+// keys as they lie in the pool. vdpbf16ps multiplies 32 query and key values exactly and adds
+// them, two to a lane, in float32: half the multiply-adds of widening both first, and no
+// widening; the scale is applied to each score. Where the CPU lacks the instruction, bf16
+// queries are widened and scaled like float32 ones.
+#if defined(__AVX512BF16__)
+template <int DIM>
+constexpr bool kBf16Scores = DIM > 0 && DIM % 32 == 0;
+
+inline __m512bh load_bf16_pairs(const c10::BFloat16* p) {
+  return (__m512bh)_mm512_loadu_si512(p);
+}
+
+// `rows` (up to R) rows' scores against `n` keys, as score_rows's, from bf16 queries.
+template <int DIM, int R>
+inline void score_rows_bf16(const c10::BFloat16* queries, int64_t rows,
+                            const c10::BFloat16* keys, int64_t stride, int64_t n, float scale,
+                            float* out, int64_t ld) {
+  constexpr int L = DIM / 32;  // a register holds 32 bf16
+  constexpr int K = kLanes / R;
+  __m512bh q[R][L];
+  for (int r = 0; r < R; ++r)  // a tile's missing rows repeat its last: never written out
+    for (int l = 0; l < L; ++l)
+      q[r][l] = load_bf16_pairs(queries + std::min<int64_t>(r, rows - 1) * DIM + l * 32);
+  auto products_of = [&](const c10::BFloat16* key_row, VecF* out_rows, int step) INLINE {
+    __m512bh key[L];
+    for (int l = 0; l < L; ++l) key[l] = load_bf16_pairs(key_row + l * 32);
+    for (int r = 0; r < R; ++r) {
+      __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[r][0], key[0]);
+      for (int l = 1; l < L; ++l) p = _mm512_dpbf16_ps(p, q[r][l], key[l]);
+      out_rows[r * step] = (VecF)p;
+    }
+  };
+  int64_t j = 0;
+  for (; j + K <= n; j += K) {
+    VecF products[kLanes];
+    for (int t = 0; t < K; ++t) products_of(keys + (j + t) * stride, products + t, K);
+    float scores[kLanes];
+    const VecF s = transpose_sum(products) * scale;
+    std::memcpy(scores, &s, sizeof s);
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(out + r * ld + j, scores + r * K, K * sizeof(float));
+  }
+  for (; j < n; ++j) {
+    VecF products[R];
+    products_of(keys + j * stride, products, 1);
+    for (int64_t r = 0; r < rows; ++r) out[r * ld + j] = lane_sum(products[r]) * scale;
+  }
+}
+
+#else
+template <int DIM>
+constexpr bool kBf16Scores = false;
+
+template <int DIM, int R>
+inline void score_rows_bf16(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t,
+                            int64_t, float, float*, int64_t) {}
+#endif
+
+// Rows whose value sums stay in registers together: 8 vectors' worth.
+template <int DIM>
+constexpr int64_t kValueRows = std::max<int64_t>(1, std::min<int64_t>(4, 8 / (DIM / kLanes)));
+
+// `rows` (up to R) rows' weights (rows `ld` apart) times `n` values of a block, added to sums.
+template <int DIM, int64_t R, typename E>
+inline void add_values(VecF (&sums)[R][DIM / kLanes], const float* weights, int64_t ld,
+                       int64_t rows, const E* values, int64_t stride, int64_t n) {
+  constexpr int L = DIM / kLanes;
+  // In locals, which stay in registers: for all the compiler knows `sums` aliases `weights`.
+  VecF acc[R][L];
+  for (int64_t t = 0; t < R; ++t)
+    for (int l = 0; l < L; ++l) acc[t][l] = sums[t][l];
+  const float* w[R];  // a tile's missing rows repeat its last: their sums are never read
+  for (int64_t t = 0; t < R; ++t) w[t] = weights + std::min(t, rows - 1) * ld;
+  for (int64_t j = 0; j < n; ++j) {
+    VecF v[L];
+    for (int l = 0; l < L; ++l) v[l] = load_lanes(values + j * stride + l * kLanes);
+    for (int64_t t = 0; t < R; ++t)
+      for (int l = 0; l < L; ++l) acc[t][l] += w[t][j] * v[l];
+  }
+  for (int64_t t = 0; t < R; ++t)
+    for (int l = 0; l < L; ++l) sums[t][l] = acc[t][l];
+}
+
+}  // namespace tierserve_attention

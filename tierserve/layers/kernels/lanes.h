@@ -1,0 +1,93 @@
+// The 16-lane vectors the attention kernel (paged_attention.cpp) computes in, for the head
+// sizes the compiler knows, and its sums and maxima across lanes.
+
+#pragma once
+
+#include <c10/util/BFloat16.h>
+
+#include <cstdint>
+#include <cstring>
+#include <limits>
+
+// The kernel's steps are lambdas over its shared state; left to itself GCC called them out of
+// line, and a batch-64 decode took a third longer.
+#define INLINE __attribute__((always_inline))
+
+// SHUFFLE: __builtin_shufflevector is Clang's and GCC 12's; older GCC has __builtin_shuffle.
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, VecI{__VA_ARGS__})
+#endif
+
+namespace tierserve_lanes {
+
+// GCC and Clang vector types: whole AVX-512 registers here, pairs of AVX2 ones elsewhere.
+
+typedef float VecF __attribute__((vector_size(64)));
+typedef uint32_t VecU __attribute__((vector_size(64)));
+typedef uint16_t VecH __attribute__((vector_size(32)));
+typedef int32_t VecI __attribute__((vector_size(64)));
+constexpr int64_t kLanes = 16;
+
+inline VecF load_lanes(const float* p) {
+  VecF v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline VecF load_lanes(const c10::BFloat16* p) {  // widened as wide() does: a shift
+  VecH h;
+  std::memcpy(&h, p, sizeof h);
+  const VecU u = __builtin_convertvector(h, VecU) << 16;
+  VecF v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+inline float lane_sum(VecF v) {
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// Lane j of the result is the sum of v[j]'s lanes: 16 dot products' sums in one tree of
+// shuffles and adds (four levels, each adding the halves of pairs; the lanes end in
+// bit-reversed order, undone last), where a sum per key took a tree each.
+inline VecF transpose_sum(const VecF* v) {
+  VecF w[8], x[4], y[2];
+  for (int k = 0; k < 8; ++k)  // pair (a, b): [a's 8 halves' sums | b's]
+    w[k] = SHUFFLE(v[2 * k], v[2 * k + 1],
+                   0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SHUFFLE(v[2 * k], v[2 * k + 1],
+                   8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int k = 0; k < 4; ++k)  // 4 sums each of 4 vectors
+    x[k] = SHUFFLE(w[2 * k], w[2 * k + 1],
+                   0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           SHUFFLE(w[2 * k], w[2 * k + 1],
+                   4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int k = 0; k < 2; ++k)  // 2 sums each of 8 vectors
+    y[k] = SHUFFLE(x[2 * k], x[2 * k + 1],
+                   0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           SHUFFLE(x[2 * k], x[2 * k + 1],
+                   2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  const VecF z = SHUFFLE(y[0], y[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+                 SHUFFLE(y[0], y[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+  return SHUFFLE(z, z, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
+// The largest of `n` floats (-inf for none), 16 lanes at a time: GCC left a max loop scalar
+// even under `omp simd`, and a decode step spent an eighth of its attention there.
+inline float max_of(const float* x, int64_t n) {
+  const float lowest = -std::numeric_limits<float>::infinity();
+  VecF m = VecF{} + lowest;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes) {
+    const VecF v = load_lanes(x + j);
+    m = v > m ? v : m;
+  }
+  float best = lowest;
+  for (int i = 0; i < kLanes; ++i) best = m[i] > best ? m[i] : best;
+  for (; j < n; ++j) best = x[j] > best ? x[j] : best;
+  return best;
+}
+
+}  // namespace tierserve_lanes
