@@ -12,8 +12,8 @@ float32 with the prefix cache on. Each round, tierserve first, then vLLM:
 - offline: `LLM.generate` of 64 prompts of 64–512 token ids × 128 greedy tokens (EOS ignored),
   in a fresh process, timed around `generate` only; the two engines' outputs are compared;
 - served streams: the same 64 as streamed `/v1/completions` from a client in its own process
-  (aiohttp, as vLLM's and SGLang's benchmarks; `--clients` adds httpx, which takes about twice
-  the CPU per token);
+  that parses every chunk (aiohttp, as vLLM's and SGLang's benchmarks; `--clients` adds httpx,
+  which takes about twice the CPU per token);
 - `--bursts N`: first, on each server just started, N bursts of 64 streams of other prompts,
   with no warm-up: the first burst against the third shows what a cold start costs;
 - each measured batch comes after a warm-up batch of 64 other prompts of the same lengths in
