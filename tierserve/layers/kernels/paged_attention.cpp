@@ -489,12 +489,12 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
         queries.resize(rows * dim_k);
         for (int64_t r = 0; r < rows; ++r) {
           const int64_t at = (qs[w.seq] + r / group) * q_row + (w.head * group + r % group) * dim_k;
-          float* row = queries.data() + r * dim_k;
           if (bf16_scores)  // as bf16: the rows lie packed in the buffer's first half
             std::memcpy(reinterpret_cast<c10::BFloat16*>(queries.data()) + r * dim_k,
                         static_cast<const c10::BFloat16*>(qp) + at, dim_k * sizeof(c10::BFloat16));
           else
-            load_row(qp, rows_bf16, at, dim_k, static_cast<float>(scale), row);
+            load_row(qp, rows_bf16, at, dim_k, static_cast<float>(scale),
+                     queries.data() + r * dim_k);
         }
         float* part = scratch.data() + w.scratch * stride;
         for (int64_t r = 0; r < rows; ++r) {
