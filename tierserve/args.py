@@ -572,6 +572,13 @@ class EngineArgs:
             raise TierserveError(
                 f"unknown engine argument(s) {unknown}; known: {sorted(known)}", field=unknown[0]
             )
+        for f in fields(cls):
+            if f.name in kwargs and not _of_type(kwargs[f.name], str(f.type)):
+                value = kwargs[f.name]
+                raise TierserveError(
+                    f"{f.name} must be {f.type}, got {value!r} ({type(value).__name__})",
+                    field=f.name,
+                )
         return cls(model=model, **kwargs)
 
     @staticmethod
@@ -660,3 +667,17 @@ def vllm_speculative_config(args: EngineArgs) -> dict[str, Any]:
     if method == "ngram" and (lo is None or hi is None):
         out[_VLLM_KEYS["prompt_lookup_min"]] = out[_VLLM_KEYS["prompt_lookup_max"]] = lo or hi or 5
     return out
+
+
+def _of_type(value: Any, annotation: str) -> bool:
+    """Whether a Python caller's keyword fits its field as a CLI flag's parsed value would:
+    a number for a number (an int for a float, never a bool), a bool for a switch. Text
+    fields take what they are given: a size as 48 or "48GB", a folder as a Path."""
+    kind, _, optional = annotation.partition(" | ")
+    if value is None:
+        return optional == "None" or kind == "str"
+    if kind == "bool":
+        return isinstance(value, bool)
+    if kind == "str":
+        return True
+    return not isinstance(value, bool) and isinstance(value, int if kind == "int" else (int, float))
