@@ -72,7 +72,9 @@ TIERSERVE_OFFLINE = (
     + """
 import json, sys, time
 from tierserve import LLM, SamplingParams
-llm = LLM(sys.argv[1], max_total_tokens=65536)
+# argv[4]: more LLM keywords, as JSON (benchmarks/offline_chunk.py)
+kwargs = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+llm = LLM(sys.argv[1], max_total_tokens=65536, **kwargs)
 params = SamplingParams(max_tokens=128, temperature=0, ignore_eos=True)
 llm.generate(WARM, SamplingParams(max_tokens=WARM_TOKENS, temperature=0, ignore_eos=True))
 start = time.perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.conftest import random_prompts
 from tierserve import LLM, SamplingParams, TierserveError
@@ -143,6 +144,21 @@ def test_a_prefilling_steps_budget_counts_its_decode_rows(llama_dir, prompts):
     assert [outputs[r] for r in rids] == [*reference, *reference]
 
 
+def test_the_offline_llm_on_a_cpu_host_prefills_vllms_offline_budget(offline, llama_dir):
+    """An LLM that leaves --chunked-prefill-size alone on a CPU-only host takes vLLM's offline
+    CPU budget, 4096 tokens a tensor-parallel rank; the server's default stays 2048, a CUDA
+    host keeps it offline too, and a value given is kept."""
+    from tierserve.args import EngineArgs
+    from tierserve.engine.llm import offline_chunk
+
+    cpu_host = not torch.cuda.is_available()
+    assert offline.args.chunked_prefill_size == (4096 if cpu_host else 2048)
+    assert offline_chunk({"device": "cpu", "tp_size": 2}) == 8192
+    assert offline_chunk({"device": "cpu", "tp_size": "2"}) == 4096  # EngineArgs refuses it
+    assert EngineArgs.from_kwargs("m").chunked_prefill_size == 2048  # serve, batch
+    assert LLM(str(llama_dir), chunked_prefill_size=64).args.chunked_prefill_size == 64
+
+
 def test_flush_cache_frees_every_page(llama_dir, prompts):
     llm = LLM(str(llama_dir), max_total_tokens=4096)
     llm.generate(prompts, GREEDY)
@@ -216,6 +232,10 @@ def test_engine_flags_are_llm_kwargs(llama_dir):
     assert err.value.field == "page_size"
     with pytest.raises(TierserveError, match="max_position_embeddings 2048"):
         LLM(str(llama_dir), context_length=4096)
+    for kwargs in ({"tp_size": "2"}, {"page_size": True}, {"disable_radix_cache": 1}):
+        with pytest.raises(TierserveError, match="must be") as err:  # not a TypeError
+            LLM(str(llama_dir), **kwargs)
+        assert err.value.field == next(iter(kwargs))
 
 
 def test_cli_flags_and_llm_kwargs_are_one_config():

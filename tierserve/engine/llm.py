@@ -9,12 +9,29 @@ from typing import Any
 from tierserve.args import EngineArgs
 from tierserve.engine.engine import Engine
 from tierserve.engine.output import OutputBuilder
+from tierserve.engine.startup import resolve_device
 from tierserve.outputs import RequestOutput
 from tierserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 
 __all__ = ["LLM", "RequestOutput"]
+
+
+# vLLM's CPU default for its offline LLM (its server keeps 2048, as ours does): a prefilling
+# step of 4096 tokens a tensor-parallel rank, whose share of each GEMM is then 4096 rows'
+# worth. The offline batch of benchmarks/vllm_peer.py ran 1.085× as fast as at 2048 on a
+# 2-core EPYC, and 0.94× at 8192 (benchmarks/results/offline-chunk/report.md).
+OFFLINE_CPU_CHUNK = 4096
+
+
+def offline_chunk(engine_args: dict[str, Any]) -> int:
+    """`chunked_prefill_size` for an `LLM` that does not set it: vLLM's offline CPU budget
+    on a CPU-only host, else the server's."""
+    if resolve_device(engine_args.get("device", "auto")).type != "cpu":
+        return EngineArgs.chunked_prefill_size
+    tp = engine_args.get("tp_size", 1)
+    return OFFLINE_CPU_CHUNK * (tp if isinstance(tp, int) and tp > 0 else 1)  # else refused
 
 
 class LLM:
@@ -27,6 +44,8 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         # Offline, the first batch is the work: a warm-up before it only adds its own time.
         engine_args.setdefault("skip_server_warmup", True)
+        if "chunked_prefill_size" not in engine_args:
+            engine_args["chunked_prefill_size"] = offline_chunk(engine_args)
         self.args = EngineArgs.from_kwargs(model, **engine_args)
         self.engine = Engine(self.args)
         # An LLM nobody holds (`del llm`, `llm = None`) still stops its ranks and leaves the
