@@ -327,6 +327,7 @@ def test_the_warm_up_runs_its_shapes_and_leaves_nothing(llama_dir, offline, tmp_
     with caplog.at_level(logging.INFO, logger="tierserve"):
         llm = LLM(
             str(llama_dir), max_total_tokens=4096, max_running_requests=32,
+            chunked_prefill_size=2048,  # the server's budget (offline on CPU: 4096)
             skip_server_warmup=False, hidden_states_dir=str(tmp_path / "hs"),
             enable_hierarchical_cache=True, hicache_storage_backend="file",
             hicache_storage_backend_extra_config=extra,
