@@ -232,8 +232,10 @@ def test_engine_flags_are_llm_kwargs(llama_dir):
     assert err.value.field == "page_size"
     with pytest.raises(TierserveError, match="max_position_embeddings 2048"):
         LLM(str(llama_dir), context_length=4096)
-    for kwargs in ({"tp_size": "2"}, {"page_size": True}, {"disable_radix_cache": 1}):
-        with pytest.raises(TierserveError, match="must be") as err:  # not a TypeError
+    # what argparse refuses for a flag, by name, not a TypeError or torch's RuntimeError
+    wrong = {"tp_size": "2"}, {"page_size": True}, {"disable_radix_cache": 1}, {"device": "gpu"}
+    for kwargs in wrong:
+        with pytest.raises(TierserveError, match="must be") as err:
             LLM(str(llama_dir), **kwargs)
         assert err.value.field == next(iter(kwargs))
 

@@ -572,13 +572,15 @@ class EngineArgs:
             raise TierserveError(
                 f"unknown engine argument(s) {unknown}; known: {sorted(known)}", field=unknown[0]
             )
-        for f in fields(cls):
-            if f.name in kwargs and not _of_type(kwargs[f.name], str(f.type)):
-                value = kwargs[f.name]
-                raise TierserveError(
-                    f"{f.name} must be {f.type}, got {value!r} ({type(value).__name__})",
-                    field=f.name,
-                )
+        for f in fields(cls):  # what argparse checks for a flag, checked for a keyword
+            if f.name not in kwargs:
+                continue
+            value, choices = kwargs[f.name], f.metadata.get("choices")
+            if not _of_type(value, str(f.type)):
+                kind = type(value).__name__
+                raise TierserveError(f"{f.name} must be {f.type}, got {value!r} ({kind})", f.name)
+            if choices and value not in choices:
+                raise TierserveError(f"{f.name} must be one of {choices}, got {value!r}", f.name)
         return cls(model=model, **kwargs)
 
     @staticmethod

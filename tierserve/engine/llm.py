@@ -28,8 +28,9 @@ OFFLINE_CPU_CHUNK = 4096
 def offline_chunk(engine_args: dict[str, Any]) -> int:
     """`chunked_prefill_size` for an `LLM` that does not set it: vLLM's offline CPU budget
     on a CPU-only host, else the server's."""
-    if resolve_device(engine_args.get("device", "auto")).type != "cpu":
-        return EngineArgs.chunked_prefill_size
+    device = engine_args.get("device", "auto")
+    if device not in ("auto", "cpu") or resolve_device(device).type != "cpu":
+        return EngineArgs.chunked_prefill_size  # a bad device is EngineArgs' to refuse
     tp = engine_args.get("tp_size", 1)
     return OFFLINE_CPU_CHUNK * (tp if isinstance(tp, int) and tp > 0 else 1)  # else refused
 
