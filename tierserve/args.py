@@ -111,7 +111,8 @@ class EngineArgs:
         metadata=_flag(
             "most tokens in a step that prefills: its prompt chunks plus the decode rows beside "
             "them (as SGLang's mixed chunks count them), at least half for prompts; -1 disables "
-            "chunking"
+            "chunking (default 2048; the offline LLM's on a CPU-only host: 4096 × tp_size, "
+            "vLLM's offline CPU default)"
         ),
     )
     context_length: int | None = field(
