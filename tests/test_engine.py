@@ -225,6 +225,8 @@ def test_bad_sampling_params_name_field_and_limit(kwargs, field, limit):
 
 
 def test_engine_flags_are_llm_kwargs(llama_dir):
+    from tierserve.args import EngineArgs
+
     with pytest.raises(TierserveError, match="unknown engine argument"):
         LLM(str(llama_dir), page_sise=16)
     with pytest.raises(TierserveError) as err:
@@ -238,6 +240,7 @@ def test_engine_flags_are_llm_kwargs(llama_dir):
         with pytest.raises(TierserveError, match="must be") as err:
             LLM(str(llama_dir), **kwargs)
         assert err.value.field == next(iter(kwargs))
+    assert EngineArgs.from_kwargs("m", speculative_algorithm=None, context_length=None)
 
 
 def test_cli_flags_and_llm_kwargs_are_one_config():

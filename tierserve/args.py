@@ -580,7 +580,7 @@ class EngineArgs:
             if not _of_type(value, str(f.type)):
                 kind = type(value).__name__
                 raise TierserveError(f"{f.name} must be {f.type}, got {value!r} ({kind})", f.name)
-            if choices and value not in choices:
+            if choices and value is not None and value not in choices:
                 raise TierserveError(f"{f.name} must be one of {choices}, got {value!r}", f.name)
         return cls(model=model, **kwargs)
 
