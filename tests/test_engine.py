@@ -153,8 +153,7 @@ def test_the_offline_llm_on_a_cpu_host_prefills_vllms_offline_budget(offline, ll
 
     cpu_host = not torch.cuda.is_available()
     assert offline.args.chunked_prefill_size == (4096 if cpu_host else 2048)
-    assert offline_chunk({"device": "cpu", "tp_size": 2}) == 8192
-    assert offline_chunk({"device": "cpu", "tp_size": "2"}) == 4096  # EngineArgs refuses it
+    assert offline_chunk(EngineArgs.from_kwargs("m", device="cpu", tp_size=2)) == 8192
     assert EngineArgs.from_kwargs("m").chunked_prefill_size == 2048  # serve, batch
     assert LLM(str(llama_dir), chunked_prefill_size=64).args.chunked_prefill_size == 64
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 from tierserve.args import EngineArgs
@@ -25,14 +26,12 @@ __all__ = ["LLM", "RequestOutput"]
 OFFLINE_CPU_CHUNK = 4096
 
 
-def offline_chunk(engine_args: dict[str, Any]) -> int:
-    """`chunked_prefill_size` for an `LLM` that does not set it: vLLM's offline CPU budget
-    on a CPU-only host, else the server's."""
-    device = engine_args.get("device", "auto")
-    if device not in ("auto", "cpu") or resolve_device(device).type != "cpu":
-        return EngineArgs.chunked_prefill_size  # a bad device is EngineArgs' to refuse
-    tp = engine_args.get("tp_size", 1)
-    return OFFLINE_CPU_CHUNK * (tp if isinstance(tp, int) and tp > 0 else 1)  # else refused
+def offline_chunk(args: EngineArgs) -> int:
+    """`chunked_prefill_size` for an `LLM` that does not set it (checked `args`): vLLM's
+    offline CPU budget on a CPU-only host, else the server's."""
+    if resolve_device(args.device).type != "cpu":
+        return args.chunked_prefill_size
+    return OFFLINE_CPU_CHUNK * args.tp_size
 
 
 class LLM:
@@ -45,9 +44,9 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         # Offline, the first batch is the work: a warm-up before it only adds its own time.
         engine_args.setdefault("skip_server_warmup", True)
-        if "chunked_prefill_size" not in engine_args:
-            engine_args["chunked_prefill_size"] = offline_chunk(engine_args)
         self.args = EngineArgs.from_kwargs(model, **engine_args)
+        if "chunked_prefill_size" not in engine_args:  # from the checked device and tp_size
+            self.args = replace(self.args, chunked_prefill_size=offline_chunk(self.args))
         self.engine = Engine(self.args)
         # An LLM nobody holds (`del llm`, `llm = None`) still stops its ranks and leaves the
         # group, and so does one left open at interpreter exit. The finalizer holds the engine
