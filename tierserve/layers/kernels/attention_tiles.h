@@ -17,6 +17,7 @@
 
 namespace tierserve_attention {
 
+using tierserve_lanes::fmadd;
 using tierserve_lanes::kLanes;
 using tierserve_lanes::lane_sum;
 using tierserve_lanes::load_lanes;
@@ -29,43 +30,50 @@ using tierserve_lanes::VecF;
 template <int DIM>
 constexpr int kScoreRows = DIM == 32 ? 4 : DIM == 64 ? 2 : 1;
 
-// `rows` (up to R) rows' scores (queries DIM apart, outputs `ld` apart) against `n` keys.
-template <int DIM, int R, typename E>
-inline void score_rows(const float* queries, int64_t rows, const E* keys, int64_t stride,
-                       int64_t n, float* out, int64_t ld) {
-  constexpr int L = DIM / kLanes;
+// The loop both score paths share. `products_of(j, out, step)` leaves key j's R product
+// vectors (one per row) at out[0], out[step], ...; K keys' make one shuffle tree's 16 scores,
+// each passed through `finish` (the scale, or nothing) as it is stored; the keys short of a
+// tree are summed one by one. Inlined whole, so that the callers' queries stay in registers.
+template <int R, typename Products, typename Finish>
+INLINE inline void score_keys(int64_t rows, int64_t n, float* out, int64_t ld,
+                              Products&& products_of, Finish&& finish) {
   constexpr int K = kLanes / R;
-  VecF q[R][L];
-  for (int r = 0; r < R; ++r)  // a tile's missing rows repeat its last: never written out
-    for (int l = 0; l < L; ++l)
-      q[r][l] = load_lanes(queries + std::min<int64_t>(r, rows - 1) * DIM + l * kLanes);
   int64_t j = 0;
   for (; j + K <= n; j += K) {
     VecF products[kLanes];
-    for (int t = 0; t < K; ++t) {
-      VecF key[L];
-      for (int l = 0; l < L; ++l) key[l] = load_lanes(keys + (j + t) * stride + l * kLanes);
-      for (int r = 0; r < R; ++r) {
-        VecF p = q[r][0] * key[0];
-        for (int l = 1; l < L; ++l) p += q[r][l] * key[l];
-        products[r * K + t] = p;
-      }
-    }
+    for (int t = 0; t < K; ++t) products_of(j + t, products + t, K);
     float scores[kLanes];
-    const VecF s = transpose_sum(products);
+    const VecF s = finish(transpose_sum(products));
     std::memcpy(scores, &s, sizeof s);
     for (int64_t r = 0; r < rows; ++r)
       std::memcpy(out + r * ld + j, scores + r * K, K * sizeof(float));
   }
   for (; j < n; ++j) {
+    VecF products[R];
+    products_of(j, products, 1);
+    for (int64_t r = 0; r < rows; ++r) out[r * ld + j] = finish(lane_sum(products[r]));
+  }
+}
+
+// `rows` (up to R) rows' scores (queries DIM apart, outputs `ld` apart) against `n` keys.
+template <int DIM, int R, typename E>
+inline void score_rows(const float* queries, int64_t rows, const E* keys, int64_t stride,
+                       int64_t n, float* out, int64_t ld) {
+  constexpr int L = DIM / kLanes;
+  VecF q[R][L];
+  for (int r = 0; r < R; ++r)  // a tile's missing rows repeat its last: never written out
+    for (int l = 0; l < L; ++l)
+      q[r][l] = load_lanes(queries + std::min<int64_t>(r, rows - 1) * DIM + l * kLanes);
+  auto products_of = [&](int64_t j, VecF* out_rows, int step) INLINE {
     VecF key[L];
     for (int l = 0; l < L; ++l) key[l] = load_lanes(keys + j * stride + l * kLanes);
-    for (int64_t r = 0; r < rows; ++r) {
+    for (int r = 0; r < R; ++r) {
       VecF p = q[r][0] * key[0];
-      for (int l = 1; l < L; ++l) p += q[r][l] * key[l];
-      out[r * ld + j] = lane_sum(p);
+      for (int l = 1; l < L; ++l) p = fmadd(q[r][l], key[l], p);
+      out_rows[r * step] = p;
     }
-  }
+  };
+  score_keys<R>(rows, n, out, ld, products_of, [](auto x) INLINE { return x; });
 }
 
 // A bf16 model's scores on a CPU with AVX512-BF16: its bf16 queries, unscaled, against bf16
@@ -87,35 +95,20 @@ inline void score_rows_bf16(const c10::BFloat16* queries, int64_t rows,
                             const c10::BFloat16* keys, int64_t stride, int64_t n, float scale,
                             float* out, int64_t ld) {
   constexpr int L = DIM / 32;  // a register holds 32 bf16
-  constexpr int K = kLanes / R;
   __m512bh q[R][L];
   for (int r = 0; r < R; ++r)  // a tile's missing rows repeat its last: never written out
     for (int l = 0; l < L; ++l)
       q[r][l] = load_bf16_pairs(queries + std::min<int64_t>(r, rows - 1) * DIM + l * 32);
-  auto products_of = [&](const c10::BFloat16* key_row, VecF* out_rows, int step) INLINE {
+  auto products_of = [&](int64_t j, VecF* out_rows, int step) INLINE {
     __m512bh key[L];
-    for (int l = 0; l < L; ++l) key[l] = load_bf16_pairs(key_row + l * 32);
+    for (int l = 0; l < L; ++l) key[l] = load_bf16_pairs(keys + j * stride + l * 32);
     for (int r = 0; r < R; ++r) {
       __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(), q[r][0], key[0]);
       for (int l = 1; l < L; ++l) p = _mm512_dpbf16_ps(p, q[r][l], key[l]);
       out_rows[r * step] = (VecF)p;
     }
   };
-  int64_t j = 0;
-  for (; j + K <= n; j += K) {
-    VecF products[kLanes];
-    for (int t = 0; t < K; ++t) products_of(keys + (j + t) * stride, products + t, K);
-    float scores[kLanes];
-    const VecF s = transpose_sum(products) * scale;
-    std::memcpy(scores, &s, sizeof s);
-    for (int64_t r = 0; r < rows; ++r)
-      std::memcpy(out + r * ld + j, scores + r * K, K * sizeof(float));
-  }
-  for (; j < n; ++j) {
-    VecF products[R];
-    products_of(keys + j * stride, products, 1);
-    for (int64_t r = 0; r < rows; ++r) out[r * ld + j] = lane_sum(products[r]) * scale;
-  }
+  score_keys<R>(rows, n, out, ld, products_of, [scale](auto x) INLINE { return x * scale; });
 }
 
 #else

@@ -9,6 +9,10 @@
 #include <cstring>
 #include <limits>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 // The kernel's steps are lambdas over its shared state; left to itself GCC called them out of
 // line, and a batch-64 decode took a third longer.
 #define INLINE __attribute__((always_inline))
@@ -42,6 +46,16 @@ inline VecF load_lanes(const c10::BFloat16* p) {  // widened as wide() does: a s
   VecF v;
   std::memcpy(&v, &u, sizeof v);
   return v;
+}
+// a * b + c, rounded once, in this order. Written out because -fassociative-math lets the
+// compiler regroup a chain of `p += a * b` as it likes wherever the chain is inlined: the
+// float32 scores' bits depended on which function held the loop.
+inline VecF fmadd(VecF a, VecF b, VecF c) {
+#if defined(__AVX512F__)
+  return (VecF)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#else
+  return a * b + c;
+#endif
 }
 inline float lane_sum(VecF v) {
   float s = 0.f;
