@@ -10,7 +10,12 @@ import pytest
 
 from tests.conftest import Server
 from tierserve import cli
-from tierserve.distributed.placement import allowed_cores, format_cores, plan_placement
+from tierserve.distributed.placement import (
+    allowed_cores,
+    format_cores,
+    plan_placement,
+    torch_threads,
+)
 from tierserve.errors import TierserveError
 from tierserve.server.grammar_worker import COMPILE_HOLD_ENV
 
@@ -56,7 +61,12 @@ def test_the_off_switch_a_gpu_host_and_a_reserve_given_by_flag():
         ("0-1|1-2", None, "ranks share a core"),
         ("0-1", None, "gives 1 core list(s) for 2 rank(s)"),
         ("0-x|2", None, "is not a core list like 0-3,8"),
+        ("0-|2", None, "'0-' is not a core list like 0-3,8"),  # not core 0
+        ("3-1|0", None, "is not a core list like 0-3,8"),
+        ("0|1-99999999999", None, "'1-99999999999' names core 99999999999, past any machine's"),
+        ("0|\u00b2", None, "is not a core list like 0-3,8"),  # a digit to isdigit(), not to int()
         ("auto", 3, "--cpu-reserved-cores 3 leaves 1 of the 4 cores"),
+        ("auto", 9, "--cpu-reserved-cores 9 leaves 0 of the 4 cores"),
         ("auto", -1, "cpu_reserved_cores must be >= 0"),
         ("0|1", 1, "--cpu-reserved-cores shapes --cpu-omp-threads-bind auto"),
         ("nobind", 0, "with nobind it would be ignored"),
@@ -66,6 +76,16 @@ def test_lists_and_reserves_that_cannot_be_honoured_are_refused_by_name(bind, re
     with pytest.raises(TierserveError) as err:
         plan_placement(bind, reserved, 2, (0, 1, 2, 3), True)
     assert says in err.value.message
+
+
+@pytest.mark.parametrize(
+    ("given", "threads"), [("3", 3), ("", 2), ("0", 2), ("4,2", 2), ("\u00b2", 2)]
+)
+def test_omp_num_threads_is_a_ranks_thread_count_when_it_is_a_count(monkeypatch, given, threads):
+    """As vLLM yields to it; anything else (unset, 0, a nested list, a digit int() cannot
+    read) leaves one thread a core."""
+    monkeypatch.setenv("OMP_NUM_THREADS", given)
+    assert torch_threads(2) == threads
 
 
 def test_the_start_up_table_shows_the_placement(llama_dir, capsys):

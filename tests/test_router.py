@@ -30,6 +30,18 @@ def pair() -> Iterator[tuple[Server, Server]]:
         yield a, b
 
 
+@pytest.mark.parametrize(
+    "name", ["replicas-0-round_robin", "replicas-\u00b2-round_robin", "replicas-2-nope"]
+)
+def test_a_replicas_configuration_that_does_not_parse_is_refused_by_name(name):
+    """A count int() cannot read (the superscript two is a digit to str.isdigit) included."""
+    with pytest.raises(tierserve.TierserveError, match="bad replicas configuration"):
+        ReplicaLayout.parse(name)
+    assert ReplicaLayout.parse("replicas-2-round_robin-store") == ReplicaLayout(
+        2, "round_robin", True
+    )
+
+
 def test_tierserve_workers_behind_sglang_router(tmp_path, pair):
     a, b = pair
     for worker in (a, b):  # what the router reads when a worker joins, as SGLang has it

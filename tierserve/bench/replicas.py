@@ -48,7 +48,7 @@ class ReplicaLayout:
             return None
         store = parts[-1] == "store"
         policy = "-".join(parts[2 : len(parts) - store])
-        if not parts[1].isdigit() or int(parts[1]) < 1 or policy not in ROUTER_POLICIES:
+        if not parts[1].isdecimal() or int(parts[1]) < 1 or policy not in ROUTER_POLICIES:
             raise TierserveError(
                 f"bad replicas configuration {name!r}: replicas-N-POLICY[-store], POLICY one "
                 f"of {', '.join(ROUTER_POLICIES)}",

@@ -19,6 +19,7 @@ refused. On a GPU host `auto` pins nothing.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -107,7 +108,7 @@ def plan_placement(
         keep = 1 if serving and len(allowed) - 1 >= 2 * local_ranks else 0
     if len(allowed) - keep < local_ranks:
         raise TierserveError(
-            f"--cpu-reserved-cores {keep} leaves {len(allowed) - keep} of the "
+            f"--cpu-reserved-cores {keep} leaves {max(0, len(allowed) - keep)} of the "
             f"{len(allowed)} cores this process may use for {local_ranks} rank(s)",
             "cpu_reserved_cores",
         )
@@ -126,7 +127,7 @@ def torch_threads(cores: int) -> int:
     """A rank's torch threads on `cores` cores: one a core, unless OMP_NUM_THREADS says (as
     vLLM, which also yields to it)."""
     given = os.environ.get("OMP_NUM_THREADS", "")
-    return int(given) if given.isdigit() and int(given) > 0 else cores
+    return int(given) if given.isdecimal() and int(given) > 0 else cores
 
 
 def resolve_placement(args: EngineArgs, serving: bool) -> tuple[EngineArgs, Placement]:
@@ -204,15 +205,28 @@ def format_cores(cores: Sequence[int]) -> str:
     return ",".join(runs)
 
 
+# A core or a range of them, in ASCII digits: str.isdigit() also takes "²", which int() refuses.
+CORE_RUN = re.compile(r"([0-9]+)(?:-([0-9]+))?")
+# Past any machine's core ids (Linux's NR_CPUS is at most 8192): a list naming more is a typo,
+# and "0-99999999999" would otherwise be spelt out core by core.
+MAX_CORE_ID = 1 << 16
+
+
 def parse_cores(text: str) -> tuple[int, ...]:
     cores: list[int] = []
     for part in text.split(","):
-        lo, _, hi = part.strip().partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()) or (hi and int(hi) < int(lo)):
+        run = CORE_RUN.fullmatch(part.strip())
+        lo = int(run[1]) if run else 0
+        hi = int(run[2] or lo) if run else -1
+        if hi < lo:  # not a run, a half one ("0-") or a backwards one ("3-1")
             raise TierserveError(
                 f"--cpu-omp-threads-bind: {text!r} is not a core list like 0-3,8", FIELD
             )
-        cores += range(int(lo), int(hi or lo) + 1)
+        if hi >= MAX_CORE_ID:
+            raise TierserveError(
+                f"--cpu-omp-threads-bind: {text!r} names core {hi}, past any machine's", FIELD
+            )
+        cores += range(lo, hi + 1)
     return tuple(sorted(set(cores)))
 
 
