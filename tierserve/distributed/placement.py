@@ -215,13 +215,12 @@ MAX_CORE_ID = 1 << 16
 def parse_cores(text: str) -> tuple[int, ...]:
     cores: list[int] = []
     for part in text.split(","):
-        run = CORE_RUN.fullmatch(part.strip())
-        lo = int(run[1]) if run else 0
-        hi = int(run[2] or lo) if run else -1
-        if hi < lo:  # not a run, a half one ("0-") or a backwards one ("3-1")
+        run = CORE_RUN.fullmatch(part.strip())  # "0-" is none
+        if run is None or int(run[2] or run[1]) < int(run[1]):  # or a backwards one, "3-1"
             raise TierserveError(
                 f"--cpu-omp-threads-bind: {text!r} is not a core list like 0-3,8", FIELD
             )
+        lo, hi = int(run[1]), int(run[2] or run[1])
         if hi >= MAX_CORE_ID:
             raise TierserveError(
                 f"--cpu-omp-threads-bind: {text!r} names core {hi}, past any machine's", FIELD
