@@ -1,30 +1,68 @@
 """Linear weights in oneDNN's blocked layout on CPU, as vLLM's CPU build keeps them.
 
-torch's `F.linear` on CPU multiplies by the row-major weight and re-blocks it on every call; a
-weight reordered once at load into oneDNN's own layout skips that. On the demo model's shapes
-(2 threads) the gate/up GEMM of a 64-row decode step went from 0.49 to 0.27 ms and the LM head
-from 2.1 to 1.3 ms (benchmarks/step_floor.py breaks a step down by op). The reordered weight
-replaces the dense one, so no linear is held twice, except a head tied to the embedding: the
-embedding's lookups need its rows, so the head gets its own reordered copy, which start-up
-counts (`packed_head_bytes`).
+torch's `F.linear` on CPU multiplies by the row-major weight (float32: MKL's sgemm; bf16:
+oneDNN, re-blocking the weight on every call); a weight reordered once at load into oneDNN's
+own layout skips that. On the demo model's shapes (2 threads, an AMD EPYC) the gate/up GEMM of
+a 64-row decode step went from 0.49 to 0.27 ms and the LM head from 2.1 to 1.3 ms
+(benchmarks/step_floor.py breaks a step down by op). The reordered weight replaces the dense
+one, so no linear is held twice, except a head tied to the embedding: the embedding's lookups
+need its rows, so the head gets its own reordered copy, which start-up counts
+(`packed_head_bytes`).
 
 Results equal F.linear's to float32 rounding, not bit for bit (another blocking of the same
 sums), as vLLM's oneDNN GEMMs differ from torch's.
+
+Which dtypes are reordered depends on the CPU (benchmarks/cpu_linear_layout.py times both
+layouts per shape and row count). MKL is Intel's: on an Intel Xeon (AMX, AVX-512) the dense
+float32 weight took 0.26-0.63× the reordered one's time at 1 row, 0.36-0.65× at 8 (oneDNN's
+call costs ~20 µs more), 0.93-1.05× at 64-512 rows; served multi-turn ran ~10% faster with it,
+a one-row decode step took 2.5-3.1 ms against 3.6-4.1, offline 64 × 128 and 64 streams were
+even. So float32 stays dense on an Intel CPU with MKL and is reordered elsewhere (the EPYC
+figures above). bf16 is reordered everywhere (the Xeon: dense / reordered 0.95-1.74×, mostly
+~1.2×).
 """
 
 from __future__ import annotations
+
+import functools
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+INTEL = "GenuineIntel"
 # oneDNN's CPU GEMMs take these weight dtypes; others (fp16, fp8) stay dense for F.linear.
-_DTYPES = (torch.float32, torch.bfloat16)
+ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """This machine's CPU vendor as /proc/cpuinfo names it ("" where it does not say)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "vendor_id":
+            return value.strip()
+    return ""
+
+
+def packed_dtypes(vendor: str) -> tuple[torch.dtype, ...]:
+    """The weight dtypes whose linears are reordered on a CPU of `vendor`; others (fp16, fp8,
+    and float32 where MKL's sgemm is native) stay dense for F.linear."""
+    if not torch.backends.mkldnn.is_available():
+        return ()
+    if vendor == INTEL and torch.backends.mkl.is_available():
+        return tuple(d for d in ONEDNN_DTYPES if d != torch.float32)
+    return ONEDNN_DTYPES
 
 
 def packs_linears(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether a model on `device` in `dtype` gets reordered linear weights."""
-    return device.type == "cpu" and dtype in _DTYPES and torch.backends.mkldnn.is_available()
+    """Whether a model on `device` in `dtype` gets reordered linear weights on this machine."""
+    return device.type == "cpu" and dtype in packed_dtypes(cpu_vendor())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -34,14 +72,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def pack_linears(model: nn.Module, kinds: tuple[type[nn.Linear], ...]) -> None:
-    """Reorder the weight of every linear of `kinds` in `model` (loaded) for oneDNN, except
-    those marked `keep_dense` (their weight is read as a tensor elsewhere: MLA's kv_b_proj)."""
+def pack_linears(
+    model: nn.Module,
+    kinds: tuple[type[nn.Linear], ...],
+    dtypes: tuple[torch.dtype, ...] | None = None,
+) -> None:
+    """Reorder the weight of every CPU linear of `kinds` in `model` (loaded) whose dtype is one
+    of `dtypes` (this machine's `packed_dtypes` unless given) for oneDNN, except those marked
+    `keep_dense` (their weight is read as a tensor elsewhere: MLA's kv_b_proj)."""
+    dtypes = packed_dtypes(cpu_vendor()) if dtypes is None else dtypes
     for module in model.modules():
         if not isinstance(module, kinds) or getattr(module, "keep_dense", False):
             continue
         weight = module.weight
-        if weight.is_mkldnn or not packs_linears(weight.device, weight.dtype):
+        if weight.is_mkldnn or weight.device.type != "cpu" or weight.dtype not in dtypes:
             continue
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         module.weight = nn.Parameter(packed, requires_grad=False)

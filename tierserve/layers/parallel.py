@@ -260,9 +260,9 @@ class ParallelLMHead(nn.Linear):
         return torch.cat(parts, dim=-1)
 
 
-def pack_for_cpu(model: nn.Module) -> None:
-    """Every tensor-parallel linear's weight in oneDNN's layout, where it runs on CPU
-    (layers/cpu_linear.py); after loading, as the loader calls it."""
-    pack_linears(
-        model, (ColumnParallelLinear, PackedColumnLinear, RowParallelLinear, ParallelLMHead)
-    )
+def pack_for_cpu(model: nn.Module, dtypes: tuple[torch.dtype, ...] | None = None) -> None:
+    """Every tensor-parallel linear's weight in oneDNN's layout, where it runs on CPU in one of
+    `dtypes` (this machine's choice unless given: layers/cpu_linear.py); after loading, as the
+    loader calls it."""
+    kinds = (ColumnParallelLinear, PackedColumnLinear, RowParallelLinear, ParallelLMHead)
+    pack_linears(model, kinds, dtypes)
