@@ -14,12 +14,12 @@ sums), as vLLM's oneDNN GEMMs differ from torch's.
 
 Which dtypes are reordered depends on the CPU (benchmarks/cpu_linear_layout.py times both
 layouts per shape and row count). MKL is Intel's: on an Intel Xeon (AMX, AVX-512) the dense
-float32 weight took 0.26-0.63× the reordered one's time at 1 row, 0.36-0.65× at 8 (oneDNN's
-call costs ~20 µs more), 0.93-1.05× at 64-512 rows; served multi-turn ran ~10% faster with it,
-a one-row decode step took 2.5-3.1 ms against 3.6-4.1, offline 64 × 128 and 64 streams were
-even. So float32 stays dense on an Intel CPU with MKL and is reordered elsewhere (the EPYC
-figures above). bf16 is reordered everywhere (the Xeon: dense / reordered 0.95-1.74×, mostly
-~1.2×).
+float32 weight took 0.24-0.62× the reordered one's time at 1 row and 0.39-0.65× at 8 (oneDNN's
+call costs ~20 µs more; the LM head at 8 rows 1.07×), 0.71-1.03× at 64-512 rows; served
+multi-turn ran ~10% faster with it, a one-row decode step took 2.5-3.1 ms against 3.6-4.1,
+offline 64 × 128 and 64 streams were even. So float32 stays dense on an Intel CPU with MKL and
+is reordered elsewhere (the EPYC figures above). bf16 is reordered everywhere (the Xeon: dense
+/ reordered 0.97-1.67×, mostly 1.1-1.5×).
 """
 
 from __future__ import annotations
