@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from tierserve.layers.cpu_linear import ONEDNN_DTYPES, cpu_vendor, linear, packed_dtypes
+from tierserve.bench.report import machine_info
+from tierserve.layers.cpu_linear import cpu_vendor, linear, onednn_dtypes, packed_dtypes
 
 OUT = Path(__file__).parent / "results" / "cpu-linear-layout"
 # The demo model's GEMMs as the engine runs them ([in, out]): fused q/k/v, o, fused gate/up,
@@ -60,31 +61,25 @@ def measure(dtype: torch.dtype, rows: list[int], rounds: int) -> dict[tuple[str,
     }
 
 
-def cpu_line() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "this CPU"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--rows", default="1,8,64,512")
     ns = ap.parse_args()
     rows = [int(r) for r in ns.rows.split(",")]
-    if not torch.backends.mkldnn.is_available():
+    if not onednn_dtypes():
         raise SystemExit("torch is built without oneDNN here: every linear stays dense")
     picked = packed_dtypes(cpu_vendor())
+    cpu = machine_info().get("cpu_model", "an unnamed CPU")
     lines = [
         "# Linear layouts on this CPU",
         "",
         f"`.venv/bin/python benchmarks/cpu_linear_layout.py --rounds {ns.rounds} --rows "
-        f"{ns.rows}` on {cpu_line()} ({cpu_vendor() or 'vendor unknown'}), "
+        f"{ns.rows}` on {cpu} ({cpu_vendor() or 'vendor unknown'}), "
         f"{torch.get_num_threads()} torch threads. µs a call, medians of {ns.rounds} rounds.",
         "",
     ]
-    for dtype in ONEDNN_DTYPES:
+    for dtype in onednn_dtypes():
         res = measure(dtype, rows, ns.rounds)
         choice = "reordered" if dtype in picked else "dense"
         lines += [f"## {str(dtype).removeprefix('torch.')}: the loader picks {choice} here", ""]

@@ -41,7 +41,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from tierserve import LLM, SamplingParams
 from tierserve.args import default_model
 from tierserve.engine import Engine
-from tierserve.layers.cpu_linear import ONEDNN_DTYPES, linear
+from tierserve.layers.cpu_linear import linear, onednn_dtypes
 
 OUT = Path(__file__).parent / "results" / "step-floor"
 BATCHES = (1, 8, 64)
@@ -112,7 +112,7 @@ def gemm_floor(model: nn.Module, batch: int) -> float:
         for w in linears_of(model):
             x = torch.randn(batch, w.shape[1], dtype=w.dtype)
             ways = [w]
-            if torch.backends.mkldnn.is_available() and w.dtype in ONEDNN_DTYPES:
+            if w.dtype in onednn_dtypes():
                 ways.append(torch.ops.mkldnn._reorder_linear_weight(w, None))
             total += min(median_seconds(lambda x=x, w=v: linear(x, w), 15) for v in ways)
     return total

@@ -20,13 +20,12 @@ from tierserve.layers import (
     RowParallelLinear,
     pack_for_cpu,
 )
-from tierserve.layers.cpu_linear import ONEDNN_DTYPES, packed_dtypes, packs_linears
+from tierserve.layers.cpu_linear import onednn_dtypes, packed_dtypes, packs_linears
 
 DEMO = Path(__file__).resolve().parent.parent / "tierserve" / "demo_model"
 
-pytestmark = pytest.mark.skipif(
-    not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN"
-)
+pytestmark = pytest.mark.skipif(not onednn_dtypes(), reason="torch built without oneDNN")
+BOTH = (torch.float32, torch.bfloat16)
 
 
 def _linears() -> nn.ModuleDict:
@@ -56,13 +55,13 @@ def test_each_parallel_linear_equals_f_linear_on_its_dense_weight(dtype, rows):
         for name, m in mods.items()
     }
     with torch.no_grad():
-        pack_for_cpu(mods, ONEDNN_DTYPES)  # whichever this CPU's loader would pick
+        pack_for_cpu(mods, BOTH)  # both, whatever this CPU's loader picks
         got = {name: m(x) for name, m in mods.items()}
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for name, m in mods.items():
         assert m.weight.is_mkldnn, name  # reordered, the dense copy released
         torch.testing.assert_close(got[name], want[name], atol=tol * 48, rtol=tol)
-    pack_for_cpu(mods, ONEDNN_DTYPES)  # a second call leaves reordered weights as they are
+    pack_for_cpu(mods, BOTH)  # a second call leaves reordered weights as they are
     assert all(m.weight.is_mkldnn for m in mods.values())
 
 
@@ -70,9 +69,9 @@ def test_each_parallel_linear_equals_f_linear_on_its_dense_weight(dtype, rows):
     ("vendor", "mkl", "want"),
     [
         ("GenuineIntel", True, (torch.bfloat16,)),  # F.linear's float32 is Intel's own sgemm
-        ("GenuineIntel", False, ONEDNN_DTYPES),  # no MKL: F.linear's float32 is no faster
-        ("AuthenticAMD", True, ONEDNN_DTYPES),
-        ("", True, ONEDNN_DTYPES),  # a vendor /proc/cpuinfo does not name
+        ("GenuineIntel", False, BOTH),  # no MKL: F.linear's float32 is no faster
+        ("AuthenticAMD", True, BOTH),
+        ("", True, BOTH),  # a vendor /proc/cpuinfo does not name
     ],
 )
 def test_float32_stays_dense_only_where_mkl_is_intels_own(monkeypatch, vendor, mkl, want):

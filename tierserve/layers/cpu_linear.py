@@ -32,8 +32,6 @@ import torch.nn.functional as F
 from torch import nn
 
 INTEL = "GenuineIntel"
-# oneDNN's CPU GEMMs take these weight dtypes; others (fp16, fp8) stay dense for F.linear.
-ONEDNN_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
@@ -50,14 +48,17 @@ def cpu_vendor() -> str:
     return ""
 
 
+def onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes oneDNN's CPU GEMMs take, where torch has oneDNN; others (fp16, fp8)
+    stay dense for F.linear."""
+    return (torch.float32, torch.bfloat16) if torch.backends.mkldnn.is_available() else ()
+
+
 def packed_dtypes(vendor: str) -> tuple[torch.dtype, ...]:
-    """The weight dtypes whose linears are reordered on a CPU of `vendor`; others (fp16, fp8,
-    and float32 where MKL's sgemm is native) stay dense for F.linear."""
-    if not torch.backends.mkldnn.is_available():
-        return ()
-    if vendor == INTEL and torch.backends.mkl.is_available():
-        return tuple(d for d in ONEDNN_DTYPES if d != torch.float32)
-    return ONEDNN_DTYPES
+    """The weight dtypes whose linears are reordered on a CPU of `vendor`: oneDNN's, but for
+    float32 where MKL's sgemm is native."""
+    mkl_native = vendor == INTEL and torch.backends.mkl.is_available()
+    return tuple(d for d in onednn_dtypes() if not (mkl_native and d == torch.float32))
 
 
 def packs_linears(device: torch.device, dtype: torch.dtype) -> bool:
