@@ -201,6 +201,49 @@ def test_a_long_context_is_split_and_merged_the_same_in_any_batch_and_thread_cou
 
 
 @pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "page_size", "kv_dtype", "compute"),
+    [
+        (8, 2, 32, 16, "float32", torch.float32),
+        (8, 2, 32, 1, "float32", torch.float32),
+        (8, 2, 32, 16, "fp8_e4m3", torch.float32),
+        (8, 2, 32, 16, "bfloat16", torch.bfloat16),
+        (6, 2, 64, 8, "float32", torch.float32),
+        (4, 2, 64, 16, "bfloat16", torch.bfloat16),
+    ],
+)
+def test_a_prompts_rows_are_the_same_bits_as_decoding_its_tokens_one_by_one(
+    heads, kv_heads, dim, page_size, kv_dtype, compute
+):
+    """A span of new tokens (a prompt after a cached prefix, in several row chunks and across
+    a split of its context) gives each token the same bits as that token decoded alone over
+    the same KV. Speculative verification, prefix-cache hits and chunked prefill all compute a
+    token's attention in one path where plain decoding used the other: their greedy outputs
+    stay equal only if the two paths agree to the bit."""
+    spec = KVSpec("kv", LAYERS, kv_heads, dim, kv_dtype, page_size)  # type: ignore[arg-type]
+    pool = PagedKV(spec, -(-700 // page_size) + 2, torch.device("cpu"), compute_dtype=compute)
+    batch = _batch(pool, [(300, 700)], seed=31)
+    _fill_context(pool, batch, parts=2, seed=32)
+    g = torch.Generator().manual_seed(33)
+    q = torch.randn(300, heads, dim, generator=g).to(compute)
+    k, v = (torch.randn(300, kv_heads, dim, generator=g).to(compute) for _ in range(2))
+    backend = CPUPagedAttention(pool, LAYERS)
+    backend.prepare(batch)
+    span = backend.forward(0, q, k, v)
+    (seq,) = batch.spans
+    for i in range(300):
+        one = slice(i, i + 1)
+        kv_len = seq.kv_len - seq.q_len + i + 1
+        alone = ForwardBatch(
+            batch.input_ids[one],
+            batch.positions[one],
+            batch.out_slots[one],
+            [SeqSpan(0, 0, 1, kv_len, seq.pages[: -(-kv_len // page_size)])],
+        )
+        backend.prepare(alone)
+        assert torch.equal(backend.forward(0, q[one], k[one], v[one]), span[one]), i
+
+
+@pytest.mark.parametrize(
     ("kv_dtype", "model_dtype"),
     [("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16")],
 )

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
 #include "lanes.h"
 
 #if defined(__AVX512BF16__)
@@ -19,10 +20,10 @@ namespace tierserve_attention {
 
 using tierserve_lanes::fmadd;
 using tierserve_lanes::kLanes;
-using tierserve_lanes::lane_sum;
 using tierserve_lanes::load_lanes;
 using tierserve_lanes::transpose_sum;
 using tierserve_lanes::VecF;
+using tierserve_bf16::wide;
 
 // Rows scored together against each key read once: R rows' queries stay in registers and
 // each key is loaded once for all of them (GQA's query heads share their KV head). 16 / R keys
@@ -33,7 +34,9 @@ constexpr int kScoreRows = DIM == 32 ? 4 : DIM == 64 ? 2 : 1;
 // The loop both score paths share. `products_of(j, out, step)` leaves key j's R product
 // vectors (one per row) at out[0], out[step], ...; K keys' make one shuffle tree's 16 scores,
 // each passed through `finish` (the scale, or nothing) as it is stored; the keys short of a
-// tree are summed one by one. Inlined whole, so that the callers' queries stay in registers.
+// tree make one more, the missing keys' products 0, so that every score is summed in the
+// tree's order (transposed_scores below relies on it). Inlined whole, so that the callers'
+// queries stay in registers.
 template <int R, typename Products, typename Finish>
 INLINE inline void score_keys(int64_t rows, int64_t n, float* out, int64_t ld,
                               Products&& products_of, Finish&& finish) {
@@ -48,10 +51,14 @@ INLINE inline void score_keys(int64_t rows, int64_t n, float* out, int64_t ld,
     for (int64_t r = 0; r < rows; ++r)
       std::memcpy(out + r * ld + j, scores + r * K, K * sizeof(float));
   }
-  for (; j < n; ++j) {
-    VecF products[R];
-    products_of(j, products, 1);
-    for (int64_t r = 0; r < rows; ++r) out[r * ld + j] = finish(lane_sum(products[r]));
+  if (j < n) {
+    VecF products[kLanes] = {};
+    for (int t = 0; j + t < n; ++t) products_of(j + t, products + t, K);
+    float scores[kLanes];
+    const VecF s = finish(transpose_sum(products));
+    std::memcpy(scores, &s, sizeof s);
+    for (int64_t r = 0; r < rows; ++r)
+      std::memcpy(out + r * ld + j, scores + r * K, (n - j) * sizeof(float));
   }
 }
 
@@ -118,6 +125,111 @@ constexpr bool kBf16Scores = false;
 template <int DIM, int R>
 inline void score_rows_bf16(const c10::BFloat16*, int64_t, const c10::BFloat16*, int64_t,
                             int64_t, float, float*, int64_t) {}
+#endif
+
+#if defined(__AVX512F__)
+// Prefill's scores with the keys across lanes: a page's keys transposed once ([dim][16 keys]),
+// then each of a chunk's rows multiplies its query's dims, broadcast, into them: no shuffle
+// tree a tile of rows and keys, and the transposition is paid once for up to kChunkRows rows.
+// Each score is summed in the very order score_keys's tree sums it (the same products, the
+// same pairs added at each level, each add rounded by itself), so a token's scores are the
+// same bits in a prompt's span as in a decode step: greedy outputs stay equal between plain
+// decoding, speculative verification, chunked prefill and a prefix-cache hit.
+constexpr bool kTransposedScores = true;
+
+// Adds kept as written: -fassociative-math would regroup a tree of plain vector adds.
+INLINE inline VecF add_kept(VecF a, VecF b) {
+  return (VecF)_mm512_add_round_ps((__m512)a, (__m512)b,
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// The sum of products[0..15] lane by lane, grouped as transpose_sum groups each vector's lanes:
+// lane i with i + 8, then those pairs 4 apart, then 2, then 1.
+template <typename Product>
+INLINE inline VecF tree_sum(Product&& product) {
+  auto quad = [&](int i) INLINE {  // (p_i + p_i+8) + (p_i+4 + p_i+12)
+    return add_kept(add_kept(product(i), product(i + 8)),
+                    add_kept(product(i + 4), product(i + 12)));
+  };
+  auto half = [&](int i) INLINE { return add_kept(quad(i), quad(i + 2)); };
+  return add_kept(half(0), half(1));
+}
+
+// `n` (up to 16) keys `stride` apart, DIM wide, into kt[d * 16 + j] as float32 (the same
+// values load_lanes gives); the missing keys' lanes are 0.
+template <int DIM, typename E>
+inline void transpose_keys(const E* keys, int64_t stride, int64_t n, float* kt) {
+  for (int d = 0; d < DIM; ++d) {
+    float* lane = kt + d * kLanes;
+    for (int64_t j = 0; j < n; ++j) lane[j] = wide(keys[j * stride + d]);
+    for (int64_t j = n; j < kLanes; ++j) lane[j] = 0.f;
+  }
+}
+
+// One row's scores against the 16 transposed keys, the first `n` stored.
+template <int DIM>
+INLINE inline void score_row_transposed(const float* query, const float* kt, int64_t n,
+                                        float* out) {
+  constexpr int L = DIM / kLanes;
+  const VecF s = tree_sum([&](int i) INLINE {
+    VecF p = (VecF)_mm512_set1_ps(query[i]) * load_lanes(kt + i * kLanes);
+    for (int l = 1; l < L; ++l)
+      p = fmadd((VecF)_mm512_set1_ps(query[l * kLanes + i]),
+                load_lanes(kt + (l * kLanes + i) * kLanes), p);
+    return p;
+  });
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1), (__m512)s);
+}
+#else
+constexpr bool kTransposedScores = false;
+
+template <int DIM, typename E>
+inline void transpose_keys(const E*, int64_t, int64_t, float*) {}
+template <int DIM>
+inline void score_row_transposed(const float*, const float*, int64_t, float*) {}
+#endif
+
+#if defined(__AVX512BF16__)
+// A bf16 model's keys as bf16 pairs: kt[m * 16 + j] is key j's dims 2m and 2m + 1, the pair
+// one vdpbf16ps lane multiplies; the missing keys' lanes are 0.
+template <int DIM>
+inline void transpose_key_pairs(const c10::BFloat16* keys, int64_t stride, int64_t n,
+                                uint32_t* kt) {
+  for (int m = 0; m < DIM / 2; ++m) {
+    uint32_t* lane = kt + m * kLanes;
+    for (int64_t j = 0; j < n; ++j) std::memcpy(lane + j, keys + j * stride + 2 * m, 4);
+    for (int64_t j = n; j < kLanes; ++j) lane[j] = 0;
+  }
+}
+
+// score_row_transposed's for score_rows_bf16's products: each pair of the query, broadcast,
+// against the keys' pairs, then the scale.
+template <int DIM>
+INLINE inline void score_row_transposed_bf16(const c10::BFloat16* query, const uint32_t* kt,
+                                             int64_t n, float scale, float* out) {
+  constexpr int L = DIM / 32;
+  uint32_t pairs[DIM / 2];
+  std::memcpy(pairs, query, sizeof pairs);
+  auto bf16_pairs = [](const uint32_t* p) INLINE {
+    return (__m512bh)_mm512_loadu_si512(p);
+  };
+  const VecF s = tree_sum([&](int i) INLINE {
+    __m512 p = _mm512_dpbf16_ps(_mm512_setzero_ps(),
+                                (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[i])),
+                                bf16_pairs(kt + i * kLanes));
+    for (int l = 1; l < L; ++l)
+      p = _mm512_dpbf16_ps(p, (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[l * kLanes + i])),
+                           bf16_pairs(kt + (l * kLanes + i) * kLanes));
+    return (VecF)p;
+  }) * scale;
+  _mm512_mask_storeu_ps(out, static_cast<__mmask16>((1u << n) - 1), (__m512)s);
+}
+#else
+template <int DIM>
+inline void transpose_key_pairs(const c10::BFloat16*, int64_t, int64_t, uint32_t*) {}
+template <int DIM>
+inline void score_row_transposed_bf16(const c10::BFloat16*, const uint32_t*, int64_t, float,
+                                      float*) {}
 #endif
 
 // Rows whose value sums stay in registers together: 8 vectors' worth.

@@ -57,11 +57,6 @@ inline VecF fmadd(VecF a, VecF b, VecF c) {
   return a * b + c;
 #endif
 }
-inline float lane_sum(VecF v) {
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-}
 
 // Lane j of the result is the sum of v[j]'s lanes: 16 dot products' sums in one tree of
 // shuffles and adds (four levels, each adding the halves of pairs; the lanes end in

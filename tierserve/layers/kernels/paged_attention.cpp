@@ -16,7 +16,9 @@
 // Work items are (sequence, KV head, split of the context); a long context is split so that
 // every thread has work at batch 1. With a head size the compiler knows (32, 64, 128) an item
 // goes in two passes over its pages: every key's score (the rows of a KV head's query heads
-// against each key read once), each row's softmax once, then the values weighted, a prompt's
+// against each key read once; a prompt's many rows against the page's keys transposed once,
+// each score summed in the same order, so a token gets the same bits in a prompt as in a
+// decode step), each row's softmax once, then the values weighted, a prompt's
 // rows 256 at a time and only up to the last key each tile of rows sees; other sizes
 // (MLA's latent) keep a running max, sum and weighted sum per row (online softmax). A second
 // pass merges the splits of a sequence that has several; an item alone in its (sequence,
@@ -61,6 +63,11 @@ using tierserve_attention::kScoreRows;
 using tierserve_attention::kValueRows;
 using tierserve_attention::score_rows;
 using tierserve_attention::score_rows_bf16;
+using tierserve_attention::kTransposedScores;
+using tierserve_attention::score_row_transposed;
+using tierserve_attention::score_row_transposed_bf16;
+using tierserve_attention::transpose_key_pairs;
+using tierserve_attention::transpose_keys;
 
 // How the pool's bytes are read: its own dtype, or float8 values stored as bytes.
 enum KVFormat : int64_t { kNative = 0, kFloat8E4M3 = 1, kFloat8E5M2 = 2 };
@@ -76,6 +83,9 @@ constexpr int64_t kAheadBlocks = 4;
 // Query rows (tokens x the query heads of a KV head) a prefill item scores, weighs and sums
 // at a time: 256 rows' weights over a split's 512 keys are 512 KB, which L2 holds.
 constexpr int64_t kChunkRows = 256;
+// From this many rows in a chunk (a prompt's span; decode has a KV head's group) its scores
+// are taken with the page's keys transposed once (attention_tiles.h), the same bits.
+constexpr int64_t kTransposedRows = 16;
 
 struct Item {
   int64_t seq, head, first_page, end_page, scratch;  // scratch: first row of its partials
@@ -331,6 +341,43 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
       std::memcpy(static_cast<float*>(op) + at, sums, v_dim * sizeof(float));
   };
 
+  // Rows [c0, c1)'s scores against a page's first `keys_seen` keys, 16 keys at a time with
+  // the keys transposed once for all the rows (attention_tiles.h): `row_seen(r)` keys of the
+  // page are stored for row r, which sees them.
+  auto transposed_scores = [&](const auto* keys, int64_t keys_seen, auto&& row_seen, int64_t c0,
+                               int64_t c1, const float* queries, float* page_scores,
+                               int64_t tokens) INLINE {
+    if constexpr (kTransposedScores && DIM > 0) {
+      alignas(64) float kt[DIM * kLanes];
+      for (int64_t j0 = 0; j0 < keys_seen; j0 += kLanes) {
+        const int64_t n = std::min(kLanes, keys_seen - j0);
+        const auto* group_keys = keys + j0 * dim;
+        if constexpr (kBf16Scores<DIM> && kBf16Pool) {
+          if (bf16_scores) {
+            auto* pairs = reinterpret_cast<uint32_t*>(kt);
+            transpose_key_pairs<DIM>(group_keys, dim, n, pairs);
+            const auto* rows_q = reinterpret_cast<const c10::BFloat16*>(queries);
+            for (int64_t r = c0; r < c1; ++r) {
+              const int64_t seen = row_seen(r) - j0;
+              if (seen > 0)
+                score_row_transposed_bf16<DIM>(rows_q + r * DIM, pairs, std::min(seen, kLanes),
+                                               static_cast<float>(scale),
+                                               page_scores + r * tokens + j0);
+            }
+            continue;
+          }
+        }
+        transpose_keys<DIM>(group_keys, dim, n, kt);
+        for (int64_t r = c0; r < c1; ++r) {
+          const int64_t seen = row_seen(r) - j0;
+          if (seen > 0)
+            score_row_transposed<DIM>(queries + r * DIM, kt, std::min(seen, kLanes),
+                                      page_scores + r * tokens + j0);
+        }
+      }
+    }
+  };
+
   // Two passes over an item's pages (DIM known): every row's score of every key into
   // `weights` (rows x the item's tokens: at most kSplitTokens each, so it stays in cache), each
   // row's softmax once, then the values weighted, kValueRows rows' sums at a time in registers.
@@ -357,6 +404,15 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
           const int64_t first_key = base + (p - w.first_page) * page_size;
           if (visible(last_query, first_key, n).second == 0) continue;
           const auto* keys = readable(block_of(w.seq, p, k_part, w.head), n, dim, k_buf, lut);
+          float* page_scores = chunk_weights + (p - w.first_page) * page_size;
+          if constexpr (kTransposedScores) {
+            if (c1 - c0 >= kTransposedRows) {
+              transposed_scores(keys, visible(last_query, first_key, n).second, [&](int64_t r) {
+                return visible(first_query + r / group, first_key, n).second;
+              }, c0, c1, queries, page_scores, tokens);
+              continue;
+            }
+          }
           constexpr int SR = kScoreRows<DIM>;
           for (int64_t r = c0; r < c1; r += SR) {
             // Only the keys the tile's last query sees: a prefill span's causal half is never
@@ -364,7 +420,7 @@ void attend(const at::Tensor& q, const at::Tensor& cache, int64_t layer, int64_t
             const int64_t tile = std::min<int64_t>(SR, c1 - r);
             const int64_t seen = visible(first_query + (r + tile - 1) / group, first_key, n).second;
             if (seen == 0) continue;
-            float* scores = chunk_weights + r * tokens + (p - w.first_page) * page_size;
+            float* scores = page_scores + r * tokens;
             if constexpr (kBf16Scores<DIM> && kBf16Pool) {
               if (bf16_scores) {
                 const auto* rows_q = reinterpret_cast<const c10::BFloat16*>(queries) + r * DIM;
