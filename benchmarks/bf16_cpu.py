@@ -31,6 +31,7 @@ from vllm_peer import PROMPTS, _json_of  # beside this script: on sys.path
 
 from tierserve.args import default_model
 from tierserve.bench.report import machine_info
+from tierserve.cpuinfo import cpu_flags
 
 OUT = Path(__file__).parent / "results" / "bf16-cpu"
 DTYPES = ("float32", "bfloat16")
@@ -97,9 +98,7 @@ def onednn_kernel() -> str:
 
 def cpu_line() -> str:
     """The CPU and the bf16 units it reports: this environment has run on more than one."""
-    with open("/proc/cpuinfo") as f:
-        flags = next((ln.split(":", 1)[1].split() for ln in f if ln.startswith("flags")), [])
-    units = [u for u in ("amx_bf16", "avx512_bf16") if u in flags] or ["no bf16 units"]
+    units = [u for u in ("amx_bf16", "avx512_bf16") if u in cpu_flags()] or ["no bf16 units"]
     return f"{machine_info().get('cpu_model', 'an unnamed CPU')} ({', '.join(units)})"
 
 

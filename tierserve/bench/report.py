@@ -26,6 +26,7 @@ import numpy as np
 from tierserve.bench.client import RunResult
 from tierserve.bench.metrics import later_rounds_ttft
 from tierserve.bench.plots import plot
+from tierserve.cpuinfo import cpu_field
 
 
 def machine_info() -> dict[str, Any]:
@@ -44,13 +45,8 @@ def machine_info() -> dict[str, Any]:
         if shutil.which(cmd[0]):
             out = subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
             info[key] = out.strip("\n")
-    try:
-        with open("/proc/cpuinfo") as f:
-            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
-        if names:
-            info["cpu_model"] = names[0]
-    except OSError:
-        pass
+    if cpu_field("model name"):
+        info["cpu_model"] = cpu_field("model name")
     try:
         import torch
 

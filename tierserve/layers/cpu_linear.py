@@ -24,28 +24,18 @@ is reordered elsewhere (the EPYC figures above). bf16 is reordered everywhere (t
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierserve.cpuinfo import cpu_field
+
 INTEL = "GenuineIntel"
 
 
-@functools.cache
 def cpu_vendor() -> str:
     """This machine's CPU vendor as /proc/cpuinfo names it ("" where it does not say)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "vendor_id":
-            return value.strip()
-    return ""
+    return cpu_field("vendor_id")
 
 
 def onednn_dtypes() -> tuple[torch.dtype, ...]:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from tierserve.cpuinfo import cpu_flags
 from tierserve.errors import TierserveError
 
 logger = logging.getLogger("tierserve")
@@ -61,21 +62,12 @@ LIBRARY = "tierserve_kernels.so"
 _loaded = False
 
 
-def _cpu_flags() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    except OSError:
-        pass
-    return platform.processor()
-
-
 def build_dir() -> Path:
     h = hashlib.sha256()
     for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
-    h.update(" ".join(FLAGS).encode() + torch.__version__.encode() + _cpu_flags().encode())
+    isa = " ".join(cpu_flags()) or platform.processor()
+    h.update(" ".join(FLAGS).encode() + torch.__version__.encode() + isa.encode())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "tierserve" / "kernels" / h.hexdigest()[:16]
 
