@@ -18,8 +18,9 @@ float32 weight took 0.24-0.62× the reordered one's time at 1 row and 0.39-0.65�
 call costs ~20 µs more; the LM head at 8 rows 1.07×), 0.71-1.03× at 64-512 rows; served
 multi-turn ran ~10% faster with it, a one-row decode step took 2.5-3.1 ms against 3.6-4.1,
 offline 64 × 128 and 64 streams were even. So float32 stays dense on an Intel CPU with MKL and
-is reordered elsewhere (the EPYC figures above). bf16 is reordered everywhere (the Xeon: dense
-/ reordered 0.97-1.67×, mostly 1.1-1.5×).
+is reordered elsewhere (the EPYC figures above). bf16 is reordered wherever oneDNN has a bf16
+GEMM (the Xeon: dense / reordered 0.97-1.67×, mostly 1.1-1.5×); on an AVX2-only CPU it has none
+and bf16 linears stay dense.
 """
 
 from __future__ import annotations
@@ -39,9 +40,18 @@ def cpu_vendor() -> str:
 
 
 def onednn_dtypes() -> tuple[torch.dtype, ...]:
-    """The weight dtypes oneDNN's CPU GEMMs take, where torch has oneDNN; others (fp16, fp8)
-    stay dense for F.linear."""
-    return (torch.float32, torch.bfloat16) if torch.backends.mkldnn.is_available() else ()
+    """The weight dtypes oneDNN's CPU GEMMs take on this CPU, where torch has oneDNN; others
+    stay dense for F.linear. bf16 needs AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT: on an AVX2-only
+    CPU (AMD Zen 2/3, older Xeons) oneDNN refuses to reorder a bf16 weight, and F.linear
+    computes it instead."""
+    if not torch.backends.mkldnn.is_available():
+        return ()
+    return (torch.float32, torch.bfloat16) if onednn_has_bf16() else (torch.float32,)
+
+
+def onednn_has_bf16() -> bool:
+    """Whether torch's oneDNN has a bf16 GEMM on this CPU (torch's own check)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def packed_dtypes(vendor: str) -> tuple[torch.dtype, ...]:
