@@ -9,7 +9,7 @@
 #include <cstring>
 #include <limits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -61,6 +61,52 @@ inline VecF fmadd(VecF a, VecF b, VecF c) {
 // Lane j of the result is the sum of v[j]'s lanes: 16 dot products' sums in one tree of
 // shuffles and adds (four levels, each adding the halves of pairs; the lanes end in
 // bit-reversed order, undone last), where a sum per key took a tree each.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// AVX2 holds a vector in two 8-lane halves, and GCC built the 16-lane shuffles below out of
+// single floats (~490 instructions a tree; a batch-64 decode's attention took twice torch's).
+// The same pairs added at each level, so the same bits, from in-lane shuffles of the halves.
+struct Halves {
+  __m256 lo, hi;
+};
+INLINE inline Halves halves(VecF v) {
+  Halves h;
+  std::memcpy(&h, &v, sizeof v);
+  return h;
+}
+inline VecF transpose_sum(const VecF* v) {
+  Halves w[8], x[4], y[2];
+  for (int k = 0; k < 8; ++k) {  // pair (a, b): [a's 8 halves' sums | b's]
+    const Halves a = halves(v[2 * k]), b = halves(v[2 * k + 1]);
+    w[k] = {_mm256_add_ps(a.lo, a.hi), _mm256_add_ps(b.lo, b.hi)};
+  }
+  auto quarters = [](__m256 a, __m256 b) INLINE {  // [a0-3 b0-3] + [a4-7 b4-7]
+    return _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  };
+  for (int k = 0; k < 4; ++k)
+    x[k] = {quarters(w[2 * k].lo, w[2 * k + 1].lo), quarters(w[2 * k].hi, w[2 * k + 1].hi)};
+  auto pairs = [](__m256 a, __m256 b) INLINE {  // [a0 a1 b0 b1 ..] + [a2 a3 b2 b3 ..]
+    return _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x44), _mm256_shuffle_ps(a, b, 0xEE));
+  };
+  for (int k = 0; k < 2; ++k)
+    y[k] = {pairs(x[2 * k].lo, x[2 * k + 1].lo), pairs(x[2 * k].hi, x[2 * k + 1].hi)};
+  auto singles = [](__m256 a, __m256 b) INLINE {  // [a0 a2 b0 b2 ..] + [a1 a3 b1 b3 ..]
+    return _mm256_add_ps(_mm256_shuffle_ps(a, b, 0x88), _mm256_shuffle_ps(a, b, 0xDD));
+  };
+  // z's lanes 0-7 as [z0 z2 z1 z3 z4 z6 z5 z7], 8-15 likewise; the result's lane j is
+  // z[0 8 4 12 2 10 6 14 | 1 9 5 13 3 11 7 15][j], its even lanes from the first half
+  const __m256 lo = singles(y[0].lo, y[1].lo), hi = singles(y[0].hi, y[1].hi);
+  const __m256i first = _mm256_setr_epi32(0, 0, 4, 4, 1, 1, 5, 5);
+  const __m256i second = _mm256_setr_epi32(2, 2, 6, 6, 3, 3, 7, 7);
+  const Halves out = {
+      _mm256_blend_ps(_mm256_permutevar8x32_ps(lo, first), _mm256_permutevar8x32_ps(hi, first),
+                      0xAA),
+      _mm256_blend_ps(_mm256_permutevar8x32_ps(lo, second),
+                      _mm256_permutevar8x32_ps(hi, second), 0xAA)};
+  VecF r;
+  std::memcpy(&r, &out, sizeof r);
+  return r;
+}
+#else
 inline VecF transpose_sum(const VecF* v) {
   VecF w[8], x[4], y[2];
   for (int k = 0; k < 8; ++k)  // pair (a, b): [a's 8 halves' sums | b's]
@@ -82,6 +128,7 @@ inline VecF transpose_sum(const VecF* v) {
                  SHUFFLE(y[0], y[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
   return SHUFFLE(z, z, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
 }
+#endif
 
 // The largest of `n` floats (-inf for none), 16 lanes at a time: GCC left a max loop scalar
 // even under `omp simd`, and a decode step spent an eighth of its attention there.
