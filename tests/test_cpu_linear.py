@@ -6,6 +6,7 @@ dense where oneDNN has no bf16 GEMM (AVX2-only CPUs)."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierserve import LLM
+from tierserve.engine.startup import resolve_dtype
 from tierserve.layers import (
     ColumnParallelLinear,
     PackedColumnLinear,
@@ -23,6 +25,7 @@ from tierserve.layers import (
     pack_for_cpu,
 )
 from tierserve.layers.cpu_linear import cpu_vendor, onednn_dtypes, packed_dtypes, packs_linears
+from tierserve.model_config import ModelConfig
 
 DEMO = Path(__file__).resolve().parent.parent / "tierserve" / "demo_model"
 
@@ -87,6 +90,20 @@ def test_float32_stays_dense_where_mkl_is_intels_own_and_bf16_where_onednn_has_n
     monkeypatch.setattr(torch.backends.mkl, "is_available", lambda: mkl)
     monkeypatch.setattr(cpu_linear, "onednn_has_bf16", lambda: bf16)
     assert packed_dtypes(vendor) == want
+
+
+@pytest.mark.parametrize("bf16", [True, False])
+def test_bf16_asked_for_on_a_cpu_without_onednns_bf16_gemm_is_served_with_a_warning(
+    monkeypatch, caplog, bf16
+):
+    monkeypatch.setattr(cpu_linear, "onednn_has_bf16", lambda: bf16)
+    cfg = ModelConfig.from_dir(DEMO)
+    with caplog.at_level(logging.WARNING, logger="tierserve"):
+        assert resolve_dtype("bfloat16", cfg, torch.device("cpu")) == torch.bfloat16
+        assert resolve_dtype("float32", cfg, torch.device("cpu")) == torch.float32
+    said = [r.getMessage() for r in caplog.records if "bf16 GEMM" in r.getMessage()]
+    assert len(said) == (0 if bf16 else 1)
+    assert not said or "--dtype float32" in said[0]
 
 
 def _a_packed_dtype() -> torch.dtype:
