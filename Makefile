@@ -37,7 +37,7 @@ $(STAMP): pyproject.toml
 
 # The CPU attention kernel, compiled for this CPU and torch (~15 s) into ~/.cache/tierserve;
 # without it --attention-backend auto falls back to torch.
-$(KERNELS): $(STAMP) $(wildcard tierserve/layers/kernels/*.cpp)
+$(KERNELS): $(STAMP) $(wildcard tierserve/layers/kernels/*.cpp tierserve/layers/kernels/*.h tierserve/layers/kernels/__init__.py)
 	$(BIN)/python -m tierserve.layers.kernels || echo "CPU kernels not built: attention runs on torch"
 	touch $(KERNELS)
 
