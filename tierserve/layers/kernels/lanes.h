@@ -63,8 +63,8 @@ inline VecF fmadd(VecF a, VecF b, VecF c) {
 // bit-reversed order, undone last), where a sum per key took a tree each.
 #if defined(__AVX2__) && !defined(__AVX512F__)
 // AVX2 holds a vector in two 8-lane halves, and GCC built the 16-lane shuffles below out of
-// single floats (~490 instructions a tree; a batch-64 decode's attention took twice torch's).
-// The same pairs added at each level, so the same bits, from in-lane shuffles of the halves.
+// single floats (~490 instructions a tree, ~100 here). The same pairs added at each level, so
+// the same bits, from in-lane shuffles of the halves.
 struct Halves {
   __m256 lo, hi;
 };
