@@ -106,6 +106,11 @@ def test_bf16_asked_for_on_a_cpu_without_onednns_bf16_gemm_is_served_with_a_warn
     assert not said or "--dtype float32" in said[0]
 
 
+def _flag(dtype: torch.dtype) -> str:
+    """`dtype` as --dtype names it."""
+    return str(dtype).removeprefix("torch.")
+
+
 def _a_packed_dtype() -> torch.dtype:
     """A dtype whose linears this CPU reorders (bf16 where it can)."""
     picked = packed_dtypes(cpu_vendor())
@@ -117,7 +122,7 @@ def _a_packed_dtype() -> torch.dtype:
 @pytest.mark.parametrize("dtype", BOTH)
 def test_the_loader_reorders_the_dtypes_this_cpu_picks_and_the_plan_counts_the_head(dtype):
     # bf16 loads on every CPU: where oneDNN has no bf16 GEMM its linears stay dense
-    llm = LLM(str(DEMO), max_total_tokens=256, dtype=str(dtype).removeprefix("torch."))
+    llm = LLM(str(DEMO), max_total_tokens=256, dtype=_flag(dtype))
     model = llm.engine.runner.model
     packed = packs_linears(torch.device("cpu"), dtype)
     linears = [m for m in model.modules() if isinstance(m, RowParallelLinear | ParallelLMHead)]
@@ -130,7 +135,7 @@ def test_the_loader_reorders_the_dtypes_this_cpu_picks_and_the_plan_counts_the_h
 
 def test_a_tied_head_gets_its_own_copy_and_the_plan_counts_it():
     dtype = _a_packed_dtype()
-    llm = LLM(str(DEMO), max_total_tokens=256, dtype=str(dtype).removeprefix("torch."))
+    llm = LLM(str(DEMO), max_total_tokens=256, dtype=_flag(dtype))
     model = llm.engine.runner.model
     assert model.lm_head.weight.is_mkldnn
     embed = model.model.embed_tokens.weight
@@ -141,8 +146,7 @@ def test_a_tied_head_gets_its_own_copy_and_the_plan_counts_it():
 
 
 def test_mla_keeps_kv_b_proj_dense_for_its_absorbed_decode(checkpoints):
-    dtype = str(_a_packed_dtype()).removeprefix("torch.")
-    llm = LLM(str(checkpoints["deepseek-v3"]), max_total_tokens=256, dtype=dtype)
+    llm = LLM(str(checkpoints["deepseek-v3"]), max_total_tokens=256, dtype=_flag(_a_packed_dtype()))
     attn = llm.engine.runner.model.model.layers[0].self_attn
     assert not attn.kv_b_proj.weight.is_mkldnn  # folded into queries and outputs as a tensor
     assert attn.o_proj.weight.is_mkldnn and attn.fused_qkv_a_proj_with_mqa.weight.is_mkldnn
