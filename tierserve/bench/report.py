@@ -45,8 +45,8 @@ def machine_info() -> dict[str, Any]:
         if shutil.which(cmd[0]):
             out = subprocess.run(cmd, capture_output=True, text=True, check=False).stdout
             info[key] = out.strip("\n")
-    if cpu_field("model name"):
-        info["cpu_model"] = cpu_field("model name")
+    if model := cpu_field("model name"):
+        info["cpu_model"] = model
     try:
         import torch
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from tierserve.cpuinfo import cpu_flags
+from tierserve.cpuinfo import cpu_field
 from tierserve.errors import TierserveError
 
 logger = logging.getLogger("tierserve")
@@ -66,7 +66,7 @@ def build_dir() -> Path:
     h = hashlib.sha256()
     for src in (*SOURCES, *HEADERS):
         h.update(src.read_bytes())
-    isa = " ".join(cpu_flags()) or platform.processor()
+    isa = cpu_field("flags") or platform.processor()
     h.update(" ".join(FLAGS).encode() + torch.__version__.encode() + isa.encode())
     cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     return cache / "tierserve" / "kernels" / h.hexdigest()[:16]
