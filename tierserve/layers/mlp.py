@@ -25,7 +25,7 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x)
         if self.kernel and takes_rows(gate, up, dims=(2,)):
-            out = torch.empty(gate.shape, dtype=gate.dtype)
+            out = torch.empty_like(gate, memory_format=torch.contiguous_format)
             torch.ops.tierserve.silu_and_mul(gate, up, out)
             return self.down_proj(out)
         return self.down_proj(F.silu(gate).mul_(up))  # one temporary, not two
