@@ -15,9 +15,10 @@ own):
 The step is the engine's own `Engine.step()` over B requests whose prompts (64–512 token ids,
 those of benchmarks/vllm_peer.py) are prefilled, each step timed alone; then a torch profile of
 more steps splits it into linears, attention (the backend's calls, its Python included), other
-model ops (norms, rotary, activations, embedding), Python in the forward outside ops, sampling
-(LM head and sampler), and scheduling with bookkeeping (schedule, batch building, attention
-planning, output collection). Profiled shares are scaled to the unprofiled median.
+model ops (norms, rotary, activations, embedding; the CPU backend's fused ones too), Python in
+the forward outside ops, sampling (LM head and sampler), and scheduling with bookkeeping
+(schedule, batch building, attention planning, output collection). Profiled shares are scaled
+to the unprofiled median.
 
 Rounds alternate the backends (one engine each in this process) and the batch sizes; each
 figure is the median of the rounds. Writes benchmarks/results/step-floor/report.md
@@ -48,6 +49,9 @@ BATCHES = (1, 8, 64)
 TIMED_STEPS, PROFILED_STEPS = 24, 8
 # torch's linear, and oneDNN's on weights the loader reordered (layers/cpu_linear.py).
 LINEAR_OPS = ("aten::linear", "mkldnn::_linear_pointwise")
+# Ops the forward calls: aten's, oneDNN's linears, and the CPU backend's fused layer ops
+# (RMSNorm, rotary, SiLU x up), which are other model ops, not the forward's Python.
+MODEL_OPS = ("aten::", "mkldnn::", "tierserve::")
 CATEGORIES = ("linears", "attention", "other ops", "forward Python", "sampling", "scheduling")
 
 
@@ -189,7 +193,7 @@ def breakdown(llm: LLM, steps: int) -> dict[str, float]:
     forward_ops = [
         e
         for e in events
-        if e.name.startswith(("aten::", "mkldnn::"))
+        if e.name.startswith(MODEL_OPS)
         and _inside(e, label["forward"])
         and not _inside(e, label["attention"])
         and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))
