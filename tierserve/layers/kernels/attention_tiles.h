@@ -21,6 +21,9 @@ namespace tierserve_attention {
 using tierserve_lanes::fmadd;
 using tierserve_lanes::kLanes;
 using tierserve_lanes::load_lanes;
+#if defined(__AVX2__) && !defined(__AVX512F__)
+using tierserve_lanes::load_half;
+#endif
 using tierserve_lanes::transpose_sum;
 using tierserve_lanes::VecF;
 using tierserve_bf16::wide;
@@ -242,12 +245,6 @@ constexpr int64_t kValueRows = std::max<int64_t>(1, std::min<int64_t>(4, 8 / (DI
 // 16-lane vector from 16 single-float stores, reloaded whole (a stalled store forward each),
 // and moved the sums through the stack; a batch-64 decode's attention took twice torch's time.
 // The same fused multiply-add per lane, so the same bits.
-inline __m256 load_half(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load_half(const c10::BFloat16* p) {  // widened as wide() does: a shift
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
 template <int DIM, int64_t R, typename E>
 inline void add_values(VecF (&sums)[R][DIM / kLanes], const float* weights, int64_t ld,
                        int64_t rows, const E* values, int64_t stride, int64_t n) {

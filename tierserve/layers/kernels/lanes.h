@@ -47,6 +47,14 @@ inline VecF load_lanes(const c10::BFloat16* p) {  // widened as wide() does: a s
   std::memcpy(&v, &u, sizeof v);
   return v;
 }
+#if defined(__AVX2__) && !defined(__AVX512F__)
+// Half a vector's lanes in one AVX2 register, widened as load_lanes does.
+inline __m256 load_half(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_half(const c10::BFloat16* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+#endif
 // a * b + c, rounded once, in this order. Written out because -fassociative-math lets the
 // compiler regroup a chain of `p += a * b` as it likes wherever the chain is inlined: the
 // float32 scores' bits depended on which function held the loop.
