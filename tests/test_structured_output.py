@@ -85,6 +85,32 @@ def test_a_bounded_json_string_refuses_raw_control_characters(demo):
 
 
 @pytest.mark.parametrize(
+    "spec",
+    [
+        StructuredOutput.json({"type": "string", "maxLength": 5}),
+        StructuredOutput.json({"type": "string"}),
+        StructuredOutput("json_object", ""),
+    ],
+    ids=["bounded string", "string", "json_object"],
+)
+def test_a_json_string_refuses_the_utf8_bytes_of_a_surrogate(demo, spec):
+    """xgrammar lets a UTF-16 surrogate's UTF-8 bytes (ED A0-BF xx) into JSON strings; no
+    decoder takes them (the text gets three U+FFFD, a maxLength is broken). After an ED byte,
+    tierserve's grammar allows the continuations of U+D000-U+D7FF only."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte = {b: demo.tokenizer.convert_tokens_to_ids(c) for b, c in bytes_to_unicode().items()}
+    assert len(set(byte.values())) == 256  # a byte-level vocabulary: a token per byte
+    state = demo.engine.grammars.start(spec)
+    opening = b'{"' if spec.kind == "json_object" else b'"'
+    assert all(state.try_accept(byte[b]) for b in opening + b"\xed")
+    row = torch.zeros(demo.engine.model_config.vocab_size)
+    state.mask(row)
+    assert row[byte[0x80]] == 0 and row[byte[0x9F]] == 0
+    assert row[byte[0xA0]] == float("-inf") and row[byte[0xBF]] == float("-inf")
+
+
+@pytest.mark.parametrize(
     ("spec", "field"),
     [
         (StructuredOutput("regex", "[a-"), "regex"),

@@ -31,11 +31,17 @@ CACHE_BYTES = 64 * 1024 * 1024
 MAX_GRAMMAR_CHARS = 4_000_000
 MAX_SCHEMA_ENUM_VALUES = 10_000
 MAX_SCHEMA_DEPTH = 128  # JSON levels, as a request body (server/json_depth.py)
-# xgrammar (0.2.9) writes the characters of a length-bounded JSON string as [^"\\\r\n],
-# which lets raw control characters (U+0000-U+001F) in: JSON forbids them, and json.loads
-# refuses the output. Its unbounded strings exclude them; bounded ones are rewritten to match.
-LOOSE_STRING_CHAR = r"[^\"\\\r\n]"
-JSON_STRING_CHAR = r"[^\0-\x1f\"\\]"
+# The classes xgrammar (0.2.9) writes a JSON string's characters with, rewritten as JSON's own.
+# A length-bounded string's lets raw control characters (U+0000-U+001F) in: JSON forbids them,
+# and json.loads refuses the output. Every one of them lets UTF-16 surrogates (U+D800-U+DFFF) in
+# as UTF-8 bytes (ED A0-BF xx), which no UTF-8 decoder takes: the text showed three U+FFFD for
+# the one character the grammar counted, and a 16-character name came out as 18.
+LOOSE_STRING_CHARS = (
+    r"[^\"\\\r\n]",  # a schema's string with a maxLength
+    r"[^\0-\x1f\"\\\r\n]",  # a schema's string without one
+    r"[^\"\\\0-\x1f]",  # json_object's strings and keys
+)
+JSON_STRING_CHAR = r"[^\0-\x1f\"\\\uD800-\uDFFF]"
 
 
 class GrammarState:
@@ -170,7 +176,7 @@ def compile_spec(compiler: Any, spec: StructuredOutput) -> Any:
     user's error. The one compile path: in-process (`LLM`) and in the server's compile pool."""
     compile_by_kind = {
         "json_schema": lambda: compiler.compile_grammar(_json_schema_ebnf(spec.source)),
-        "json_object": compiler.compile_builtin_json_grammar,
+        "json_object": lambda: compiler.compile_grammar(_json_object_ebnf()),
         "regex": lambda: compiler.compile_regex(spec.source),
         "ebnf": lambda: compiler.compile_grammar(spec.source),
         "structural_tag": lambda: compiler.compile_structural_tag(spec.source),
@@ -194,4 +200,17 @@ def _json_schema_ebnf(schema: str) -> str:
     import xgrammar
 
     grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)
-    return str(grammar).replace(LOOSE_STRING_CHAR, JSON_STRING_CHAR)
+    return _strict_strings(str(grammar))
+
+
+def _json_object_ebnf() -> str:
+    """xgrammar's JSON grammar, its strings as strict as JSON's."""
+    import xgrammar
+
+    return _strict_strings(str(xgrammar.Grammar.builtin_json_grammar()))
+
+
+def _strict_strings(ebnf: str) -> str:
+    for loose in LOOSE_STRING_CHARS:
+        ebnf = ebnf.replace(loose, JSON_STRING_CHAR)
+    return ebnf
