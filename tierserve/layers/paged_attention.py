@@ -58,7 +58,7 @@ class CPUPagedAttention(TorchAttention):
         """The step's new tokens into their pages: one kernel call when they are already in
         the pool's dtype (else the pool converts them: float8 pools, a bf16 pool of a float32
         model)."""
-        dtype = self.pool.data.dtype  # K and V (or the latent) share one dtype
+        dtype = self.pool.data.dtype  # parts: K and V, or the latent alone
         if parts[0].dtype == dtype and parts[-1].dtype == dtype:
             v = parts[1] if len(parts) > 1 else None
             torch.ops.tierserve.kv_write(self.pool.data, layer, self.batch.out_slots, parts[0], v)
@@ -124,7 +124,7 @@ class CPUPagedAttention(TorchAttention):
         self._write(layer, k, v)
         if self.short:
             out = self._kernel(layer, q, 0, 1, q.shape[-1], window, q.shape[-1] ** -0.5)
-            if out.dtype != q.dtype:  # a float8 pool's float32 rows; a no-op .to costs too
+            if out.dtype != q.dtype:  # float16 queries are attended in float32; a no-op .to costs
                 out = out.to(q.dtype)
         else:
             out = torch.empty_like(q)
