@@ -89,9 +89,10 @@ class CPUPagedAttention(TorchAttention):
         window: int | None,
         scale: float,
     ) -> torch.Tensor:
-        """[tokens, heads, v_dim] in q's dtype when the kernel takes it (float32, bf16), else
-        float32; rows of the short spans only."""
-        q = q if q.dtype in kernels.ROW_DTYPES else q.float()
+        """[tokens, heads, v_dim] in q's dtype; rows of the short spans only. Queries the kernel
+        does not take (float16) are attended in float32, the rows converted back."""
+        dtype = q.dtype
+        q = q if dtype in kernels.ROW_DTYPES else q.float()
         if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # a row stride of its own is read
             q = q.contiguous()  # as it is (q is a view of the step's packed q, k, v)
         out = q.new_empty(*q.shape[:2], v_dim)
@@ -111,7 +112,7 @@ class CPUPagedAttention(TorchAttention):
             self.kv_format,
             out,
         )
-        return out
+        return out if out.dtype == dtype else out.to(dtype)  # a no-op .to costs ~2.5 µs
 
     def forward(
         self,
@@ -124,8 +125,6 @@ class CPUPagedAttention(TorchAttention):
         self._write(layer, k, v)
         if self.short:
             out = self._kernel(layer, q, 0, 1, q.shape[-1], window, q.shape[-1] ** -0.5)
-            if out.dtype != q.dtype:  # float16 queries are attended in float32; a no-op .to costs
-                out = out.to(q.dtype)
         else:
             out = torch.empty_like(q)
         if self.extend:
@@ -142,8 +141,6 @@ class CPUPagedAttention(TorchAttention):
             context = self._kernel(
                 layer, mla.absorbed_query(q_nope, q_rope), 0, 0, rank, None, mla.cfg.scaling
             )
-            if context.dtype != q_nope.dtype:  # as forward's: a no-op .to costs ~2.5 µs a layer
-                context = context.to(q_nope.dtype)
             out = mla.absorbed_output(context)
         else:
             out = q_nope.new_empty(*q_nope.shape[:2], mla.cfg.v_head_dim)
