@@ -142,30 +142,26 @@ inline VecF transpose_sum(const VecF* v) {
 // even under `omp simd`, and a decode step spent an eighth of its attention there.
 inline float max_of(const float* x, int64_t n) {
   const float lowest = -std::numeric_limits<float>::infinity();
+  float best = lowest;
+  int64_t j = 0;
 #if defined(__AVX2__) && !defined(__AVX512F__)
   // AVX2 holds a 16-lane select in two halves, and GCC built it lane by lane through the stack
   // (a tenth of a batch-64 decode's attention); vmaxps(v, m) is `v > m ? v : m` itself.
   __m256 m8 = _mm256_set1_ps(lowest);
-  int64_t j = 0;
   for (; j + 8 <= n; j += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(x + j), m8);
-  float lanes[8];
-  _mm256_storeu_ps(lanes, m8);
-  float best = lowest;
-  for (int i = 0; i < 8; ++i) best = lanes[i] > best ? lanes[i] : best;
-  for (; j < n; ++j) best = x[j] > best ? x[j] : best;
-  return best;
+  float m[8];
+  _mm256_storeu_ps(m, m8);
+  for (int i = 0; i < 8; ++i) best = m[i] > best ? m[i] : best;
 #else
   VecF m = VecF{} + lowest;
-  int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes) {
     const VecF v = load_lanes(x + j);
     m = v > m ? v : m;
   }
-  float best = lowest;
   for (int i = 0; i < kLanes; ++i) best = m[i] > best ? m[i] : best;
+#endif
   for (; j < n; ++j) best = x[j] > best ? x[j] : best;
   return best;
-#endif
 }
 
 }  // namespace tierserve_lanes
