@@ -6,15 +6,24 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import make_checkpoint
+from tests.conftest import TRAINING_TEXT, make_checkpoint
 from tierserve import LLM
 from tierserve.args import default_model
-from tierserve.engine.tokenizer import _eos_from_files, eos_token_id, lazy_tokenizer
+from tierserve.engine.tokenizer import (
+    _eos_from_files,
+    _plain_tokenizer,
+    eos_token_id,
+    lazy_tokenizer,
+    load_tokenizer,
+)
 from tierserve.errors import TierserveError
 
 FAMILIES = ("llama", "qwen3", "deepseek-v3")
@@ -119,3 +128,51 @@ def test_an_offline_engine_without_a_tokenizer_is_refused_at_construction(tmp_pa
     with pytest.raises(TierserveError) as err:
         LLM(str(model), max_total_tokens=256)
     assert err.value.field == "tokenizer"
+
+
+def _plain_and_auto(path: Path) -> tuple[Any, Any]:
+    return load_tokenizer(str(path)), AutoTokenizer.from_pretrained(
+        str(path), local_files_only=True
+    )
+
+
+@pytest.mark.parametrize("family", ("demo", *FAMILIES))
+def test_a_plain_tokenizer_is_loaded_directly_and_as_autotokenizer_loads_it(tmp_path, family):
+    """A tokenizer_config naming TokenizersBackend (or PreTrainedTokenizerFast) is loaded as
+    that class, skipping AutoTokenizer's read of the model's config: the same tokenizer, and
+    no torch imported for it (about 3 CPU-seconds of a server's start)."""
+    path = Path(default_model()) if family == "demo" else make_checkpoint(tmp_path / family, family)
+    assert _plain_tokenizer(path)
+    plain, auto = _plain_and_auto(path)
+    assert type(plain) is type(auto)
+    text = TRAINING_TEXT[:200]
+    ids = plain(text).input_ids
+    assert ids == auto(text).input_ids and len(ids) > 10
+    assert plain.decode(ids) == auto.decode(ids)
+    assert plain.decode(ids, skip_special_tokens=True) == text
+    assert plain.all_special_tokens == auto.all_special_tokens
+    assert (plain.bos_token_id, plain.eos_token_id) == (auto.bos_token_id, auto.eos_token_id)
+    chat = [{"role": "user", "content": "hello"}]
+    rendered = plain.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    assert rendered == auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    probe = "import sys; from tierserve.engine import load_tokenizer; "
+    probe += f"load_tokenizer({str(path)!r}); print('torch' in sys.modules)"
+    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert loaded.stdout.strip() == "False", loaded.stderr
+
+
+@pytest.mark.parametrize("case", ["auto-map", "tekken", "model-class", "no-tokenizer-json"])
+def test_any_other_tokenizer_is_left_to_autotokenizer(tmp_path, case):
+    """Code of its own, a Mistral tekken.json, a model's own class or no tokenizer.json: what
+    AutoTokenizer would make of it is its own decision."""
+    root = _demo_copy(tmp_path)
+    assert _plain_tokenizer(root)
+    if case == "auto-map":
+        _edit_config(root, auto_map={"AutoTokenizer": [None, "tok.MyTokenizer"]})
+    elif case == "tekken":
+        (root / "tekken.json").write_text("{}")
+    elif case == "model-class":
+        _edit_config(root, tokenizer_class="Qwen2Tokenizer")
+    else:
+        (root / "tokenizer.json").unlink()
+    assert not _plain_tokenizer(root)
