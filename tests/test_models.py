@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -12,6 +14,7 @@ import transformers
 
 from tests.conftest import DEEPSEEK_FAMILIES, random_prompts
 from tierserve import LLM, SamplingParams
+from tierserve.args import default_model
 from tierserve.cache.pool import PagedKV
 from tierserve.layers.attention import ForwardBatch, SeqSpan, TorchAttention
 from tierserve.layers.decode_workspace import DecodeWorkspace
@@ -295,3 +298,22 @@ def test_linears_that_share_an_input_run_as_one_gemm(checkpoints, family):
     # the 40-token prefill only (decode attends in the latent space). Its first layer's MLP
     # is dense.
     assert len(calls) == (2 * 4 if family == "qwen2" else 6 + 5), calls
+
+
+def test_loading_a_model_imports_no_symbolic_shapes(checkpoints):
+    """Weights made on the meta device are materialised without torch's empty_like of a meta
+    tensor, whose first call imports sympy (~0.5 CPU-seconds of each core's and rank's start);
+    a model with buffers (V3's routing bias) and a tied head loads the same way."""
+    probe = (
+        "import sys, torch\n"
+        "from tierserve.model_config import ModelConfig\n"
+        "from tierserve.models.loader import load_model\n"
+        "for path in sys.argv[1:]:\n"
+        "    cfg = ModelConfig.from_dir(path)\n"
+        "    model = load_model(path, cfg, torch.float32, torch.device('cpu'))\n"
+        "    assert all(not p.is_meta for p in model.state_dict().values())\n"
+        "print('sympy' in sys.modules)\n"
+    )
+    paths = [default_model(), str(checkpoints["deepseek-v3"])]
+    loaded = subprocess.run([sys.executable, "-c", probe, *paths], capture_output=True, text=True)
+    assert loaded.stdout.strip() == "False", loaded.stderr

@@ -155,7 +155,7 @@ def load_model(
     path = Path(path)
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    model = _materialize(model, device).to(dtype)
     for module in model.modules():
         if getattr(module, "keep_in_fp32", False):
             module.float()
@@ -182,6 +182,27 @@ def load_model(
     fresh, rotary = rotary_for(cfg).to(device), model.model.rotary
     rotary.cos, rotary.sin = fresh.cos, fresh.sin
     return model.eval()
+
+
+def _materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """`model.to_empty(device)`, without its first-call cost: to_empty makes each tensor with
+    empty_like of a meta tensor, whose first call imports torch's symbolic shapes and sympy
+    (~0.5 CPU-seconds of every engine core's and rank's start)."""
+    made: dict[int, torch.Tensor] = {}  # a tensor two modules share stays one
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            fresh = torch.empty(t.shape, dtype=t.dtype, device=device)
+            param = isinstance(t, nn.Parameter)
+            made[id(t)] = nn.Parameter(fresh, t.requires_grad) if param else fresh
+        return made[id(t)]
+
+    for module in model.modules():
+        for tensors in (module._parameters, module._buffers):
+            for name, t in tensors.items():
+                if t is not None:
+                    tensors[name] = empty(t)
+    return model
 
 
 def fill(
