@@ -10,13 +10,12 @@ EXPORTS = {
     "HostTier": "tiers",
     "KVCacheManager": "manager",
     "pair_keys": "manager",
-    "KVHandle": "manager",
+    "KVHandle": "handle",
     "PagedKV": "pool",
     "TransferFactory": "transfer",
     "check_pool_size": "pool",
     "default_transfer": "transfer",
     "open_share": "shared_host",
-    "pages_for": "pool",
 }
 __all__ = list(EXPORTS)
 __getattr__ = lazy_exports(__name__, EXPORTS)

@@ -162,10 +162,6 @@ class PageAllocator:
         self._free.extend(reversed(pages))
 
 
-def pages_for(num_tokens: int, page_size: int) -> int:
-    return -(-num_tokens // page_size)
-
-
 def check_pool_size(max_total_tokens: int, page_size: int) -> int:
     num_pages = max_total_tokens // page_size
     if num_pages < 1:

@@ -23,8 +23,6 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from tierserve.args import EngineArgs
 from tierserve.errors import TierserveError
 
@@ -153,6 +151,8 @@ class Pinned:
     threads: int
 
     def release(self) -> None:
+        import torch  # here, not above: the API process pins itself without loading torch
+
         pin(self.cores)
         torch.set_num_threads(self.threads)
 
@@ -161,6 +161,8 @@ def pin_rank(args: EngineArgs, local_rank: int) -> Pinned:
     """This process, one of the node's ranks, on its cores with one torch thread per core, as
     resolved args say. Unpinned ranks share the cores a thread each apiece (more threads than
     cores only contend); a single unpinned rank keeps torch's threads as they were."""
+    import torch
+
     before = Pinned(allowed_cores(), torch.get_num_threads())
     bind = args.cpu_omp_threads_bind
     if bind in (AUTO, NOBIND):
@@ -188,6 +190,8 @@ def pin(cores: Sequence[int]) -> None:
 
 
 def _cuda(device: str) -> bool:
+    import torch
+
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 

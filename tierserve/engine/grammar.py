@@ -15,12 +15,13 @@ import json
 import re
 import threading
 from collections.abc import Callable
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from tierserve.errors import TierserveError
 from tierserve.sampling_params import StructuredOutput
+
+if TYPE_CHECKING:  # the API process compiles grammars; torch comes with xgrammar if it must
+    import torch
 
 # Compiled grammars kept for reuse across requests (xgrammar's cache, evicted by size).
 CACHE_BYTES = 64 * 1024 * 1024

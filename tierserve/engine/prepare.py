@@ -13,11 +13,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from tierserve.cache import pages_for
 from tierserve.engine.grammar import Grammars
 from tierserve.errors import StorageFull, TierserveError
 from tierserve.messages import AddRequest, CoreInfo
 from tierserve.sampling_params import SamplingParams
+from tierserve.sizing import pages_for
 from tierserve.units import format_bytes
 
 # A token is rarely longer than this many characters: text longer than the context times this

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from tierserve.cache import KVHandle
-from tierserve.engine.grammar import GrammarState
 from tierserve.messages import AddRequest
 from tierserve.outputs import TokenLogprob
 from tierserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the API process builds requests without torch (or xgrammar) loaded
+    import torch
+
+    from tierserve.engine.grammar import GrammarState
 
 
 class Status(enum.Enum):

@@ -23,8 +23,9 @@ import bisect
 from collections import deque
 from dataclasses import dataclass
 
-from tierserve.cache import KVCacheManager, pages_for
+from tierserve.cache import KVCacheManager
 from tierserve.engine.request import Request, Status
+from tierserve.sizing import pages_for
 from tierserve.speculative import Proposer
 
 

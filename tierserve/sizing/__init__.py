@@ -21,6 +21,7 @@ EXPORTS = {
     "kv_spec": "kv",
     "local_ranks": "pools",
     "override_per_rank": "kv",
+    "pages_for": "kv",
     "short_kv_dtype": "kv",
     "size_host_cache": "pools",
     "tokens_in": "pools",

@@ -134,6 +134,11 @@ def short_kv_dtype(text: str) -> str:
     return DTYPES[kv_dtype_name(text.lower())].short
 
 
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages that hold `num_tokens` tokens (the last one partly filled)."""
+    return -(-num_tokens // page_size)
+
+
 class KVBytes(NamedTuple):
     total: int  # one copy of the whole model's KV for one token
     per_rank: int  # what one rank's pool allocates for one token
