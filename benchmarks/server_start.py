@@ -1,0 +1,135 @@
+"""`tierserve serve` from launch to its first /health 200: wall time, and the CPU-seconds each of
+its processes spent getting there.
+
+    .venv/bin/python benchmarks/server_start.py [--rounds 5] [--against DIR]
+
+Each round starts the demo model's server on a free port, polls /health every 50 ms, reads each
+process's CPU time (user + system) at the first 200, records whether the API process has torch
+mapped, and stops it. `--against DIR` alternates with another checkout of tierserve (imported
+from DIR through PYTHONPATH, with this venv), the other first in even rounds; the ratio is the
+median of the rounds' ratios. Writes benchmarks/results/server-start/report.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+from tierserve.bench.report import machine_info
+
+OUT = Path(__file__).parent / "results" / "server-start"
+HERE = str(Path(__file__).resolve().parents[1])
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=1) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
+def cpu_seconds(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return times.user + times.system
+
+
+def start_once(tree: str) -> dict:
+    """One server from `tree`, timed to its first /health 200."""
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": tree}
+    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--port", str(port)]
+    with tempfile.TemporaryFile() as log:
+        start = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=tree)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            while not healthy(url):
+                if proc.poll() is not None:
+                    log.seek(0)
+                    sys.exit(f"the server from {tree} exited: {log.read().decode()[-2000:]}")
+                time.sleep(0.05)
+            up = time.perf_counter() - start
+            api = psutil.Process(proc.pid)
+            (core,) = [c for c in api.children() if "tierserve.engine.core" in c.cmdline()]
+            torch_loaded = any("libtorch" in Path(m.path).name for m in api.memory_maps())
+            return {"up_s": up, "api_cpu_s": cpu_seconds(api), "core_cpu_s": cpu_seconds(core),
+                    "api_torch": torch_loaded}  # fmt: skip
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--against", help="another checkout of tierserve, alternated with this one")
+    ns = ap.parse_args()
+    trees = {"this tree": HERE}
+    if ns.against:
+        trees["against"] = str(Path(ns.against).resolve())
+    runs: dict[str, list[dict]] = {name: [] for name in trees}
+    for r in range(ns.rounds):
+        for name in list(trees) if r % 2 else list(trees)[::-1]:
+            runs[name].append(start_once(trees[name]))
+        print(json.dumps({name: rs[-1] for name, rs in runs.items()}), flush=True)
+    write_report(ns, trees, runs)
+
+
+def write_report(ns: argparse.Namespace, trees: dict[str, str], runs: dict[str, list]) -> None:
+    def median(name: str, key: str) -> float:
+        return statistics.median(run[key] for run in runs[name])
+
+    against = f" --against {ns.against}" if ns.against else ""
+    machine = {"cpu_model": "an unnamed CPU", **machine_info()}
+    lines = [
+        "# `tierserve serve` from launch to /health 200",
+        "",
+        f"`.venv/bin/python benchmarks/server_start.py --rounds {ns.rounds}{against}` "
+        f"(demo model, its defaults; {machine['cpu_model']}, {machine['cpus_usable']} cores).",
+        "",
+        "| tree | to /health 200, s | API process, CPU-s | engine core, CPU-s | "
+        "API process has torch |",
+        "| --- | ---: | ---: | ---: | --- |",
+    ]
+    for name, tree in trees.items():
+        head = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True).stdout.strip()  # fmt: skip
+        tree = f"{tree} at {head}" if head else tree
+        torch_seen = sorted({run["api_torch"] for run in runs[name]})
+        lines.append(
+            f"| {name} ({tree}) | {median(name, 'up_s'):.2f} | {median(name, 'api_cpu_s'):.2f} | "
+            f"{median(name, 'core_cpu_s'):.2f} | {', '.join(map(str, torch_seen))} |"
+        )
+    if ns.against:
+        ratios = [a["up_s"] / t["up_s"] for t, a in zip(*runs.values(), strict=True)]
+        lines += ["", f"Start-up, against / this tree: {statistics.median(ratios):.2f}× "
+                  f"(median of {ns.rounds} alternated rounds: "
+                  f"{', '.join(f'{x:.2f}' for x in ratios)})."]  # fmt: skip
+    lines += ["", "Medians of the rounds. Each round's figures:", "", "```"]
+    lines += [json.dumps({name: rs[i] for name, rs in runs.items()}) for i in range(ns.rounds)]
+    lines += ["```", ""]
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "report.md").write_text("\n".join(lines))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
