@@ -20,13 +20,12 @@ import logging
 import os
 import queue
 import signal
-import sys
 import threading
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 # Light imports only up here: torch and the model load after the parent-death signal is armed.
-from tierserve.distributed import ENV_ARGS, die_with_parent
+from tierserve.distributed import ENV_ARGS, die_with_parent, exit_now
 from tierserve.engine.core_hooks import StepClock, StepGate, StepHold
 from tierserve.engine.metrics import engine_metrics
 from tierserve.errors import TierserveError
@@ -87,9 +86,6 @@ def main() -> int:
         with contextlib.suppress(OSError):  # the API process may be gone already
             conn.send_bytes(encode(CoreFailed(f"engine loop failed: {err!r}")))
         return 1
-    from tierserve.storage import exit_if_client_left_open
-
-    exit_if_client_left_open(engine.storage)  # a dead store's client: no teardown at exit
     return 0
 
 
@@ -192,4 +188,4 @@ class EngineCore:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

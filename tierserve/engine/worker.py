@@ -7,9 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 
-from tierserve.distributed import ENV_ARGS, die_with_parent
+from tierserve.distributed import ENV_ARGS, die_with_parent, exit_now
 
 
 def main() -> int:
@@ -31,11 +30,8 @@ def main() -> int:
     except TierserveError:
         return 2  # rank 0 refused the start-up and says why
     engine.follow()
-    from tierserve.storage import exit_if_client_left_open
-
-    exit_if_client_left_open(engine.storage)  # a dead store's client: no teardown at exit
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_now(main())

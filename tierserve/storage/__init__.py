@@ -13,7 +13,6 @@ EXPORTS = {
     "RankRoles": "prefetch",
     "StorageConfig": "config",
     "StorageTier": "tier",
-    "exit_if_client_left_open": "tier",
     "backend_class": "registry",
 }
 __all__ = list(EXPORTS)

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import queue
-import sys
 import threading
 import time
 
@@ -173,15 +171,3 @@ class StorageTier:
         except StorageUnavailable as err:
             return str(err)
         return None if answers else "health check failed"
-
-
-def exit_if_client_left_open(storage: StorageTier | None) -> None:
-    """End this process at once (status 0) if closing `storage` left its store's client without
-    its teardown: the client library's exit handler would do it at exit, waiting out the dead
-    store's timeouts. For a process whose engine has closed, with nothing left to run at exit."""
-    if storage is None or not storage.client_left_open:
-        return
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
