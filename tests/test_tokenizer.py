@@ -18,6 +18,7 @@ from tests.conftest import TRAINING_TEXT, make_checkpoint
 from tierserve import LLM
 from tierserve.args import default_model
 from tierserve.engine.tokenizer import (
+    PLAIN_MODEL_TYPES,
     _eos_from_files,
     _plain_tokenizer,
     eos_token_id,
@@ -48,7 +49,7 @@ def test_the_files_give_transformers_eos_id_for_the_demo_model():
 def _demo_copy(tmp_path: Path) -> Path:
     root = tmp_path / "tok"
     root.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
         shutil.copy(Path(default_model()) / name, root / name)
     return root
 
@@ -136,13 +137,14 @@ def _plain_and_auto(path: Path) -> tuple[Any, Any]:
     )
 
 
-@pytest.mark.parametrize("family", ("demo", *FAMILIES))
+@pytest.mark.parametrize("family", ("demo", *FAMILIES, "qwen2"))
 def test_a_plain_tokenizer_is_loaded_directly_and_as_autotokenizer_loads_it(tmp_path, family):
     """A tokenizer_config naming TokenizersBackend (or PreTrainedTokenizerFast) is loaded as
     that class, skipping AutoTokenizer's read of the model's config: the same tokenizer, and
-    no torch imported for it (about 3 CPU-seconds of a server's start)."""
+    no torch imported for it (about 3 CPU-seconds of a server's start). A qwen2 model's goes
+    through AutoTokenizer, which gives it Qwen2Tokenizer: the same class either way."""
     path = Path(default_model()) if family == "demo" else make_checkpoint(tmp_path / family, family)
-    assert _plain_tokenizer(path)
+    assert _plain_tokenizer(path) == (family != "qwen2")
     plain, auto = _plain_and_auto(path)
     assert type(plain) is type(auto)
     text = TRAINING_TEXT[:200]
@@ -155,16 +157,31 @@ def test_a_plain_tokenizer_is_loaded_directly_and_as_autotokenizer_loads_it(tmp_
     chat = [{"role": "user", "content": "hello"}]
     rendered = plain.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
     assert rendered == auto.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    if family == "qwen2":
+        assert type(plain).__name__ == "Qwen2Tokenizer"
+        return
     probe = "import sys; from tierserve.engine import load_tokenizer; "
     probe += f"load_tokenizer({str(path)!r}); print('torch' in sys.modules)"
     loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert loaded.stdout.strip() == "False", loaded.stderr
 
 
-@pytest.mark.parametrize("case", ["auto-map", "tekken", "model-class", "no-tokenizer-json"])
+def test_the_plain_model_types_are_none_whose_class_autotokenizer_overrides():
+    """transformers' list of model types whose hub tokenizer class it replaces by the model's
+    own: none of tierserve's plain ones may be on it (an upgrade that adds one fails here)."""
+    from transformers.models.auto import tokenization_auto
+
+    overridden = tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS
+    assert "qwen2" in overridden and not PLAIN_MODEL_TYPES & overridden
+
+
+@pytest.mark.parametrize(
+    "case", ["auto-map", "tekken", "model-class", "no-tokenizer-json", "model-type", "no-config"]
+)
 def test_any_other_tokenizer_is_left_to_autotokenizer(tmp_path, case):
-    """Code of its own, a Mistral tekken.json, a model's own class or no tokenizer.json: what
-    AutoTokenizer would make of it is its own decision."""
+    """Code of its own, a Mistral tekken.json, a model's own class, no tokenizer.json, a model
+    type whose class AutoTokenizer substitutes, or no config.json to say the type: what
+    AutoTokenizer makes of it is its own decision."""
     root = _demo_copy(tmp_path)
     assert _plain_tokenizer(root)
     if case == "auto-map":
@@ -173,6 +190,11 @@ def test_any_other_tokenizer_is_left_to_autotokenizer(tmp_path, case):
         (root / "tekken.json").write_text("{}")
     elif case == "model-class":
         _edit_config(root, tokenizer_class="Qwen2Tokenizer")
-    else:
+    elif case == "no-tokenizer-json":
         (root / "tokenizer.json").unlink()
+    elif case == "model-type":
+        config = json.loads((root / "config.json").read_text())
+        (root / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))
+    else:
+        (root / "config.json").unlink()
     assert not _plain_tokenizer(root)

@@ -21,8 +21,14 @@ from typing import Any
 from tierserve.errors import TierserveError
 
 # The classes a tokenizer_config.json names for a plain tokenizer.json (transformers 5 calls
-# both TokenizersBackend), which AutoTokenizer resolves to that class whatever the model.
+# both TokenizersBackend).
 _PLAIN_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+# Model types (config.json) of the families tierserve serves for which AutoTokenizer keeps that
+# class. For some others it substitutes the model's own (qwen2's Qwen2Tokenizer): those take
+# AutoTokenizer's path. tests/test_tokenizer.py checks this set against transformers' list.
+PLAIN_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen3", "qwen3_moe", "deepseek_v2", "deepseek_v3"}
+)
 
 
 def load_tokenizer(path: str) -> Any:  # a transformers PreTrainedTokenizerBase
@@ -43,17 +49,22 @@ def load_tokenizer(path: str) -> Any:  # a transformers PreTrainedTokenizerBase
 
 def _plain_tokenizer(root: Path) -> bool:
     """Whether AutoTokenizer would load `root` as the class it names, TokenizersBackend: a plain
-    class named, no code of its own (auto_map), no Mistral tekken.json it would prefer.
+    class named, no code of its own (auto_map), no Mistral tekken.json it would prefer, a model
+    type whose own class it does not put first.
 
     AutoTokenizer reads the model's config before it looks at the tokenizer's, and that imports
     transformers' model machinery (torch, torch.distributed.tensor, sympy): ~3 CPU-seconds of a
     server's start in its API process, against ~0.8 for loading the class directly."""
     try:
         config = json.loads((root / "tokenizer_config.json").read_text())
+        model = json.loads((root / "config.json").read_text())
     except (OSError, ValueError):
         return False
     return (
         isinstance(config, dict)
+        and isinstance(model, dict)
+        and isinstance(model.get("model_type"), str)
+        and model["model_type"] in PLAIN_MODEL_TYPES
         and config.get("tokenizer_class") in _PLAIN_CLASSES
         and "auto_map" not in config
         and (root / "tokenizer.json").is_file()
