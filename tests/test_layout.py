@@ -5,6 +5,7 @@ once and imported elsewhere; a long file says why it is one thing (docs/layout.m
 from __future__ import annotations
 
 import ast
+import functools
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -40,11 +41,22 @@ def modules() -> Iterator[tuple[str, Path]]:
         yield ".".join(("tierserve", *parts)), path
 
 
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """A module's tree, parsed once for every check (each check walks every module)."""
+    return ast.parse(path.read_text())
+
+
+@functools.cache
+def walked(path: Path) -> tuple[ast.AST, ...]:
+    return tuple(ast.walk(parsed(path)))
+
+
 def imported(path: Path, module: str) -> Iterator[tuple[str, int]]:
     """Every tierserve module `path` imports, at any depth of the file (function-level and
     TYPE_CHECKING imports too: a circle dodged by either is still a circle)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in walked(path):
         if isinstance(node, ast.Import):
             for alias in node.names:
                 yield alias.name, node.lineno
@@ -64,7 +76,7 @@ MODULES = {name for name, _ in modules()}
 
 def exports_of(path: Path) -> dict[str, str]:
     """A package's EXPORTS (name -> its module), as its __init__ states them."""
-    for node in ast.parse(path.read_text()).body:
+    for node in parsed(path).body:
         if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["EXPORTS"]:
             return ast.literal_eval(node.value)
     return {}
@@ -129,7 +141,7 @@ def test_outsiders_import_a_package_by_its_face():
     from the modules inside it; each exported name is defined where EXPORTS says."""
     reached = []
     for module, path in modules():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in walked(path):
             if not (isinstance(node, ast.ImportFrom) and (node.module or "").count(".") == 2):
                 continue
             target = node.module or ""
@@ -172,7 +184,7 @@ FACTS = [
 
 def top_level_names(path: Path) -> set[str]:
     names = set()
-    for node in ast.parse(path.read_text()).body:
+    for node in parsed(path).body:
         if isinstance(node, ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef):
             names.add(node.name)
         elif isinstance(node, ast.Assign):
@@ -182,18 +194,18 @@ def top_level_names(path: Path) -> set[str]:
     return names
 
 
-def referenced(path: Path) -> set[str]:
+@functools.cache
+def referenced(path: Path) -> frozenset[str]:
     """Names the code uses (not its comments or strings)."""
-    tree = ast.parse(path.read_text())
-    used = {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
-    return used | {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)}
+    used = {n.id for n in walked(path) if isinstance(n, ast.Name)}
+    return frozenset(used | {n.attr for n in walked(path) if isinstance(n, ast.Attribute)})
 
 
 def imports_from(path: Path, home: str) -> set[str]:
     """Names `path` takes from module `home`: directly, or through its package's face."""
     package, _, leaf = home.rpartition(".")
     found = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in walked(path):
         if not isinstance(node, ast.ImportFrom):
             continue
         for alias in node.names:
@@ -223,7 +235,7 @@ def literal_restatements() -> Iterator[str]:
     """Values that once stood in several places, written again instead of imported."""
     dtype_names = {"float32", "bfloat16", "float16"}
     for module, path in modules():
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in walked(path):
             where = f"{module}:{getattr(node, 'lineno', '?')}"
             if module != "tierserve.dtypes" and isinstance(node, ast.Dict):
                 keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
@@ -262,7 +274,7 @@ def test_the_vllm_block_and_the_sglang_page_are_named_where_used():
         f"{path.name}:{node.lineno}"
         for path in (ROOT / "plan").glob("*.py")
         if path.name != "presets.py"  # model shapes (16 heads, 16 experts) are other facts
-        for node in ast.walk(ast.parse(path.read_text()))
+        for node in walked(path)
         if isinstance(node, ast.Constant) and node.value == 16 and type(node.value) is int
     ]
     assert len(sixteens) == 1 and sixteens[0].startswith("vllm.py"), sixteens
@@ -277,7 +289,7 @@ def test_a_long_file_says_why_it_is_one_thing():
     long = []
     for module, path in modules():
         lines = path.read_text().count("\n")
-        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        doc = ast.get_docstring(parsed(path)) or ""
         if lines > 400 and "one thing" not in doc.lower():
             long.append(f"{module}: {lines} lines")
     assert not long, "\n".join(long)
