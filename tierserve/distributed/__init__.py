@@ -11,7 +11,7 @@ EXPORTS = {
     "Placement": "placement",
     "Ranks": "ranks",
     "die_with_parent": "rank_env",
-    "exit_now": "rank_env",
+    "exit_after": "rank_env",
     "global_rank": "ranks",
     "pin": "placement",
     "pin_rank": "placement",

@@ -37,15 +37,19 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
-def exit_now(code: int) -> NoReturn:
-    """End an engine core or rank whose engine has closed (or refused to start): its logs and
-    output flushed, without Python's teardown. Unloading torch's modules took ~0.5 s of every
-    server's and rank's stop, and a store's client left open by a dead store (storage/tier.py)
-    would have its library's exit handler wait out that store's timeouts."""
+def exit_after(code: int) -> NoReturn:
+    """End an engine core or rank with its main's `code`. Once its engine has closed (0): its
+    logs and output flushed, without Python's teardown, whose unloading of torch's modules took
+    ~0.5 s of every server's and rank's stop, and where a store's client left open by a dead
+    store (storage/tier.py) would have its library's exit handler wait out the store's
+    timeouts. A refusal or a failure exits through the teardown: the engine did not close, and
+    a store's client still needs its library's exit handler."""
+    if code != 0:
+        sys.exit(code)
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)
+    os._exit(0)
 
 
 def _parent_death_signal() -> bool:

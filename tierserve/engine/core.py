@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 # Light imports only up here: torch and the model load after the parent-death signal is armed.
-from tierserve.distributed import ENV_ARGS, die_with_parent, exit_now
+from tierserve.distributed import ENV_ARGS, die_with_parent, exit_after
 from tierserve.engine.core_hooks import StepClock, StepGate, StepHold
 from tierserve.engine.metrics import engine_metrics
 from tierserve.errors import TierserveError
@@ -188,4 +188,4 @@ class EngineCore:
 
 
 if __name__ == "__main__":
-    exit_now(main())
+    exit_after(main())

@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import signal
 
-from tierserve.distributed import ENV_ARGS, die_with_parent, exit_now
+from tierserve.distributed import ENV_ARGS, die_with_parent, exit_after
 
 
 def main() -> int:
@@ -34,4 +34,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    exit_now(main())
+    exit_after(main())
