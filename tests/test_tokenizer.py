@@ -176,12 +176,14 @@ def test_the_plain_model_types_are_none_whose_class_autotokenizer_overrides():
 
 
 @pytest.mark.parametrize(
-    "case", ["auto-map", "tekken", "model-class", "no-tokenizer-json", "model-type", "no-config"]
-)
+    "case",
+    ["auto-map", "tekken", "model-class", "no-tokenizer-json", "model-type", "model-name",
+     "no-config"],
+)  # fmt: skip
 def test_any_other_tokenizer_is_left_to_autotokenizer(tmp_path, case):
     """Code of its own, a Mistral tekken.json, a model's own class, no tokenizer.json, a model
-    type whose class AutoTokenizer substitutes, or no config.json to say the type: what
-    AutoTokenizer makes of it is its own decision."""
+    type or model name whose class AutoTokenizer substitutes, or no config.json to say the
+    type: what AutoTokenizer makes of it is its own decision."""
     root = _demo_copy(tmp_path)
     assert _plain_tokenizer(root)
     if case == "auto-map":
@@ -192,9 +194,10 @@ def test_any_other_tokenizer_is_left_to_autotokenizer(tmp_path, case):
         _edit_config(root, tokenizer_class="Qwen2Tokenizer")
     elif case == "no-tokenizer-json":
         (root / "tokenizer.json").unlink()
-    elif case == "model-type":
+    elif case in ("model-type", "model-name"):  # a type whose class AutoTokenizer replaces
         config = json.loads((root / "config.json").read_text())
-        (root / "config.json").write_text(json.dumps({**config, "model_type": "qwen2"}))
+        key = case.replace("-", "_")
+        (root / "config.json").write_text(json.dumps({**config, key: "qwen2"}))
     else:
         (root / "config.json").unlink()
     assert not _plain_tokenizer(root)

@@ -60,11 +60,12 @@ def _plain_tokenizer(root: Path) -> bool:
         model = json.loads((root / "config.json").read_text())
     except (OSError, ValueError):
         return False
+    if not (isinstance(config, dict) and isinstance(model, dict)):
+        return False
+    # AutoTokenizer checks the config's model_name (where it has one) against its list too.
+    types = (model.get("model_type"), model.get("model_name", model.get("model_type")))
     return (
-        isinstance(config, dict)
-        and isinstance(model, dict)
-        and isinstance(model.get("model_type"), str)
-        and model["model_type"] in PLAIN_MODEL_TYPES
+        all(isinstance(t, str) and t in PLAIN_MODEL_TYPES for t in types)
         and config.get("tokenizer_class") in _PLAIN_CLASSES
         and "auto_map" not in config
         and (root / "tokenizer.json").is_file()
