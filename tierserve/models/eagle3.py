@@ -41,7 +41,7 @@ from tierserve.layers import (
 )
 from tierserve.model_config import ModelConfig
 from tierserve.models.llama import LlamaAttention
-from tierserve.models.loader import fill, tensor_shapes
+from tierserve.models.loader import fill, materialize, tensor_shapes
 
 FIELD = "speculative_draft_model_path"
 
@@ -223,7 +223,7 @@ def load_draft(
     weights.pop("t2d", None)  # target -> draft, for training only
     with torch.device("meta"):
         draft = Eagle3Draft(cfg, target.config.num_layers)
-    draft = draft.to_empty(device=device).to(dtype)
+    draft = materialize(draft, device).to(dtype)
     targets = draft.state_dict(keep_vars=True)
     if "embed_tokens.weight" not in weights:  # shared, as vLLM and SGLang share it
         targets.pop("embed_tokens.weight")

@@ -155,7 +155,7 @@ def load_model(
     path = Path(path)
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg)
-    model = _materialize(model, device).to(dtype)
+    model = materialize(model, device).to(dtype)
     for module in model.modules():
         if getattr(module, "keep_in_fp32", False):
             module.float()
@@ -184,10 +184,11 @@ def load_model(
     return model.eval()
 
 
-def _materialize(model: nn.Module, device: torch.device) -> nn.Module:
-    """`model.to_empty(device)`, without its first-call cost: to_empty makes each tensor with
-    empty_like of a meta tensor, whose first call imports torch's symbolic shapes and sympy
-    (~0.5 CPU-seconds of every engine core's and rank's start)."""
+def materialize(model: nn.Module, device: torch.device) -> nn.Module:
+    """`model.to_empty(device)` for a model made on the meta device, without its first-call
+    cost: to_empty makes each tensor with empty_like of a meta tensor, whose first call imports
+    torch's symbolic shapes and sympy (~0.5 CPU-seconds of every engine core's and rank's
+    start). The model and its speculative drafts load through this."""
     made: dict[int, torch.Tensor] = {}  # a tensor two modules share stays one
 
     def empty(t: torch.Tensor) -> torch.Tensor:
