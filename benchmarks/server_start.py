@@ -13,6 +13,7 @@ median of the rounds' ratios. Writes benchmarks/results/server-start/report.md.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import os
 import socket
@@ -29,6 +30,7 @@ import psutil
 from tierserve.bench.report import machine_info
 
 OUT = Path(__file__).parent / "results" / "server-start"
+START_TIMEOUT_S = 300  # a start that takes longer is a hang, reported with the server's log
 HERE = str(Path(__file__).resolve().parents[1])
 
 
@@ -42,7 +44,7 @@ def healthy(url: str) -> bool:
     try:
         with urllib.request.urlopen(f"{url}/health", timeout=1) as reply:
             return reply.status == 200
-    except OSError:
+    except (OSError, http.client.HTTPException):  # not listening yet, or a reply cut short
         return False
 
 
@@ -62,9 +64,10 @@ def start_once(tree: str) -> dict:
         try:
             url = f"http://127.0.0.1:{port}"
             while not healthy(url):
-                if proc.poll() is not None:
+                if proc.poll() is not None or time.perf_counter() - start > START_TIMEOUT_S:
                     log.seek(0)
-                    sys.exit(f"the server from {tree} exited: {log.read().decode()[-2000:]}")
+                    what = "exited" if proc.poll() is not None else "did not start"
+                    sys.exit(f"the server from {tree} {what}: {log.read().decode()[-2000:]}")
                 time.sleep(0.05)
             up = time.perf_counter() - start
             api = psutil.Process(proc.pid)
@@ -74,7 +77,11 @@ def start_once(tree: str) -> dict:
                     "api_torch": torch_loaded}  # fmt: skip
         finally:
             proc.terminate()
-            proc.wait(timeout=60)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:  # its core dies with it (parent-death signal)
+                proc.kill()
+                proc.wait()
 
 
 def main() -> None:
