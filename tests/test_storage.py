@@ -431,6 +431,40 @@ def test_a_store_close_that_does_not_return_is_abandoned_after_its_timeout(
     assert "abandoned after close_timeout_s = 0.1 s" in line
 
 
+CLOSED: list[str] = []  # ClosedCountFileBackend's closes, by the path it stores to
+
+
+@register("closed-count-file")
+class ClosedCountFileBackend(FileBackend):
+    """The file backend, counting its client's closes."""
+
+    def __init__(self, extra):
+        super().__init__(extra)
+        self.path = str(extra["path"])
+
+    def close(self):
+        CLOSED.append(self.path)
+        super().close()
+
+
+def test_a_start_that_fails_after_the_store_opened_closes_its_client(llama_dir, tmp_path):
+    """The store is opened before the weights load, so that an unreachable one refuses the
+    start at no cost; weights that do not match the model then fail the start, and the store's
+    client is closed on the way out, not left to the process's exit (an engine core or rank
+    ends without Python's teardown, whose exit handlers would have closed it)."""
+    from safetensors.torch import load_file, save_file
+
+    model = tmp_path / "model"
+    shutil.copytree(llama_dir, model)
+    weights = load_file(str(model / "model.safetensors"))
+    weights.pop("model.norm.weight")
+    save_file(weights, str(model / "model.safetensors"))
+    store = tmp_path / "store"
+    with pytest.raises(TierserveError, match="does not match"):
+        storage_llm(model, "closed-count-file", {"path": str(store)})
+    assert CLOSED.count(str(store)) == 1
+
+
 EXTRA = "hicache_storage_backend_extra_config"
 
 

@@ -38,18 +38,15 @@ def die_with_parent() -> None:
 
 
 def exit_after(code: int) -> NoReturn:
-    """End an engine core or rank with its main's `code`. Once its engine has closed (0): its
-    logs and output flushed, without Python's teardown, whose unloading of torch's modules took
-    ~0.5 s of every server's and rank's stop, and where a store's client left open by a dead
-    store (storage/tier.py) would have its library's exit handler wait out the store's
-    timeouts. A refusal or a failure exits through the teardown: the engine did not close, and
-    a store's client still needs its library's exit handler."""
-    if code != 0:
-        sys.exit(code)
+    """End an engine core or rank with its main's `code`, its logs and output flushed, without
+    Python's teardown: unloading torch's modules took ~0.5 s of every server's and rank's stop.
+    Every way out of main has closed its store's client first (a closed engine, a refused or
+    failed start, a failed loop), so nothing is left for a client library's exit handler, which
+    for a client left open by a dead store (storage/tier.py) would wait out its timeouts."""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 def _parent_death_signal() -> bool:

@@ -8,6 +8,7 @@ few short methods.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -159,6 +160,9 @@ class Engine:
             if self.ranks is not None:
                 self.ranks.kill()
             self._pinned.release()
+            if getattr(self, "storage", None) is not None:  # opened before the weights load
+                with contextlib.suppress(Exception):  # the start's own error is the one raised
+                    self.storage.close()
             raise
 
     def _proposer(self, startup: Startup, model: torch.nn.Module, pool: PagedKV) -> Proposer | None:
