@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
@@ -50,6 +50,9 @@ from tierserve.outputs import StepOutput, TokenLogprob
 from tierserve.sampling_params import SamplingParams
 from tierserve.speculative import DraftModelProposer, Proposer, SpecStats, proposer_for
 
+if TYPE_CHECKING:
+    from tierserve.storage import StorageTier
+
 logger = logging.getLogger("tierserve")
 
 
@@ -66,6 +69,7 @@ class Engine:
             args, placement = resolve_placement(args, serving)
         self.args = args
         self._closed = False
+        self.storage: StorageTier | None = None  # opened before the weights (below)
         self._pinned = pin_rank(args, local_rank)
         # Tensor parallelism: every rank joins here; rank 0 decides every size, and checks it
         # for the whole node, before any rank's weights or KV take memory.
@@ -160,7 +164,7 @@ class Engine:
             if self.ranks is not None:
                 self.ranks.kill()
             self._pinned.release()
-            if getattr(self, "storage", None) is not None:  # opened before the weights load
+            if self.storage is not None:
                 with contextlib.suppress(Exception):  # the start's own error is the one raised
                     self.storage.close()
             raise
