@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -333,6 +335,15 @@ def running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def modules_after(code: str, *argv: str) -> set[str]:
+    """The modules a fresh interpreter holds after running `code` with `argv`: what a start-up
+    path imports, which a test process that imported everything already cannot show."""
+    code += "\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return set(json.loads(done.stdout.splitlines()[-1]))
 
 
 def eventually(check: Callable[[], bool], within_s: float) -> bool:

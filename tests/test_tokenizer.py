@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
 
-from tests.conftest import TRAINING_TEXT, make_checkpoint
+from tests.conftest import TRAINING_TEXT, make_checkpoint, modules_after
 from tierserve import LLM
 from tierserve.args import default_model
 from tierserve.engine.tokenizer import (
@@ -30,8 +28,12 @@ from tierserve.errors import TierserveError
 FAMILIES = ("llama", "qwen3", "deepseek-v3")
 
 
+def hf_tokenizer(path: Path) -> Any:
+    return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
 def hf_eos(path: Path) -> int | None:
-    return AutoTokenizer.from_pretrained(str(path), local_files_only=True).eos_token_id
+    return hf_tokenizer(path).eos_token_id
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -131,12 +133,6 @@ def test_an_offline_engine_without_a_tokenizer_is_refused_at_construction(tmp_pa
     assert err.value.field == "tokenizer"
 
 
-def _plain_and_auto(path: Path) -> tuple[Any, Any]:
-    return load_tokenizer(str(path)), AutoTokenizer.from_pretrained(
-        str(path), local_files_only=True
-    )
-
-
 @pytest.mark.parametrize("family", ("demo", *FAMILIES, "qwen2"))
 def test_a_plain_tokenizer_is_loaded_directly_and_as_autotokenizer_loads_it(tmp_path, family):
     """A tokenizer_config naming TokenizersBackend (or PreTrainedTokenizerFast) is loaded as
@@ -145,7 +141,7 @@ def test_a_plain_tokenizer_is_loaded_directly_and_as_autotokenizer_loads_it(tmp_
     through AutoTokenizer, which gives it Qwen2Tokenizer: the same class either way."""
     path = Path(default_model()) if family == "demo" else make_checkpoint(tmp_path / family, family)
     assert _plain_tokenizer(path) == (family != "qwen2")
-    plain, auto = _plain_and_auto(path)
+    plain, auto = load_tokenizer(str(path)), hf_tokenizer(path)
     assert type(plain) is type(auto)
     text = TRAINING_TEXT[:200]
     ids = plain(text).input_ids
@@ -160,10 +156,8 @@ def test_a_plain_tokenizer_is_loaded_directly_and_as_autotokenizer_loads_it(tmp_
     if family == "qwen2":
         assert type(plain).__name__ == "Qwen2Tokenizer"
         return
-    probe = "import sys; from tierserve.engine import load_tokenizer; "
-    probe += f"load_tokenizer({str(path)!r}); print('torch' in sys.modules)"
-    loaded = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
-    assert loaded.stdout.strip() == "False", loaded.stderr
+    probe = "import sys; from tierserve.engine import load_tokenizer; load_tokenizer(sys.argv[1])"
+    assert "torch" not in modules_after(probe, str(path))
 
 
 def test_the_plain_model_types_are_none_whose_class_autotokenizer_overrides():
