@@ -16,7 +16,6 @@ import argparse
 import http.client
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,18 +25,15 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+from served_cpu_split import cpu_of  # beside this script: on sys.path
 
 from tierserve.bench.report import machine_info
+from tierserve.engine import CORE_MODULE
+from tierserve.net import free_port
 
 OUT = Path(__file__).parent / "results" / "server-start"
 START_TIMEOUT_S = 300  # a start that takes longer is a hang, reported with the server's log
 HERE = str(Path(__file__).resolve().parents[1])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def healthy(url: str) -> bool:
@@ -46,11 +42,6 @@ def healthy(url: str) -> bool:
             return reply.status == 200
     except (OSError, http.client.HTTPException):  # not listening yet, or a reply cut short
         return False
-
-
-def cpu_seconds(proc: psutil.Process) -> float:
-    times = proc.cpu_times()
-    return times.user + times.system
 
 
 def start_once(tree: str) -> dict:
@@ -71,9 +62,9 @@ def start_once(tree: str) -> dict:
                 time.sleep(0.05)
             up = time.perf_counter() - start
             api = psutil.Process(proc.pid)
-            (core,) = [c for c in api.children() if "tierserve.engine.core" in c.cmdline()]
+            (core,) = [c for c in api.children() if CORE_MODULE in c.cmdline()]
             torch_loaded = any("libtorch" in Path(m.path).name for m in api.memory_maps())
-            return {"up_s": up, "api_cpu_s": cpu_seconds(api), "core_cpu_s": cpu_seconds(core),
+            return {"up_s": up, "api_cpu_s": cpu_of(api), "core_cpu_s": cpu_of(core),
                     "api_torch": torch_loaded}  # fmt: skip
         finally:
             proc.terminate()
