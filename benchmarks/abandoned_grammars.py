@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,7 +27,7 @@ import httpx
 
 from tierserve.args import default_model
 from tierserve.bench.client import parse_prometheus
-from tierserve.bench.server_process import ServerProcess
+from tierserve.bench.server_process import ServerProcess, scratch_dir
 
 OUT = Path(__file__).parent / "results" / "abandoned-grammars"
 PLAIN = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -78,7 +77,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=3)
     ns = parser.parse_args()
-    log = Path(tempfile.mkdtemp()) / "server.log"
+    log = scratch_dir() / "server.log"
     flags = ["--grammar-compile-timeout", "600", "--max-total-tokens", "4096"]
     rounds = []
     with ServerProcess(default_model() or "", flags, log) as server:

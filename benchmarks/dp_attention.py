@@ -26,7 +26,6 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import httpx
@@ -34,7 +33,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.conftest import make_checkpoint
 from tierserve.bench.client import parse_prometheus
-from tierserve.bench.server_process import ServerProcess
+from tierserve.bench.server_process import ServerProcess, scratch_dir
 
 OUT = Path(__file__).parent / "results" / "dp-attention"
 POOL_TOKENS = 2048  # per rank: TP against DP attention
@@ -91,7 +90,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     ns = parser.parse_args()
-    root = Path(tempfile.mkdtemp())
+    root = scratch_dir()
     model = make_checkpoint(root / "deepseek-v3", "deepseek-v3")
     results: dict[str, list[dict[str, float]]] = {name: [] for name in CONFIGS}
     for r in range(ns.rounds):

@@ -31,14 +31,13 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
 from tierserve.args import DEMO_MODEL_DIR
-from tierserve.bench.server_process import ServerProcess
+from tierserve.bench.server_process import ServerProcess, scratch_dir
 
 OUT = Path(__file__).parent / "results" / "eagle3-data"
 ROWS = 24
@@ -144,7 +143,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     ns = parser.parse_args()
-    root = Path(tempfile.mkdtemp())
+    root = scratch_dir()
     src = dataset(root / "rows.jsonl")
     runs: dict[str, list[float]] = {}
 

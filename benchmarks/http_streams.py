@@ -25,7 +25,6 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,7 @@ import torch
 from offline_throughput import make_prompts, run_tierserve  # the same prompts and offline run
 
 from tierserve.args import default_model
-from tierserve.bench.server_process import ServerProcess
+from tierserve.bench.server_process import ServerProcess, scratch_dir
 from tierserve.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 # A process that keeps one core busy for `duty` of the time: what the server's event loop and
@@ -159,7 +158,7 @@ def main() -> None:
 
     offline = run_tierserve(model, prompts, args.output_len)
     contended = offline_beside_busy_tok_s(model, prompts, args.output_len, args.busy_duty)
-    log = Path(tempfile.mkdtemp()) / "server.log"
+    log = scratch_dir() / "server.log"
     with ServerProcess(model, [], log) as server:
         served, chunks = asyncio.run(http_tok_s(server.url, prompts, args.output_len))
         alone = asyncio.run(short_latencies(server.url, vocab, args.repeats, None))

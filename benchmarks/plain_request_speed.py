@@ -46,7 +46,7 @@ def worker() -> dict[str, float]:
     import tierserve
     from tierserve import LLM, SamplingParams
     from tierserve.args import default_model
-    from tierserve.bench.server_process import ServerProcess
+    from tierserve.bench.server_process import ServerProcess, scratch_dir
 
     model = default_model()
     g = torch.Generator().manual_seed(0)
@@ -67,7 +67,7 @@ def worker() -> dict[str, float]:
     out["decode"] = 256 / (time.perf_counter() - start)
     del llm
 
-    server = ServerProcess(model, [], Path(tempfile.mkdtemp()) / "server.log")
+    server = ServerProcess(model, [], scratch_dir() / "server.log")
     try:
         body = {"prompt": short, "max_tokens": 256, "temperature": 0, "ignore_eos": True}
         body["stream"] = True

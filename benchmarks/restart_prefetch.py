@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +24,7 @@ import httpx
 import numpy as np
 
 from tierserve.args import default_model
-from tierserve.bench.server_process import ServerProcess
+from tierserve.bench.server_process import ServerProcess, scratch_dir
 
 OUT = Path(__file__).parent / "results" / "restart-prefetch"
 POLICIES = ("auto", "best_effort")
@@ -64,7 +63,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=900)
     ns = parser.parse_args()
     model = default_model() or ""
-    root = Path(tempfile.mkdtemp())
+    root = scratch_dir()
     rng = np.random.default_rng(0)
     rows: list[dict[str, float]] = []
     for r in range(ns.rounds):

@@ -21,7 +21,6 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -32,7 +31,7 @@ import torch
 
 from tierserve import LLM, SamplingParams
 from tierserve.args import default_model
-from tierserve.bench.server_process import ServerProcess
+from tierserve.bench.server_process import ServerProcess, scratch_dir
 from tierserve.engine import CORE_MODULE
 
 OUT = Path(__file__).parent / "results" / "served-cpu-split"
@@ -150,7 +149,7 @@ def main() -> None:
     batch = prompts()
     llm = LLM(default_model(), max_total_tokens=65536)
     llm.generate(batch[:4], SamplingParams(max_tokens=4))  # warm-up
-    root = Path(tempfile.mkdtemp())
+    root = scratch_dir()
     flags = ["--max-total-tokens", "65536"]
     rows: list[tuple[float, float, float]] = []
     offline_cpu: list[float] = []

@@ -37,7 +37,7 @@ from eagle3_data import dataset  # beside this script: on sys.path
 from vllm_peer import ROOT, VllmServer, vllm_python
 
 from tierserve.args import DEMO_MODEL_DIR
-from tierserve.bench.server_process import ServerProcess
+from tierserve.bench.server_process import ServerProcess, scratch_dir
 
 OUT = Path(__file__).parent / "results" / "speculators-job"
 SPECULATORS = ROOT / ".venv-speculators" / "bin" / "speculators"
@@ -151,7 +151,7 @@ def main() -> None:
     if not SPECULATORS.exists():
         raise SystemExit(f"{SPECULATORS} is missing: `make` builds it")
     python = vllm_python(ns.vllm_venv)
-    work = Path(tempfile.mkdtemp())
+    work = scratch_dir()
     logs = OUT / "logs"
     data = dataset(work / "rows.jsonl", ns.rows, turns_per_row=2)
     rounds: list[dict[str, dict[str, float]]] = []
@@ -170,7 +170,8 @@ def main() -> None:
         print(json.dumps({"round": r, **row}), flush=True)
     captured = {}
     for who in ("tierserve", "vllm"):
-        hs = Path(tempfile.mkdtemp())
+        hs = work / f"hs-{who}"
+        hs.mkdir()
         if who == "tierserve":
             layers = ",".join(map(str, AUX_LAYERS))
             flags = ["--hidden-states-dir", str(hs), "--hidden-states-layers", layers]

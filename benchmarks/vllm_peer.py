@@ -42,12 +42,11 @@ import shlex
 import statistics
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from tierserve.args import default_model
-from tierserve.bench.server_process import ServerProcess
+from tierserve.bench.server_process import ServerProcess, scratch_dir
 
 OUT = Path(__file__).parent / "results" / "vllm-peer"
 ROOT = Path(__file__).resolve().parent.parent
@@ -309,7 +308,7 @@ def main() -> None:
     python = vllm_python(ns.vllm_venv)
     logs = OUT / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    runs = Path(tempfile.mkdtemp())
+    runs = scratch_dir()
     tuned, vllm_tuned = shlex.split(ns.tierserve_flags), shlex.split(ns.vllm_flags)
     servers: list[tuple[str, Callable[[], ServerProcess]]] = []
     if not ns.offline_only:

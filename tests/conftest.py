@@ -288,8 +288,12 @@ class Server(ServerProcess):
     and its step gate: tests order its steps with `hold_steps` and `release_steps`, never by
     how fast the machine runs them."""
 
+    # Where servers keep their logs and step gates: this run's pytest directory (set by
+    # `_server_dirs`), which pytest prunes to the last three runs; /tmp kept one per server.
+    base: Path | None = None
+
     def __init__(self, model: Path, *flags: str, env: dict[str, str] | None = None) -> None:
-        root = Path(tempfile.mkdtemp())
+        root = Path(tempfile.mkdtemp(prefix="server-", dir=Server.base))
         self.gate = root / "step-gate"
         env = {**os.environ, STEP_GATE_ENV: str(self.gate), **(env or {})}
         super().__init__(str(model), flags, root / "server.log", startup_timeout_s=180, env=env)
@@ -327,6 +331,11 @@ class Server(ServerProcess):
         """Poll /metrics until `ready(metrics)` (bounded: a hang fails the test, never blocks)."""
         reached = eventually(lambda: ready(self.metrics()), timeout_s)
         assert reached, f"not reached in {timeout_s} s: {self.metrics()}"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _server_dirs(tmp_path_factory) -> None:
+    Server.base = tmp_path_factory.mktemp("servers")
 
 
 def running(pid: int) -> bool:
