@@ -102,7 +102,8 @@ def test_a_served_core_computes_on_its_cores_and_the_api_side_on_the_rest(
 ):
     """The engine core on the first inherited core, the API process and the grammar workers it
     starts on the others (every core when there is one only); the tokens are the same. The API
-    process serves plain requests without loading torch (~2 CPU-seconds of its start)."""
+    process serves plain requests without loading torch (~2 CPU-seconds of its start), and
+    structured ones too: its compile workers read the tokenizer themselves."""
     cores = allowed_cores()
     rest = set(cores[1:]) or set(cores)
     hold = tmp_path / "hold"  # absent: compiles run at once; the worker stays for the next
@@ -123,6 +124,7 @@ def test_a_served_core_computes_on_its_cores_and_the_api_side_on_the_rest(
         assert server.http.post(f"{server.url}/v1/completions", json=body, timeout=120).is_success
         workers = [p for p in api.children() if "grammar_worker" in " ".join(p.cmdline())]
         assert workers and all(set(w.cpu_affinity()) == rest for w in workers)
+        assert not any("libtorch" in Path(m.path).name for m in api.memory_maps())
         ids = server.http.post(
             f"{server.url}/v1/completions",
             json={**body, "prompt": [5, 6, 7, 8], "max_tokens": 8, "response_format": None,

@@ -26,6 +26,7 @@ EXPORTS = {
     "load_tokenizer": "tokenizer",
     "new_compiler": "grammar",
     "startup_table": "kv_plan",
+    "tokenizer_info": "grammar",
 }
 __all__ = list(EXPORTS)
 __getattr__ = lazy_exports(__name__, EXPORTS)

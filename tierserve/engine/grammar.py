@@ -107,23 +107,35 @@ class Grammars:
     def start(self, spec: StructuredOutput) -> GrammarState:
         return self.matcher(self.compile(spec))
 
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The tokens that end a grammar's output, as xgrammar is told them."""
+        return tuple(sorted(self._stop_ids))
+
     def tokenizer_info(self) -> Any:
-        """xgrammar's view of the tokenizer (what a compile process needs), made once."""
+        """xgrammar's view of the tokenizer, made once."""
         self._get_compiler()
         return self._info
 
     def _get_compiler(self) -> Any:
         with self._lock:
             if self._compiler is None:
-                import xgrammar
-
-                info = xgrammar.TokenizerInfo.from_huggingface(
-                    self._tokenizer(),
-                    vocab_size=self._vocab_size,
-                    stop_token_ids=sorted(self._stop_ids),
-                )
+                info = tokenizer_info(self._tokenizer(), self._vocab_size, self.stop_ids)
                 self._info, self._compiler = info, new_compiler(info)
             return self._compiler
+
+
+def tokenizer_info(tokenizer: Any, vocab_size: int, stop_ids: tuple[int, ...]) -> Any:
+    """xgrammar's view of a Hugging Face tokenizer for a model of `vocab_size` logits."""
+    import xgrammar
+
+    return xgrammar.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_ids)
+    )
 
 
 def new_compiler(tokenizer_info: Any) -> Any:

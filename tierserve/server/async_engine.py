@@ -41,7 +41,7 @@ from tierserve.outputs import RequestOutput, StepOutput
 from tierserve.sampling_params import SamplingParams
 from tierserve.server.core_client import CoreClient
 from tierserve.server.grammar_pool import GrammarCompilePool
-from tierserve.server.grammar_worker import DEFAULT_COMPILE_TIMEOUT_S
+from tierserve.server.grammar_worker import DEFAULT_COMPILE_TIMEOUT_S, WorkerSetup
 from tierserve.server.pending_outputs import PendingOutputs
 from tierserve.server.watchdog import StepWatchdog
 
@@ -73,6 +73,7 @@ class AsyncEngine:
         self,
         core: CoreClient,
         tokenizer: Any,
+        tokenizer_dir: str,
         on_failure: Callable[[], None] | None = None,
         watchdog_timeout_s: float | None = None,
         grammar_compile_timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
@@ -80,7 +81,8 @@ class AsyncEngine:
     ) -> None:
         """`on_failure` runs once the core has died (on the reader thread) or hung (on the
         watchdog's) and every waiting call has its 503: the server uses it to shut down and
-        exit non-zero."""
+        exit non-zero. `tokenizer` is the one read from `tokenizer_dir`, where grammar compile
+        workers read it too."""
         self.core = core
         self.info = core.info
         self.args: EngineArgs | None = None  # what it was launched with (launch sets it)
@@ -88,7 +90,9 @@ class AsyncEngine:
         self.preparer = RequestPreparer(core.info, lambda: tokenizer)
         self.on_failure = on_failure
         self.stream_interval = stream_interval  # --stream-interval: tokens a chunk
-        self.grammar_pool = GrammarCompilePool(self.preparer.grammars, grammar_compile_timeout_s)
+        grammars = self.preparer.grammars
+        setup = WorkerSetup(tokenizer_dir, grammars.vocab_size, grammars.stop_ids)
+        self.grammar_pool = GrammarCompilePool(setup, grammar_compile_timeout_s)
         self._watchdog = (
             StepWatchdog(watchdog_timeout_s, self._stalled_for, self._hung)
             if watchdog_timeout_s
@@ -130,7 +134,7 @@ class AsyncEngine:
             raise
         # The cores the engine core left this process, its grammar workers and tokenization.
         pin(core.info.api_cores)
-        engine = cls(core, tokenizer, **kwargs)
+        engine = cls(core, tokenizer, args.tokenizer_dir, **kwargs)
         engine.args = args
         return engine
 

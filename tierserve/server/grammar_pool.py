@@ -5,7 +5,8 @@ compiled for more than ten minutes after its client had left, and six of them st
 requests, whose tokenization shared their thread pool. Here each compile runs in a worker process
 (server/grammar_worker.py) that is killed when its client leaves, when it outlives
 `--grammar-compile-timeout` (a 400), or when the server stops; the next compile starts a fresh
-one (about two seconds: Python, torch and xgrammar). Plain requests never wait for this pool.
+one (about three seconds here: Python, torch, xgrammar and the tokenizer). Plain requests never
+wait for this pool.
 Compiled grammars come back in xgrammar's serialised form (what a request carries to the engine
 and its ranks) and are kept, by size, for requests that ask for the same grammar.
 """
@@ -18,7 +19,7 @@ import os
 import sys
 from collections import Counter, OrderedDict
 
-from tierserve.engine import CACHE_BYTES, Grammars, check_size
+from tierserve.engine import CACHE_BYTES, check_size
 from tierserve.errors import TierserveError
 from tierserve.sampling_params import StructuredOutput
 from tierserve.server.grammar_worker import (
@@ -26,6 +27,7 @@ from tierserve.server.grammar_worker import (
     READY,
     CompileJob,
     CompileResult,
+    WorkerSetup,
 )
 
 logger = logging.getLogger("tierserve")
@@ -60,7 +62,7 @@ class CompileWorker:
         self.proc = proc
 
     @classmethod
-    async def start(cls, tokenizer_info: str, live: set[CompileWorker]) -> CompileWorker:
+    async def start(cls, setup: WorkerSetup, live: set[CompileWorker]) -> CompileWorker:
         """A ready worker; it joins `live` as soon as it exists, so that the pool can end it
         while it is still starting."""
         proc = await asyncio.create_subprocess_exec(
@@ -69,7 +71,7 @@ class CompileWorker:
         worker = cls(proc)
         live.add(worker)
         try:
-            await worker._send(tokenizer_info.encode() + b"\n")
+            await worker._send(setup.encode())
             if await proc.stdout.readline() != READY:  # type: ignore[union-attr]
                 raise WorkerDied(f"grammar compile worker exited with {await proc.wait()}")
         except BaseException:
@@ -107,11 +109,11 @@ class GrammarCompilePool:
 
     def __init__(
         self,
-        grammars: Grammars,
+        setup: WorkerSetup,
         timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
         workers: int | None = None,
     ) -> None:
-        self.grammars = grammars
+        self.setup = setup
         self.timeout_s = timeout_s
         self.size = workers or default_workers()
         self.ended: Counter[str] = Counter()  # compiles ended unfinished, by reason
@@ -119,7 +121,6 @@ class GrammarCompilePool:
         self._free: list[CompileWorker] = []
         self._all: set[CompileWorker] = set()
         self._slots: asyncio.Semaphore | None = None
-        self._info: str | None = None
         self._cache: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._closed = False
         self._cached_bytes = 0
@@ -205,10 +206,7 @@ class GrammarCompilePool:
         return err  # WorkerDied: retried once by the caller
 
     async def _start_worker(self) -> CompileWorker:
-        if self._info is None:
-            info = await asyncio.to_thread(self.grammars.tokenizer_info)
-            self._info = info.serialize_json()
-        return await CompileWorker.start(self._info, self._all)
+        return await CompileWorker.start(self.setup, self._all)
 
     def _retire(self, worker: CompileWorker) -> None:
         """Kill a worker that is mid-compile; the next compile starts a fresh one."""

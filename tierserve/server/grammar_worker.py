@@ -2,9 +2,13 @@
 
 xgrammar's compile threads cannot be stopped, and a hostile grammar can compile for minutes; a
 process can be ended. The pool starts this as `python -m tierserve.server.grammar_worker`, sends
-the tokenizer's xgrammar description, then one CompileJob per line; each answer is one
+a WorkerSetup (where the server's tokenizer is), then one CompileJob per line; each answer is one
 CompileResult line, the compiled grammar in xgrammar's serialised form. It ends when its stdin
 closes (the server left) or when the pool kills it (a client that left, a compile past its time).
+
+The worker reads the tokenizer and makes xgrammar's view of it itself: the API process never
+imports xgrammar, which brings torch (2.5 s of the first structured output's wait, and the
+memory of a torch the API process has no other use for).
 """
 
 from __future__ import annotations
@@ -22,6 +26,24 @@ READY = b"ready\n"
 COMPILE_HOLD_ENV = "TIERSERVE_TEST_COMPILE_HOLD"
 # Seconds one compile may take before the pool ends its process (`--grammar-compile-timeout`).
 DEFAULT_COMPILE_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What a worker compiles for: the tokenizer's directory, the model's vocabulary size (its
+    logits' width) and the tokens that end a grammar's output."""
+
+    tokenizer: str
+    vocab_size: int
+    stop_ids: tuple[int, ...]
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self)).encode() + b"\n"
+
+    @classmethod
+    def decode(cls, line: bytes) -> WorkerSetup:
+        fields = json.loads(line)
+        return cls(fields["tokenizer"], fields["vocab_size"], tuple(fields["stop_ids"]))
 
 
 @dataclass(frozen=True)
@@ -51,14 +73,13 @@ class CompileResult:
 
 
 def serve(requests: BinaryIO, replies: BinaryIO) -> None:
-    import xgrammar
-
-    from tierserve.engine import compile_spec, new_compiler
+    from tierserve.engine import compile_spec, load_tokenizer, new_compiler, tokenizer_info
     from tierserve.errors import TierserveError
     from tierserve.sampling_params import StructuredOutput
 
-    info = xgrammar.TokenizerInfo.deserialize_json(requests.readline().decode())
-    compiler = new_compiler(info)
+    setup = WorkerSetup.decode(requests.readline())
+    tokenizer = load_tokenizer(setup.tokenizer)
+    compiler = new_compiler(tokenizer_info(tokenizer, setup.vocab_size, setup.stop_ids))
     replies.write(READY)
     replies.flush()
     for line in requests:
