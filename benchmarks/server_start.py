@@ -1,13 +1,16 @@
 """`tierserve serve` from launch to its first /health 200: wall time, and the CPU-seconds each of
-its processes spent getting there.
+its processes spent getting there; then its first structured output's wait.
 
     .venv/bin/python benchmarks/server_start.py [--rounds 5] [--against DIR]
 
 Each round starts the demo model's server on a free port, polls /health every 50 ms, reads each
 process's CPU time (user + system) at the first 200, records whether the API process has torch
-mapped, and stops it. `--against DIR` alternates with another checkout of tierserve (imported
-from DIR through PYTHONPATH, with this venv), the other first in even rounds; the ratio is the
-median of the rounds' ratios. Writes benchmarks/results/server-start/report.md.
+mapped, then times one completion with a JSON schema (the server's first grammar compile: a
+compile worker's start, and xgrammar in the engine core) and reads the API process's unique
+memory (USS) after it, and stops it. `--against DIR` alternates with another checkout of
+tierserve (imported from DIR through PYTHONPATH, with this venv), the other first in even
+rounds; each ratio is the median of the rounds' ratios. Writes
+benchmarks/results/server-start/report.md.
 """
 
 from __future__ import annotations
@@ -44,6 +47,31 @@ def healthy(url: str) -> bool:
         return False
 
 
+# The first structured output: 8 tokens under a small JSON schema.
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+STRUCTURED = {
+    "prompt": "A",
+    "max_tokens": 8,
+    "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}},
+}
+
+
+def structured_s(url: str) -> float:
+    """Seconds one structured completion takes."""
+    body = json.dumps(STRUCTURED).encode()
+    ask = urllib.request.Request(
+        f"{url}/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    start = time.perf_counter()
+    with urllib.request.urlopen(ask, timeout=START_TIMEOUT_S) as reply:
+        reply.read()
+    return time.perf_counter() - start
+
+
+def has_torch(proc: psutil.Process) -> bool:
+    return any("libtorch" in Path(m.path).name for m in proc.memory_maps())
+
+
 def start_once(tree: str) -> dict:
     """One server from `tree`, timed to its first /health 200."""
     port = free_port()
@@ -63,9 +91,12 @@ def start_once(tree: str) -> dict:
             up = time.perf_counter() - start
             api = psutil.Process(proc.pid)
             (core,) = [c for c in api.children() if CORE_MODULE in c.cmdline()]
-            torch_loaded = any("libtorch" in Path(m.path).name for m in api.memory_maps())
-            return {"up_s": up, "api_cpu_s": cpu_of(api), "core_cpu_s": cpu_of(core),
-                    "api_torch": torch_loaded}  # fmt: skip
+            got = {"up_s": up, "api_cpu_s": cpu_of(api), "core_cpu_s": cpu_of(core),
+                   "api_torch": has_torch(api)}  # fmt: skip
+            got["structured_s"] = structured_s(url)
+            got["api_uss_mib"] = api.memory_full_info().uss / 2**20
+            got["api_torch_after"] = has_torch(api)
+            return got
         finally:
             proc.terminate()
             try:
@@ -104,23 +135,30 @@ def write_report(ns: argparse.Namespace, trees: dict[str, str], runs: dict[str, 
         f"(demo model, its defaults; {machine['cpu_model']}, {machine['cpus_usable']} cores).",
         "",
         "| tree | to /health 200, s | API process, CPU-s | engine core, CPU-s | "
-        "API process has torch |",
-        "| --- | ---: | ---: | ---: | --- |",
+        "API process has torch | first structured output, s | then: API process USS, MiB, "
+        "has torch |",
+        "| --- | ---: | ---: | ---: | --- | ---: | --- |",
     ]
     for name, tree in trees.items():
         head = subprocess.run(["git", "-C", tree, "rev-parse", "--short", "HEAD"],
                               capture_output=True, text=True).stdout.strip()  # fmt: skip
         tree = f"{tree} at {head}" if head else tree
-        torch_seen = sorted({run["api_torch"] for run in runs[name]})
+
+        def seen(key: str, name: str = name) -> str:
+            return ", ".join(map(str, sorted({run[key] for run in runs[name]})))
+
         lines.append(
             f"| {name} ({tree}) | {median(name, 'up_s'):.2f} | {median(name, 'api_cpu_s'):.2f} | "
-            f"{median(name, 'core_cpu_s'):.2f} | {', '.join(map(str, torch_seen))} |"
+            f"{median(name, 'core_cpu_s'):.2f} | {seen('api_torch')} | "
+            f"{median(name, 'structured_s'):.2f} | {median(name, 'api_uss_mib'):.0f}, "
+            f"{seen('api_torch_after')} |"
         )
     if ns.against:
-        ratios = [a["up_s"] / t["up_s"] for t, a in zip(*runs.values(), strict=True)]
-        lines += ["", f"Start-up, against / this tree: {statistics.median(ratios):.2f}× "
-                  f"(median of {ns.rounds} alternated rounds: "
-                  f"{', '.join(f'{x:.2f}' for x in ratios)})."]  # fmt: skip
+        for key, what in (("up_s", "Start-up"), ("structured_s", "First structured output")):
+            ratios = [a[key] / t[key] for t, a in zip(*runs.values(), strict=True)]
+            lines += ["", f"{what}, against / this tree: {statistics.median(ratios):.2f}× "
+                      f"(median of {ns.rounds} alternated rounds: "
+                      f"{', '.join(f'{x:.2f}' for x in ratios)})."]  # fmt: skip
     lines += ["", "Medians of the rounds. Each round's figures:", "", "```"]
     lines += [json.dumps({name: rs[i] for name, rs in runs.items()}) for i in range(ns.rounds)]
     lines += ["```", ""]
