@@ -3,13 +3,14 @@ process run on, decided once by the node's first process inside the affinity it 
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 from pathlib import Path
 
 import psutil
 import pytest
 
-from tests.conftest import Server
+from tests.conftest import Server, eventually
 from tierserve import cli
 from tierserve.distributed.placement import (
     allowed_cores,
@@ -103,7 +104,8 @@ def test_a_served_core_computes_on_its_cores_and_the_api_side_on_the_rest(
     """The engine core on the first inherited core, the API process and the grammar workers it
     starts on the others (every core when there is one only); the tokens are the same. The API
     process serves plain requests without loading torch (~2 CPU-seconds of its start), and
-    structured ones too: its compile workers read the tokenizer themselves."""
+    structured ones too: its compile workers read the tokenizer themselves, while the core
+    loads xgrammar beside its loop (held here until it has, before the grammar is compiled)."""
     cores = allowed_cores()
     rest = set(cores[1:]) or set(cores)
     hold = tmp_path / "hold"  # absent: compiles run at once; the worker stays for the next
@@ -117,14 +119,21 @@ def test_a_served_core_computes_on_its_cores_and_the_api_side_on_the_rest(
         got = server.http.post(f"{server.url}/v1/completions", json=body, timeout=120).json()
         want = offline.generate([[5, 6, 7, 8]], _greedy(8))[0].token_ids
         assert got["usage"]["completion_tokens"] == 8
-        assert not any("libtorch" in Path(m.path).name for m in api.memory_maps())
+        assert not _mapped(api, "libtorch")
         schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
         rf = {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}
         body = {"prompt": "A", "max_tokens": 4, "response_format": rf}
-        assert server.http.post(f"{server.url}/v1/completions", json=body, timeout=120).is_success
+        hold.touch()
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            sent = pool.submit(server.http.post, f"{server.url}/v1/completions", json=body,
+                               timeout=120)  # fmt: skip
+            assert eventually(lambda: any(tmp_path.glob("hold.held.*")), 120)
+            assert eventually(lambda: _mapped(server.core, "libxgrammar_bindings"), 120)
+            hold.unlink()
+            assert sent.result().is_success
         workers = [p for p in api.children() if "grammar_worker" in " ".join(p.cmdline())]
         assert workers and all(set(w.cpu_affinity()) == rest for w in workers)
-        assert not any("libtorch" in Path(m.path).name for m in api.memory_maps())
+        assert not _mapped(api, "libtorch")
         ids = server.http.post(
             f"{server.url}/v1/completions",
             json={**body, "prompt": [5, 6, 7, 8], "max_tokens": 8, "response_format": None,
@@ -132,6 +141,11 @@ def test_a_served_core_computes_on_its_cores_and_the_api_side_on_the_rest(
             timeout=120,
         ).json()  # fmt: skip
         assert ids["choices"][0]["token_ids"] == want
+
+
+def _mapped(proc: psutil.Process, library: str) -> bool:
+    """Whether `proc` has a shared library whose file name starts with `library` loaded."""
+    return any(Path(m.path).name.startswith(library) for m in proc.memory_maps())
 
 
 def _greedy(n: int):

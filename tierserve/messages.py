@@ -35,7 +35,13 @@ class FlushCache(msgspec.Struct, frozen=True, tag=True):
     pass
 
 
-EngineInput = Union[AddRequest, AbortRequest, FlushCache]  # noqa: UP007 (msgspec reads it)
+class PrepareGrammars(msgspec.Struct, frozen=True, tag=True):
+    """A structured output is compiling for this engine: load xgrammar and its view of the
+    tokenizer now, beside the loop, rather than inside the step that adds the request."""
+
+
+# msgspec reads the unions below: no `X | Y` (UP007)
+EngineInput = Union[AddRequest, AbortRequest, FlushCache, PrepareGrammars]  # noqa: UP007
 
 
 class BusMessage(msgspec.Struct, frozen=True):
@@ -79,7 +85,7 @@ class Shutdown(msgspec.Struct, frozen=True, tag=True):
     """Close the engine (storage writes, the other ranks) and exit 0."""
 
 
-CoreInput = Union[AddRequest, AbortRequest, Ask, Shutdown]  # noqa: UP007
+CoreInput = Union[AddRequest, AbortRequest, PrepareGrammars, Ask, Shutdown]  # noqa: UP007
 
 
 # --- engine core -> API process -----------------------------------------------------------

@@ -159,7 +159,7 @@ class EngineCore:
                 self._send(Answer(message.ask_id, tiers=engine.flush_cache()))
             else:
                 self._send(Answer(message.ask_id, metrics=engine_metrics(engine)))
-        else:  # AbortRequest
+        else:  # AbortRequest, PrepareGrammars
             engine.handle(message)
 
     def _steps(self) -> list[StepOutput]:

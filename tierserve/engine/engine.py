@@ -41,6 +41,7 @@ from tierserve.messages import (
     EngineInput,
     FlushCache,
     GroupReport,
+    PrepareGrammars,
     decode_report,
     encode,
 )
@@ -258,6 +259,9 @@ class Engine:
             self.submit(self._request(message))
         elif isinstance(message, AbortRequest):
             self.abort(message.rid)
+        elif isinstance(message, PrepareGrammars):
+            self.grammars.prepare()
+            self._announce(message)
         else:
             return self.flush_cache()
         return None

@@ -11,6 +11,7 @@ request: a server that never sees one never loads it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -90,6 +91,7 @@ class Grammars:
         self._compiler: Any = None
         self._info: Any = None
         self._lock = threading.Lock()
+        self._preparing: threading.Thread | None = None
 
     def compile(self, spec: StructuredOutput) -> str:
         """`spec` compiled here, in xgrammar's serialised form (what requests carry); a grammar
@@ -99,9 +101,10 @@ class Grammars:
 
     def matcher(self, serialised: str) -> GrammarState:
         """A fresh matcher for a compiled grammar (a few milliseconds to read it back)."""
+        info = self.tokenizer_info()  # first: waits for prepare()'s import, never runs beside it
         import xgrammar
 
-        compiled = xgrammar.CompiledGrammar.deserialize_json(serialised, self.tokenizer_info())
+        compiled = xgrammar.CompiledGrammar.deserialize_json(serialised, info)
         return GrammarState(xgrammar.GrammarMatcher(compiled), self._vocab_size)
 
     def start(self, spec: StructuredOutput) -> GrammarState:
@@ -115,6 +118,21 @@ class Grammars:
     def stop_ids(self) -> tuple[int, ...]:
         """The tokens that end a grammar's output, as xgrammar is told them."""
         return tuple(sorted(self._stop_ids))
+
+    def prepare(self) -> None:
+        """Import xgrammar and make its view of the tokenizer on a thread of its own (once):
+        the engine loop would stall for them (~1 s here) at the first matcher, every stream
+        with it. A matcher asked for meanwhile waits for the thread's lock."""
+        if self._preparing is None:
+            self._preparing = threading.Thread(
+                target=self._prepare_quietly, name="tierserve-grammars", daemon=True
+            )
+            self._preparing.start()
+
+    def _prepare_quietly(self) -> None:
+        # A failure here (a tokenizer that does not load) is the first matcher's to report.
+        with contextlib.suppress(Exception):
+            self._get_compiler()
 
     def tokenizer_info(self) -> Any:
         """xgrammar's view of the tokenizer, made once."""

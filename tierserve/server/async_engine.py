@@ -34,6 +34,7 @@ from tierserve.messages import (
     FlushCache,
     GetMetrics,
     MetricFamily,
+    PrepareGrammars,
     RequestFailed,
     StepOutputs,
 )
@@ -113,6 +114,7 @@ class AsyncEngine:
         self._metrics_ask: asyncio.Future | None = None
         self._reader = threading.Thread(target=self._read, name="tierserve-core-io", daemon=True)
         self._stopping = False
+        self._grammars_prepared = False
         self.error: BaseException | None = None
 
     @classmethod
@@ -177,6 +179,9 @@ class AsyncEngine:
         arrival = self.preparer.next_arrival()  # before tokenizing: its place is when it came
         grammar = None
         if params.structured_output is not None:  # in the pool's processes: a cancel ends it
+            if not self._grammars_prepared:  # the core imports xgrammar while this compiles
+                self._grammars_prepared = True
+                self._send(PrepareGrammars())
             grammar = await self.grammar_pool.compile(params.structured_output)
         prepare = self.preparer.prepare
         req = await asyncio.to_thread(prepare, prompt, params, request_id, arrival, grammar)
