@@ -6,7 +6,9 @@ A request carries it in xgrammar's serialised form, which each rank reads back. 
 constrained row's logits keep only the tokens its grammar allows (after penalties and biases,
 so the grammar has the last word); the sampled token then advances the row's matcher. A grammar
 that completes ends its request with "stop". xgrammar is imported on the first constrained
-request: a server that never sees one never loads it.
+request: a server that never sees one never loads it. A server's engine core imports it on a
+thread of its own as the API process starts compiling the first one (`prepare`), so that the
+step that adds the request does not stall every stream for the import.
 """
 
 from __future__ import annotations
