@@ -78,8 +78,9 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
     from tierserve.sampling_params import StructuredOutput
 
     setup = WorkerSetup.decode(requests.readline())
-    tokenizer = load_tokenizer(setup.tokenizer)
-    compiler = new_compiler(tokenizer_info(tokenizer, setup.vocab_size, setup.stop_ids))
+    # The tokenizer is only read here: xgrammar's view keeps the vocabulary it needs.
+    info = tokenizer_info(load_tokenizer(setup.tokenizer), setup.vocab_size, setup.stop_ids)
+    compiler = new_compiler(info)
     replies.write(READY)
     replies.flush()
     for line in requests:
