@@ -125,6 +125,23 @@ def test_a_grammar_that_does_not_compile_is_refused(demo, spec, field):
     assert err.value.field == field and "does not compile" in err.value.message
 
 
+def test_a_builtin_structural_tag_compiles_as_the_tag_xgrammar_builds(demo):
+    """A model family's tool-call format (server/tools.py) is compiled from the keyword
+    arguments of xgrammar's get_builtin_structural_tag: the same grammar as the tag it builds;
+    arguments it cannot take are the grammar's error, not the compiler's crash."""
+    import xgrammar
+
+    grammars = demo.engine.grammars
+    kwargs = {"model": "qwen_3", "tools": [{"type": "function", "function": {"name": "f"}}],
+              "tool_choice": "required", "reasoning": "disabled"}  # fmt: skip
+    tag = xgrammar.get_builtin_structural_tag(**kwargs).model_dump_json()
+    built = grammars.compile(StructuredOutput("builtin_structural_tag", json.dumps(kwargs)))
+    assert built == grammars.compile(StructuredOutput("structural_tag", tag))
+    for bad in ("[]", json.dumps({**kwargs, "colour": "red"}), json.dumps({"model": "nope"})):
+        with pytest.raises(TierserveError, match="builtin_structural_tag does not compile"):
+            grammars.compile(StructuredOutput("builtin_structural_tag", bad))
+
+
 def test_an_empty_grammar_is_refused():
     with pytest.raises(TierserveError) as err:
         StructuredOutput("regex", "")

@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import jsonschema
 import openai
+import psutil
 import pydantic
 import pytest
 from transformers import AutoTokenizer
@@ -117,7 +118,8 @@ def test_forced_calls_without_a_parser_follow_the_schema(demo_server, choice) ->
 def test_forced_calls_in_the_family_format_are_parsed(family_server) -> None:
     """With --tool-call-parser qwen25 the grammar writes the family's <tool_call> blocks and
     the parser reads them back; streamed calls accumulate to the whole reply's. Thinking off
-    (Qwen3's switch): the grammar starts with the call."""
+    (Qwen3's switch): the grammar starts with the call. The family's structural tag is made in
+    the compile workers: the API process never loads xgrammar, nor the torch it brings."""
     client = client_of(family_server)
     no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}
     for parallel in (True, False):
@@ -134,6 +136,8 @@ def test_forced_calls_in_the_family_format_are_parsed(family_server) -> None:
         model="demo_model", messages=ASK, tools=TOOLS, tool_choice="auto", max_tokens=8
     ).choices[0]
     assert text.finish_reason in ("stop", "length")  # auto: the model may answer in text
+    api = psutil.Process(family_server.proc.pid)
+    assert not any("libtorch" in Path(m.path).name for m in api.memory_maps())
 
 
 def test_reasoning_comes_apart_from_content_streamed_and_whole(family_server) -> None:

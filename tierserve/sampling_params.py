@@ -19,13 +19,18 @@ MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 
 
-STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "ebnf", "structural_tag")
+STRUCTURED_KINDS = (
+    "json_schema", "json_object", "regex", "ebnf", "structural_tag", "builtin_structural_tag",
+)  # fmt: skip
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
     """A grammar the output must follow: OpenAI's json_schema and json_object, SGLang's regex
-    and ebnf. `source` is the schema as JSON text, the regex, or the EBNF ("" for json_object)."""
+    and ebnf, xgrammar's structural tags. `source` is the schema as JSON text, the regex, the
+    EBNF ("" for json_object), the structural tag as JSON, or for builtin_structural_tag the
+    keyword arguments of xgrammar's `get_builtin_structural_tag` as a JSON object (a model
+    family's tool-call format: server/tools.py), which the compile expands."""
 
     kind: str
     source: str = ""

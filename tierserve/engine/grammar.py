@@ -125,11 +125,12 @@ class Grammars:
         """Import xgrammar and make its view of the tokenizer on a thread of its own (once):
         the engine loop would stall for them (~1 s here) at the first matcher, every stream
         with it. A matcher asked for meanwhile waits for the thread's lock."""
-        if self._preparing is None:
-            self._preparing = threading.Thread(
-                target=self._prepare_quietly, name="tierserve-grammars", daemon=True
-            )
-            self._preparing.start()
+        with self._lock:
+            if self._preparing is None:
+                self._preparing = threading.Thread(
+                    target=self._prepare_quietly, name="tierserve-grammars", daemon=True
+                )
+                self._preparing.start()
 
     def _prepare_quietly(self) -> None:
         # A failure here (a tokenizer that does not load) is the first matcher's to report.
@@ -213,12 +214,28 @@ def compile_spec(compiler: Any, spec: StructuredOutput) -> Any:
         "regex": lambda: compiler.compile_regex(spec.source),
         "ebnf": lambda: compiler.compile_grammar(spec.source),
         "structural_tag": lambda: compiler.compile_structural_tag(spec.source),
+        "builtin_structural_tag": lambda: compiler.compile_structural_tag(_builtin(spec.source)),
     }
     try:
         return compile_by_kind[spec.kind]()
     except (RuntimeError, ValueError) as err:  # xgrammar's parse errors
         message = f"{spec.kind} does not compile: {_reason(err)}"
         raise TierserveError(message, spec.kind) from None
+
+
+def _builtin(arguments: str) -> str:
+    """xgrammar's structural tag for a model family's format, as JSON, from the keyword
+    arguments of its `get_builtin_structural_tag` (a JSON object). Built where it compiles:
+    xgrammar brings torch, which a server's API process does not load."""
+    import xgrammar
+
+    kwargs = json.loads(arguments)
+    if not isinstance(kwargs, dict):
+        raise ValueError("its source must be a JSON object of keyword arguments")
+    try:
+        return xgrammar.get_builtin_structural_tag(**kwargs).model_dump_json()
+    except TypeError as err:  # an argument it does not take
+        raise ValueError(str(err)) from None
 
 
 def _reason(err: Exception) -> str:

@@ -176,29 +176,25 @@ def _family_grammar(
     body: ChatCompletionRequest, family: type[ToolParser], reasoning: Any, tokenizer: Any
 ) -> StructuredOutput:
     """The family's own format for `required` or a named function: xgrammar's builtin
-    structural tag, which knows each format's markers. Where xgrammar can match the markers
-    as their own tokens and this tokenizer has them, it does: the model cannot spell a
-    marker out of pieces."""
-    import xgrammar
-
+    structural tag, which knows each format's markers, made by the compile (in the compile
+    pool's processes: xgrammar brings torch). Where xgrammar can match the markers as their
+    own tokens and this tokenizer has them, it does: the model cannot spell a marker out of
+    pieces. Tools it cannot make a tag of fail that compile: a 400 naming the tools."""
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     choice = body.tool_choice
     tool_choice = choice.model_dump() if isinstance(choice, NamedToolChoice) else choice
     markers = TOKEN_MARKERS.get(family.structural_tag, ())
     token_markers = bool(markers) and all(_one_token(tokenizer, m) for m in markers)
-    try:
-        tag = xgrammar.get_builtin_structural_tag(
-            family.structural_tag,
-            tools=tools,
-            tool_choice=tool_choice,
-            reasoning="auto" if reasoning and _thinking_on(body) else "disabled",
-            parallel_tool_calls=body.parallel_tool_calls,
-            token_markers=token_markers,
-            max_whitespace_cnt=1,  # as our JSON: a small model fills unbounded whitespace
-        )
-    except ValueError as err:
-        raise TierserveError(f"tools do not make a grammar: {err}", "tools") from None
-    return StructuredOutput("structural_tag", tag.model_dump_json())
+    arguments = {
+        "model": family.structural_tag,
+        "tools": tools,
+        "tool_choice": tool_choice,
+        "reasoning": "auto" if reasoning and _thinking_on(body) else "disabled",
+        "parallel_tool_calls": body.parallel_tool_calls,
+        "token_markers": token_markers,
+        "max_whitespace_cnt": 1,  # as our JSON: a small model fills unbounded whitespace
+    }
+    return StructuredOutput("builtin_structural_tag", json.dumps(arguments, sort_keys=True))
 
 
 def _thinking_on(body: ChatCompletionRequest) -> bool:
