@@ -46,7 +46,7 @@ def worker() -> dict[str, float]:
     import tierserve
     from tierserve import LLM, SamplingParams
     from tierserve.args import default_model
-    from tierserve.bench.server_process import ServerProcess, scratch_dir
+    from tierserve.bench.server_process import ServerProcess
 
     model = default_model()
     g = torch.Generator().manual_seed(0)
@@ -67,7 +67,9 @@ def worker() -> dict[str, float]:
     out["decode"] = 256 / (time.perf_counter() - start)
     del llm
 
-    server = ServerProcess(model, [], scratch_dir() / "server.log")
+    # The tree under test imports ServerProcess (it may predate scratch_dir).
+    logs = tempfile.TemporaryDirectory(prefix="tierserve-bench-")
+    server = ServerProcess(model, [], Path(logs.name) / "server.log")
     try:
         body = {"prompt": short, "max_tokens": 256, "temperature": 0, "ignore_eos": True}
         body["stream"] = True
@@ -79,6 +81,7 @@ def worker() -> dict[str, float]:
         out["stream"] = (len(times) - 1) / (times[-1] - times[0])
     finally:
         server.stop()
+        logs.cleanup()
     return out
 
 

@@ -110,6 +110,7 @@ def test_a_served_core_computes_on_its_cores_and_the_api_side_on_the_rest(
     rest = set(cores[1:]) or set(cores)
     hold = tmp_path / "hold"  # absent: compiles run at once; the worker stays for the next
     flags = ("--max-total-tokens", "2048", "--cpu-omp-threads-bind", str(cores[0]))
+    flags += ("--grammar-compile-timeout", "600")  # the held compile's clock runs meanwhile
     with Server(llama_dir, *flags, env={COMPILE_HOLD_ENV: str(hold)}) as server:
         assert server.core.cpu_affinity() == [cores[0]]
         api = psutil.Process(server.proc.pid)

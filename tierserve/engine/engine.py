@@ -262,6 +262,10 @@ class Engine:
         elif isinstance(message, PrepareGrammars):
             self.grammars.prepare()
             self._announce(message)
+            if self.ranks is not None and self.ranks.leader:
+                # Now: an idle leader's next exchange is the step that adds the request, and
+                # the other ranks would import inside it.
+                self.ranks.bus.exchange()
         else:
             return self.flush_cache()
         return None

@@ -93,7 +93,9 @@ class AsyncEngine:
         self.stream_interval = stream_interval  # --stream-interval: tokens a chunk
         grammars = self.preparer.grammars
         setup = WorkerSetup(tokenizer_dir, grammars.vocab_size, grammars.stop_ids)
-        self.grammar_pool = GrammarCompilePool(setup, grammar_compile_timeout_s)
+        self.grammar_pool = GrammarCompilePool(
+            setup, grammar_compile_timeout_s, first_compile=self._prepare_grammars
+        )
         self._watchdog = (
             StepWatchdog(watchdog_timeout_s, self._stalled_for, self._hung)
             if watchdog_timeout_s
@@ -114,7 +116,6 @@ class AsyncEngine:
         self._metrics_ask: asyncio.Future | None = None
         self._reader = threading.Thread(target=self._read, name="tierserve-core-io", daemon=True)
         self._stopping = False
-        self._grammars_prepared = False
         self.error: BaseException | None = None
 
     @classmethod
@@ -139,6 +140,11 @@ class AsyncEngine:
         engine = cls(core, tokenizer, args.tokenizer_dir, **kwargs)
         engine.args = args
         return engine
+
+    def _prepare_grammars(self) -> None:
+        """The core imports xgrammar while the first grammar compiles, not in the step that
+        adds its request."""
+        self._send(PrepareGrammars())
 
     @property
     def pid(self) -> int:
@@ -179,9 +185,6 @@ class AsyncEngine:
         arrival = self.preparer.next_arrival()  # before tokenizing: its place is when it came
         grammar = None
         if params.structured_output is not None:  # in the pool's processes: a cancel ends it
-            if not self._grammars_prepared:  # the core imports xgrammar while this compiles
-                self._grammars_prepared = True
-                self._send(PrepareGrammars())
             grammar = await self.grammar_pool.compile(params.structured_output)
         prepare = self.preparer.prepare
         req = await asyncio.to_thread(prepare, prompt, params, request_id, arrival, grammar)

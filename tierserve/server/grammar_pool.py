@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 
 from tierserve.engine import CACHE_BYTES, check_size
 from tierserve.errors import TierserveError
@@ -112,8 +113,12 @@ class GrammarCompilePool:
         setup: WorkerSetup,
         timeout_s: float = DEFAULT_COMPILE_TIMEOUT_S,
         workers: int | None = None,
+        first_compile: Callable[[], None] | None = None,
     ) -> None:
+        """`first_compile` is called once, as the first grammar within the limits starts to
+        compile (the server has the engine core load xgrammar meanwhile)."""
         self.setup = setup
+        self._first_compile = first_compile
         self.timeout_s = timeout_s
         self.size = workers or default_workers()
         self.ended: Counter[str] = Counter()  # compiles ended unfinished, by reason
@@ -129,6 +134,9 @@ class GrammarCompilePool:
         check_size(spec)  # a 400 before any process sees it
         if self._closed:
             raise ShuttingDown("the server is shutting down: no new grammar compiles")
+        if self._first_compile is not None:
+            self._first_compile, first = None, self._first_compile
+            first()
         key = (spec.kind, spec.source)
         if key in self._cache:
             self._cache.move_to_end(key)

@@ -72,14 +72,17 @@ class CompileResult:
         return cls(**json.loads(line))
 
 
-def serve(requests: BinaryIO, replies: BinaryIO) -> None:
+def serve(requests: BinaryIO, replies: BinaryIO) -> int:
     from tierserve.engine import compile_spec, load_tokenizer, new_compiler, tokenizer_info
     from tierserve.errors import TierserveError
     from tierserve.sampling_params import StructuredOutput
 
     setup = WorkerSetup.decode(requests.readline())
-    # The tokenizer is only read here: xgrammar's view keeps the vocabulary it needs.
-    info = tokenizer_info(load_tokenizer(setup.tokenizer), setup.vocab_size, setup.stop_ids)
+    try:  # the tokenizer is only read here: xgrammar's view keeps the vocabulary it needs
+        info = tokenizer_info(load_tokenizer(setup.tokenizer), setup.vocab_size, setup.stop_ids)
+    except TierserveError as err:  # one line in the server's log; the pool sees it exit
+        print(f"grammar compile worker: {err.message}", file=sys.stderr)
+        return 1
     compiler = new_compiler(info)
     replies.write(READY)
     replies.flush()
@@ -93,6 +96,7 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> None:
             result = CompileResult(error=err.message)
         replies.write(result.encode())
         replies.flush()
+    return 0
 
 
 def _test_hold() -> None:
@@ -109,8 +113,7 @@ def main() -> int:
     # Replies go to the pipe that was stdout; anything a library prints goes to stderr instead.
     replies = os.fdopen(os.dup(1), "wb")
     os.dup2(2, 1)
-    serve(sys.stdin.buffer, replies)
-    return 0
+    return serve(sys.stdin.buffer, replies)
 
 
 if __name__ == "__main__":
