@@ -346,6 +346,12 @@ def running(pid: int) -> bool:
         return False
 
 
+def maps_library(proc: psutil.Process, library: str) -> bool:
+    """Whether `proc` has a shared library whose file name starts with `library` loaded (what
+    a process has imported, seen from outside it)."""
+    return any(Path(m.path).name.startswith(library) for m in proc.memory_maps())
+
+
 def modules_after(code: str, *argv: str) -> set[str]:
     """The modules a fresh interpreter holds after running `code` with `argv`: what a start-up
     path imports, which a test process that imported everything already cannot show."""
