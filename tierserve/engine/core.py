@@ -85,9 +85,7 @@ def main() -> int:
         logger.exception("engine loop failed; the server now answers 503")
         with contextlib.suppress(OSError):  # the API process may be gone already
             conn.send_bytes(encode(CoreFailed(f"engine loop failed: {err!r}")))
-        if engine.storage is not None:  # its queued writes are lost; its client is closed
-            with contextlib.suppress(Exception):
-                engine.storage.close()
+        engine.abandon_storage()
         return 1
     return 0
 

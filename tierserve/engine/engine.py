@@ -165,9 +165,7 @@ class Engine:
             if self.ranks is not None:
                 self.ranks.kill()
             self._pinned.release()
-            if self.storage is not None:
-                with contextlib.suppress(Exception):  # the start's own error is the one raised
-                    self.storage.close()
+            self.abandon_storage()
             raise
 
     def _proposer(self, startup: Startup, model: torch.nn.Module, pool: PagedKV) -> Proposer | None:
@@ -396,6 +394,13 @@ class Engine:
 
     def check_accounting(self) -> None:
         self.kv.check_accounting([r.kv for r in self.scheduler.running])
+
+    def abandon_storage(self) -> None:
+        """After a failed start or loop: close the store's client, its queued writes lost. What
+        fails here is not reported; the failure that brought the engine here is."""
+        if self.storage is not None:
+            with contextlib.suppress(Exception):
+                self.storage.close()
 
     def close(self, write_timeout_s: float = 5.0) -> None:
         """Rank 0 stops the other ranks first, so that every rank closes its storage at once,
