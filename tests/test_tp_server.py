@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import psutil
 import pytest
 
-from tests.conftest import Server
+from tests.conftest import Server, http, maps_library
 from tests.test_choices import (  # noqa: F401
     test_chat_takes_n,
     test_streamed_choices_carry_their_index,
@@ -45,3 +46,11 @@ def server(llama_dir) -> Iterator[Server]:
     s = Server(llama_dir, *flags, "--device", "cpu")  # gloo: one GPU per rank is not assumed
     yield s
     s.stop()
+
+
+def test_the_api_process_of_a_tp_server_loads_no_torch(server):
+    """Its ranks compute; the API process only reads HTTP and text. It once imported torch to
+    learn its own rank before it spawned the engine core, which delayed the core by ~2 s."""
+    body = {"model": "llama", "prompt": "hello", "max_tokens": 2}
+    assert http.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code == 200
+    assert not maps_library(psutil.Process(server.proc.pid), "libtorch")

@@ -12,7 +12,7 @@ EXPORTS = {
     "Ranks": "ranks",
     "die_with_parent": "rank_env",
     "exit_after": "rank_env",
-    "global_rank": "ranks",
+    "global_rank": "rank_env",
     "pin": "placement",
     "pin_rank": "placement",
     "resolve_placement": "placement",

@@ -17,7 +17,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import NoReturn, TypeVar
+from typing import TYPE_CHECKING, NoReturn, TypeVar
+
+if TYPE_CHECKING:
+    from tierserve.args import EngineArgs
 
 T = TypeVar("T")
 
@@ -26,6 +29,13 @@ ENV_ADDR = "TIERSERVE_DIST_ADDR"
 ENV_ARGS = "TIERSERVE_ENGINE_ARGS"
 ENV_PARENT = "TIERSERVE_PARENT_PID"
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def global_rank(args: EngineArgs) -> int:
+    """This process's rank: a worker's is in its environment, a node's first process has its
+    node's first rank (global rank 0 serves HTTP; the others follow it). Here, not beside the
+    ranks' torch code: a TP server's API process asks before it spawns its engine core."""
+    return int(os.environ.get(ENV_RANK, args.node_rank * args.local_ranks))
 
 
 def die_with_parent() -> None:

@@ -38,6 +38,7 @@ from tierserve.distributed.rank_env import (
     ENV_ARGS,
     ENV_PARENT,
     ENV_RANK,
+    global_rank,
     start_from_lasting_thread,
 )
 from tierserve.errors import TierserveError
@@ -133,12 +134,6 @@ class Ranks:
         """A start or a stop that failed: the ranks this process started are ended at once
         (they may wait in a collective that will never come), then the group is left."""
         self.close(timeout_s=0.0)
-
-
-def global_rank(args: EngineArgs) -> int:
-    """This process's rank: a worker's is in its environment, a node's first process has its
-    node's first rank (global rank 0 serves HTTP; the others follow it)."""
-    return int(os.environ.get(ENV_RANK, args.node_rank * args.local_ranks))
 
 
 def _claim_group(tp_size: int) -> None:
