@@ -1,7 +1,7 @@
 """`tierserve serve` from launch to its first /health 200: wall time, and the CPU-seconds each of
 its processes spent getting there; then its first structured output's wait.
 
-    .venv/bin/python benchmarks/server_start.py [--rounds 5] [--against DIR]
+    .venv/bin/python benchmarks/server_start.py [--rounds 5] [--against DIR] [--tp-size N]
 
 Each round starts the demo model's server on a free port, polls /health every 50 ms, reads each
 process's CPU time (user + system) at the first 200, records whether the API process has torch
@@ -9,8 +9,9 @@ mapped, then times one completion with a JSON schema (the server's first grammar
 compile worker's start, and xgrammar in the engine core) and reads the API process's unique
 memory (USS) after it, and stops it. `--against DIR` alternates with another checkout of
 tierserve (imported from DIR through PYTHONPATH, with this venv), the other first in even
-rounds; each ratio is the median of the rounds' ratios. Writes
-benchmarks/results/server-start/report.md.
+rounds; each ratio is the median of the rounds' ratios. `--tp-size N` serves N rank processes
+(the engine core's CPU-seconds then include its ranks'). Writes
+benchmarks/results/server-start/report.md (report-tpN.md with --tp-size N).
 """
 
 from __future__ import annotations
@@ -72,11 +73,12 @@ def has_torch(proc: psutil.Process) -> bool:
     return any("libtorch" in Path(m.path).name for m in proc.memory_maps())
 
 
-def start_once(tree: str) -> dict:
+def start_once(tree: str, tp_size: int) -> dict:
     """One server from `tree`, timed to its first /health 200."""
     port = free_port()
     env = {**os.environ, "PYTHONPATH": tree}
     cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--port", str(port)]
+    cmd += ["--tp-size", str(tp_size)] if tp_size > 1 else []
     with tempfile.TemporaryFile() as log:
         start = time.perf_counter()
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=log, cwd=tree)
@@ -91,7 +93,8 @@ def start_once(tree: str) -> dict:
             up = time.perf_counter() - start
             api = psutil.Process(proc.pid)
             (core,) = [c for c in api.children() if CORE_MODULE in c.cmdline()]
-            got = {"up_s": up, "api_cpu_s": cpu_of(api), "core_cpu_s": cpu_of(core),
+            ranks = sum(cpu_of(rank) for rank in core.children())
+            got = {"up_s": up, "api_cpu_s": cpu_of(api), "core_cpu_s": cpu_of(core) + ranks,
                    "api_torch": has_torch(api)}  # fmt: skip
             got["structured_s"] = structured_s(url)
             got["api_uss_mib"] = api.memory_full_info().uss / 2**20
@@ -110,6 +113,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--against", help="another checkout of tierserve, alternated with this one")
+    ap.add_argument("--tp-size", type=int, default=1, help="serve with this many ranks")
     ns = ap.parse_args()
     trees = {"this tree": HERE}
     if ns.against:
@@ -117,7 +121,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {name: [] for name in trees}
     for r in range(ns.rounds):
         for name in list(trees) if r % 2 else list(trees)[::-1]:
-            runs[name].append(start_once(trees[name]))
+            runs[name].append(start_once(trees[name], ns.tp_size))
         print(json.dumps({name: rs[-1] for name, rs in runs.items()}), flush=True)
     write_report(ns, trees, runs)
 
@@ -127,6 +131,7 @@ def write_report(ns: argparse.Namespace, trees: dict[str, str], runs: dict[str, 
         return statistics.median(run[key] for run in runs[name])
 
     against = f" --against {ns.against}" if ns.against else ""
+    against += f" --tp-size {ns.tp_size}" if ns.tp_size > 1 else ""
     machine = {"cpu_model": "an unnamed CPU", **machine_info()}
     lines = [
         "# `tierserve serve` from launch to /health 200",
@@ -134,7 +139,7 @@ def write_report(ns: argparse.Namespace, trees: dict[str, str], runs: dict[str, 
         f"`.venv/bin/python benchmarks/server_start.py --rounds {ns.rounds}{against}` "
         f"(demo model, its defaults; {machine['cpu_model']}, {machine['cpus_usable']} cores).",
         "",
-        "| tree | to /health 200, s | API process, CPU-s | engine core, CPU-s | "
+        "| tree | to /health 200, s | API process, CPU-s | engine core and its ranks, CPU-s | "
         "API process has torch | first structured output, s | then: API process USS, MiB, "
         "has torch |",
         "| --- | ---: | ---: | ---: | --- | ---: | --- |",
@@ -163,7 +168,8 @@ def write_report(ns: argparse.Namespace, trees: dict[str, str], runs: dict[str, 
     lines += [json.dumps({name: rs[i] for name, rs in runs.items()}) for i in range(ns.rounds)]
     lines += ["```", ""]
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "report.md").write_text("\n".join(lines))
+    name = "report.md" if ns.tp_size == 1 else f"report-tp{ns.tp_size}.md"
+    (OUT / name).write_text("\n".join(lines))
     print("\n".join(lines))
 
 

@@ -21,11 +21,19 @@ import psutil
 import pytest
 import torch.distributed as dist
 
-from tests.conftest import Server, http, make_checkpoint, random_prompts, running, serve_cmd
+from tests.conftest import (
+    Server,
+    http,
+    make_checkpoint,
+    modules_after,
+    random_prompts,
+    running,
+    serve_cmd,
+)
 from tests.test_hicache import mixed_workload, mixed_workload_reference
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.bench.client import parse_prometheus
-from tierserve.distributed import ranks as ranks_module
+from tierserve.distributed import node_start
 from tierserve.distributed.placement import plan_placement
 from tierserve.engine import engine as engine_module
 from tierserve.engine import engine_metrics
@@ -359,14 +367,14 @@ def _group_released() -> bool:
 
 def _record_spawns(monkeypatch) -> list[int]:
     pids: list[int] = []
-    spawn = ranks_module._spawn
+    spawn = node_start._spawn
 
     def recording(*args: object) -> subprocess.Popen:
         proc = spawn(*args)
         pids.append(proc.pid)
         return proc
 
-    monkeypatch.setattr(ranks_module, "_spawn", recording)
+    monkeypatch.setattr(node_start, "_spawn", recording)
     return pids
 
 
@@ -391,6 +399,24 @@ def test_a_tp_engine_after_a_closed_one_in_the_same_process(llama_dir):
         at_4 = [o.token_ids for o in second.generate(prompts, GREEDY8)]
     assert at_2 == want and at_4 == want
     assert _group_released() and not _still_running([p.pid for p in _my_workers()], 5)
+
+
+START_NODE = """
+import sys
+from tierserve.args import EngineArgs
+from tierserve.distributed import start_node
+node = start_node(EngineArgs(model=sys.argv[1], tp_size=2, device="auto"), True, spawn_ranks=True)
+assert node.ranks is not None and len(node.ranks.workers) == 1, node
+assert node.args.cpu_omp_threads_bind != "auto"  # the placement's lists travel to the rank
+node.ranks.release(wait_s=0.0)
+"""
+
+
+def test_an_engine_core_starts_its_ranks_before_its_torch_loads(llama_dir):
+    """The engine core's first step: the node's placement and its other ranks, with no torch
+    in the process yet, so that the ranks' imports run beside its own (it once spawned them
+    after its ~2.7 s of imports)."""
+    assert "torch" not in modules_after(START_NODE, str(llama_dir))
 
 
 def test_a_second_tp_engine_while_one_is_open_is_refused_before_any_rank_starts(

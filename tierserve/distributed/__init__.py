@@ -8,6 +8,7 @@ from tierserve.lazy import lazy_exports
 EXPORTS = {
     "ENV_ARGS": "rank_env",
     "ENV_PARENT": "rank_env",
+    "NodeStart": "node_start",
     "Placement": "placement",
     "Ranks": "ranks",
     "die_with_parent": "rank_env",
@@ -17,6 +18,7 @@ EXPORTS = {
     "pin_rank": "placement",
     "resolve_placement": "placement",
     "start_from_lasting_thread": "rank_env",
+    "start_node": "node_start",
 }
 __all__ = list(EXPORTS)
 __getattr__ = lazy_exports(__name__, EXPORTS)

@@ -189,10 +189,20 @@ def pin(cores: Sequence[int]) -> None:
             continue
 
 
+# Device nodes without which no GPU is visible (NVIDIA's; ROCm's, which torch.cuda also drives).
+GPU_DEVICE_NODES = ("/dev/nvidiactl", "/dev/kfd")
+
+
 def _cuda(device: str) -> bool:
+    if device != "auto":
+        return device == "cuda"
+    # Without a GPU's device node torch sees none either, and is not loaded to be told so:
+    # an engine core places its ranks before its torch loads (node_start.py).
+    if not any(os.path.exists(node) for node in GPU_DEVICE_NODES):
+        return False
     import torch
 
-    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    return torch.cuda.is_available()
 
 
 def format_cores(cores: Sequence[int]) -> str:

@@ -1,12 +1,12 @@
 """Starting the tensor-parallel ranks and making them agree before anything is allocated.
 
 A node's first rank (the server's engine core, an offline `LLM`'s process, or `serve
---node-rank K`) starts the node's other ranks as `python -m tierserve.engine.worker` processes,
-then every rank joins one torch.distributed group (gloo on CPU, NCCL on CUDA) at
-`--dist-init-addr`. Global rank 0 alone decides the start-up sizes (`agree`) and each step's
-inputs (`bus.py`); the server's API process above it keeps HTTP and text. A rank that dies
-takes the others with it: the first process of a node watches the ranks it started, and those
-watch it.
+--node-rank K`) starts the node's other ranks as `python -m tierserve.engine.worker` processes
+(node_start.py; an engine core does so before its torch loads), then every rank joins one
+torch.distributed group (gloo on CPU, NCCL on CUDA) at `--dist-init-addr`. Global rank 0 alone
+decides the start-up sizes (`agree`) and each step's inputs (`bus.py`); the server's API process
+above it keeps HTTP and text. A rank that dies takes the others with it: the first process of a
+node watches the ranks it started, and those watch it.
 
 One group per process (torch's default group): a second engine is refused until the first is
 closed, and a start that fails ends the ranks it started and leaves the group at once.
@@ -14,15 +14,9 @@ closed, and a start that fails ends the ranks it started and leaves the group at
 
 from __future__ import annotations
 
-import dataclasses
 import gc
-import json
-import logging
-import os
 import subprocess
-import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -33,25 +27,12 @@ import torch.distributed as dist
 
 from tierserve.args import EngineArgs
 from tierserve.distributed.bus import CommandBus
-from tierserve.distributed.rank_env import (
-    ENV_ADDR,
-    ENV_ARGS,
-    ENV_PARENT,
-    ENV_RANK,
-    global_rank,
-    start_from_lasting_thread,
-)
+from tierserve.distributed.node_start import NodeRanks, spawn_node_ranks
 from tierserve.errors import TierserveError
 from tierserve.layers import DPAttention, TPGroup, set_dp_attention, set_tp_group
-from tierserve.net import free_port
-
-logger = logging.getLogger("tierserve")
 
 # Collectives of the model and the start-up rendezvous give up after this.
 COLLECTIVE_TIMEOUT = timedelta(seconds=120)
-# A rank that died: its peers' collectives fail at once (closed sockets) and the server answers
-# 503 and exits by itself; if anything still waits after this, the process is ended.
-DEATH_GRACE_S = 5.0
 
 T = TypeVar("T")
 
@@ -67,10 +48,17 @@ class Ranks:
     local_rank: int
     bus: CommandBus
     session: str  # rank 0's name for this launch
-    workers: list[subprocess.Popen] = field(default_factory=list)
-    closing: threading.Event = field(default_factory=threading.Event)
+    node: NodeRanks  # the ranks this process started, and where every rank meets
     dp: DPAttention | None = None  # data-parallel attention: this rank's group among them
     released: bool = field(default=False, init=False, repr=False)
+
+    @property
+    def workers(self) -> list[subprocess.Popen]:
+        return self.node.workers
+
+    @property
+    def closing(self) -> threading.Event:
+        return self.node.closing
 
     @property
     def leader(self) -> bool:
@@ -82,30 +70,28 @@ class Ranks:
         return self.rank % (self.dp.group_size if self.dp is not None else self.world) == 0
 
     @classmethod
-    def start(cls, args: EngineArgs, device: torch.device) -> Ranks:
+    def start(cls, args: EngineArgs, device: torch.device, node: NodeRanks | None = None) -> Ranks:
         """This process's rank in the group, started and joined; blocks until every rank has.
-        `device` is where the engine runs (NCCL on CUDA, gloo elsewhere). Anything that fails
-        on the way ends the ranks started here before it is raised."""
-        local = args.local_ranks
-        rank = global_rank(args)
-        workers: list[subprocess.Popen] = []
-        closing = threading.Event()
-        _claim_group(args.tp_size)
+        `device` is where the engine runs (NCCL on CUDA, gloo elsewhere); `node`: the node's
+        ranks when this process started them already (an engine core: node_start.py). Anything
+        that fails on the way ends the ranks started here before it is raised."""
         try:
-            if ENV_RANK in os.environ:  # worker.py made this rank die with its parent
-                addr = os.environ[ENV_ADDR]
-            else:  # the node's first process: start the node's other ranks
-                addr = args.dist_init_addr or f"127.0.0.1:{free_port()}"
-                workers = _spawn_ranks(args, rank, addr, closing)
-                _watch(workers, closing)  # from now: a rank that dies, even before meeting, ends us
-            _join(args, rank, addr, device.type == "cuda")
-            dp = _attention_groups(args, rank)
-            bus = CommandBus(rank, dp.group_size if dp is not None else args.tp_size)
+            _claim_group(args.tp_size)
+        except BaseException:
+            if node is not None:
+                node.release(wait_s=0.0)
+            raise
+        try:
+            node = node or spawn_node_ranks(args)
+            _join(args, node.rank, node.addr, device.type == "cuda")
+            dp = _attention_groups(args, node.rank)
+            bus = CommandBus(node.rank, dp.group_size if dp is not None else args.tp_size)
             session = bus.session()
         except BaseException:
-            _release(workers, rank, closing, wait_s=0.0)
+            _release(node, wait_s=0.0)
             raise
-        return cls(rank, args.tp_size, rank % local, bus, session, workers, closing, dp)
+        rank = node.rank
+        return cls(rank, args.tp_size, rank % args.local_ranks, bus, session, node, dp)
 
     def agree(self, decide: Callable[[], T]) -> T:
         """Rank 0's `decide()`, on every rank; or its refusal, raised on every rank (rank 0's
@@ -128,7 +114,7 @@ class Ranks:
         if self.released:
             return
         self.released = True
-        _release(self.workers, self.rank, self.closing, timeout_s)
+        _release(self.node, timeout_s)
 
     def kill(self) -> None:
         """A start or a stop that failed: the ranks this process started are ended at once
@@ -189,25 +175,13 @@ def _attention_groups(args: EngineArgs, rank: int) -> DPAttention | None:
     return dp
 
 
-def _release(
-    workers: list[subprocess.Popen],
-    rank: int,
-    closing: threading.Event,
-    wait_s: float,
-) -> None:
+def _release(node: NodeRanks | None, wait_s: float) -> None:
     """Reap the ranks this process started (killing any still there after `wait_s`), leave
     the group and free the process for another engine."""
     global _open_tp
-    closing.set()  # first: a rank ended on purpose must not take this process with it
-    deadline = time.monotonic() + wait_s
-    for worker in workers:
-        try:
-            worker.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            worker.kill()
-    for i, worker in enumerate(workers, start=rank + 1):
-        logger.info("rank %d exited with status %s", i, worker.wait())
     try:
+        if node is not None:
+            node.release(wait_s)
         if dist.is_initialized():
             dist.destroy_process_group()
     finally:
@@ -215,59 +189,3 @@ def _release(
         set_dp_attention(None)
         with _open_lock:
             _open_tp = None
-
-
-def _spawn_ranks(
-    args: EngineArgs, rank: int, addr: str, closing: threading.Event
-) -> list[subprocess.Popen]:
-    """Ranks rank + 1 … of this node, started from a thread that outlives them (their
-    parent-death signal is tied to the thread that forks them: rank_env.py)."""
-
-    def start() -> list[subprocess.Popen]:
-        workers: list[subprocess.Popen] = []
-        try:
-            for i in range(1, args.local_ranks):
-                workers.append(_spawn(args, rank + i, addr))
-        except BaseException:
-            for worker in workers:
-                worker.kill()
-                worker.wait()
-            raise
-        return workers
-
-    def outlive(workers: list[subprocess.Popen]) -> None:
-        closing.wait()
-        for worker in workers:  # close() reaps them too; this thread only has to outlive them
-            worker.wait()
-
-    return start_from_lasting_thread(start, outlive, "tierserve-rank-spawner")
-
-
-def _spawn(args: EngineArgs, rank: int, addr: str) -> subprocess.Popen:
-    env = {
-        **os.environ,
-        ENV_RANK: str(rank),
-        ENV_ADDR: addr,
-        ENV_ARGS: json.dumps(dataclasses.asdict(args)),
-        ENV_PARENT: str(os.getpid()),
-    }
-    cmd = [sys.executable, "-m", "tierserve.engine.worker"]
-    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
-
-
-def _watch(workers: list[subprocess.Popen], closing: threading.Event) -> None:
-    """End this process soon after a rank it started dies (unless it is being closed)."""
-
-    def run() -> None:
-        while not closing.is_set():
-            for worker in workers:
-                code = worker.poll()
-                if code is not None and not closing.is_set():
-                    if code != 2:  # 2: a start-up refusal, which rank 0 reports itself
-                        logger.error("a tensor-parallel rank exited with status %s", code)
-                    if not closing.wait(DEATH_GRACE_S):
-                        os._exit(1 if code != 2 else 2)
-                    return
-            closing.wait(0.2)
-
-    threading.Thread(target=run, name="tierserve-rank-watch", daemon=True).start()

@@ -25,7 +25,7 @@ from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 # Light imports only up here: torch and the model load after the parent-death signal is armed.
-from tierserve.distributed import ENV_ARGS, die_with_parent, exit_after
+from tierserve.distributed import ENV_ARGS, die_with_parent, exit_after, start_node
 from tierserve.engine.core_hooks import StepClock, StepGate, StepHold
 from tierserve.engine.metrics import engine_metrics
 from tierserve.errors import TierserveError
@@ -65,12 +65,15 @@ def main() -> int:
     level = os.environ.get(ENV_LOG_LEVEL, "info").upper()
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(message)s")
     from tierserve.args import EngineArgs
-    from tierserve.engine.engine import Engine
 
     conn = Connection(int(os.environ[ENV_CORE_FD]))
     clock = StepClock(int(os.environ[ENV_CLOCK_FD]))
     try:
-        engine = Engine(EngineArgs(**json.loads(os.environ[ENV_ARGS])), serving=True)
+        # The node's other ranks first: their imports run beside this process's.
+        node = start_node(EngineArgs(**json.loads(os.environ[ENV_ARGS])), True, spawn_ranks=True)
+        from tierserve.engine.engine import Engine
+
+        engine = Engine(node.args, serving=True, node=node)
     except TierserveError as err:
         conn.send_bytes(encode(CoreRefused(err.message, err.field)))
         return 2

@@ -19,7 +19,7 @@ import torch
 
 from tierserve.args import EngineArgs
 from tierserve.cache import KVCacheManager, PagedKV, TransferFactory, default_transfer, pair_keys
-from tierserve.distributed import Ranks, global_rank, pin_rank, resolve_placement
+from tierserve.distributed import NodeStart, Ranks, global_rank, pin_rank, start_node
 from tierserve.engine.dp_groups import AttentionGroups
 from tierserve.engine.hidden_states import HiddenStateCapture
 from tierserve.engine.host_heap import keep_freed_heap
@@ -59,27 +59,40 @@ logger = logging.getLogger("tierserve")
 
 class Engine:
     def __init__(
-        self, args: EngineArgs, transfer: TransferFactory = default_transfer, serving: bool = False
+        self,
+        args: EngineArgs,
+        transfer: TransferFactory = default_transfer,
+        serving: bool = False,
+        node: NodeStart | None = None,
     ) -> None:
         """`serving`: an API process shares this node (the engine core's); it may get cores
-        of its own (distributed/placement.py)."""
+        of its own (distributed/placement.py). `node`: what this process, the node's first,
+        decided and started before it loaded torch (the engine core's); `args` are its."""
         # The node's first process places the node's ranks; the others get its lists in args.
         local_rank = global_rank(args) % args.local_ranks
-        placement = None
-        if local_rank == 0:
-            args, placement = resolve_placement(args, serving)
+        if local_rank == 0 and node is None:
+            node = start_node(args, serving, spawn_ranks=False)
+        args = node.args if node is not None else args
         self.args = args
         self._closed = False
         self.storage: StorageTier | None = None  # opened before the weights (below)
-        self._pinned = pin_rank(args, local_rank)
+        spawned = node.ranks if node is not None else None
         # Tensor parallelism: every rank joins here; rank 0 decides every size, and checks it
         # for the whole node, before any rank's weights or KV take memory.
+        try:
+            self._pinned = pin_rank(args, local_rank)
+        except BaseException:
+            if spawned is not None:
+                spawned.release(wait_s=0.0)
+            raise
         try:
             device = resolve_device(args.device)
             if device.type == "cpu":
                 keep_freed_heap()  # a step's activations are host memory: keep them mapped
-            self.ranks = Ranks.start(args, device) if args.tp_size > 1 else None
+            self.ranks = Ranks.start(args, device, spawned) if args.tp_size > 1 else None
         except BaseException:
+            if spawned is not None and not spawned.closing.is_set():
+                spawned.release(wait_s=0.0)  # failed before Ranks.start took them
             self._pinned.release()
             raise
         decide = lambda: Startup.from_args(args)  # noqa: E731
@@ -94,7 +107,7 @@ class Engine:
             cfg, self.device, self.dtype = startup.config, startup.device, startup.dtype
             self.model_config, self.context_length = cfg, startup.context_length
             self.kv_plan = plan = startup.plan
-            placed = placement.describe() if placement is not None else None
+            placed = node.placement.describe() if node is not None else None
             logger.info("KV cache plan:\n%s", startup_table(plan, args.dp_groups, placed))
             # Loaded where text is read (offline prompts, grammars): a core never loads it.
             self._tokenizer = lazy_tokenizer(args.tokenizer_dir)
@@ -151,7 +164,7 @@ class Engine:
                 page_size=self.kv.page_size,
                 hidden_states_dir=args.hidden_states_dir,
                 hidden_state_bytes_per_token=self.capture.bytes_per_token,
-                api_cores=placement.api if placement is not None else (),
+                api_cores=node.placement.api if node is not None else (),
             )
             self.preparer = RequestPreparer(self.info, self._tokenizer)
             self.grammars = self.preparer.grammars
