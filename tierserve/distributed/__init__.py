@@ -9,6 +9,7 @@ EXPORTS = {
     "ENV_ARGS": "rank_env",
     "ENV_PARENT": "rank_env",
     "NodeStart": "node_start",
+    "Pinned": "placement",
     "Placement": "placement",
     "Ranks": "ranks",
     "die_with_parent": "rank_env",

@@ -19,7 +19,7 @@ import torch
 
 from tierserve.args import EngineArgs
 from tierserve.cache import KVCacheManager, PagedKV, TransferFactory, default_transfer, pair_keys
-from tierserve.distributed import NodeStart, Ranks, global_rank, pin_rank, start_node
+from tierserve.distributed import NodeStart, Pinned, Ranks, global_rank, pin_rank, start_node
 from tierserve.engine.dp_groups import AttentionGroups
 from tierserve.engine.hidden_states import HiddenStateCapture
 from tierserve.engine.host_heap import keep_freed_heap
@@ -79,13 +79,9 @@ class Engine:
         spawned = node.ranks if node is not None else None
         # Tensor parallelism: every rank joins here; rank 0 decides every size, and checks it
         # for the whole node, before any rank's weights or KV take memory.
+        pinned: Pinned | None = None
         try:
-            self._pinned = pin_rank(args, local_rank)
-        except BaseException:
-            if spawned is not None:
-                spawned.release(wait_s=0.0)
-            raise
-        try:
+            pinned = self._pinned = pin_rank(args, local_rank)
             device = resolve_device(args.device)
             if device.type == "cpu":
                 keep_freed_heap()  # a step's activations are host memory: keep them mapped
@@ -93,7 +89,8 @@ class Engine:
         except BaseException:
             if spawned is not None and not spawned.closing.is_set():
                 spawned.release(wait_s=0.0)  # failed before Ranks.start took them
-            self._pinned.release()
+            if pinned is not None:
+                pinned.release()
             raise
         decide = lambda: Startup.from_args(args)  # noqa: E731
         try:
