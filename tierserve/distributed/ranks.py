@@ -124,7 +124,8 @@ class Ranks:
 
 def _claim_group(tp_size: int) -> None:
     """Refuse a second group before any rank is spawned: torch holds one default group per
-    process, and a second init fails only after the ranks are running."""
+    process, and a second init fails only after the ranks are running. (An engine core, the
+    only engine of its process, has spawned its ranks already: node_start.py.)"""
     global _open_tp
     if _open_tp is not None:
         gc.collect()  # an engine in a reference cycle that nobody holds closes in its finalizer
