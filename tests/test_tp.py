@@ -19,6 +19,7 @@ import httpx
 import openai
 import psutil
 import pytest
+import torch
 import torch.distributed as dist
 
 from tests.conftest import (
@@ -112,6 +113,20 @@ def test_a_node_budget_that_fits_one_rank_but_not_two_is_refused(llama_dir):
     # the other rank refused too.
     assert "KV cache plan" not in proc.stderr
     assert "rank 1 exited with status 2" in proc.stderr
+    assert not _workers_left(tag)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a host without CUDA")
+def test_a_served_start_refused_before_the_ranks_meet_ends_the_rank_its_core_spawned(llama_dir):
+    """The engine core spawns its rank before it loads torch (node_start.py): a start it
+    refuses before the ranks meet (--device cuda without CUDA) still ends that rank."""
+    env, tag = _tagged()
+    cmd = serve_cmd(llama_dir, "--device", "cuda", "--tp-size", "2", "--port", str(free_port()))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == "tierserve serve: error: device cuda requested but CUDA is not available"
+    assert "rank 1 exited with status" in proc.stderr  # it was started, then reaped
     assert not _workers_left(tag)
 
 
@@ -488,7 +503,8 @@ PARENT_SCRIPT = """
 import socket, sys, time
 kw = {}
 if sys.argv[2] == "rendezvous":  # rank 0 holds a store that never answers: rank 1 waits in it
-    import torch.distributed as dist
+    import torch
+import torch.distributed as dist
 
     store = socket.create_server(("127.0.0.1", 0))
     kw["dist_init_addr"] = f"127.0.0.1:{store.getsockname()[1]}"
