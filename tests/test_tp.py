@@ -503,8 +503,7 @@ PARENT_SCRIPT = """
 import socket, sys, time
 kw = {}
 if sys.argv[2] == "rendezvous":  # rank 0 holds a store that never answers: rank 1 waits in it
-    import torch
-import torch.distributed as dist
+    import torch.distributed as dist
 
     store = socket.create_server(("127.0.0.1", 0))
     kw["dist_init_addr"] = f"127.0.0.1:{store.getsockname()[1]}"
