@@ -73,14 +73,10 @@ class Ranks:
     def start(cls, args: EngineArgs, device: torch.device, node: NodeRanks | None = None) -> Ranks:
         """This process's rank in the group, started and joined; blocks until every rank has.
         `device` is where the engine runs (NCCL on CUDA, gloo elsewhere); `node`: the node's
-        ranks when this process started them already (an engine core: node_start.py). Anything
-        that fails on the way ends the ranks started here before it is raised."""
-        try:
-            _claim_group(args.tp_size)
-        except BaseException:
-            if node is not None:
-                node.release(wait_s=0.0)
-            raise
+        ranks when this process started them already (an engine core: node_start.py), which a
+        refused claim leaves to the caller. Anything that fails after the claim ends the
+        node's ranks before it is raised."""
+        _claim_group(args.tp_size)
         try:
             node = node or spawn_node_ranks(args)
             _join(args, node.rank, node.addr, device.type == "cuda")

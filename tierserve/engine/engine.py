@@ -88,7 +88,7 @@ class Engine:
             self.ranks = Ranks.start(args, device, spawned) if args.tp_size > 1 else None
         except BaseException:
             if spawned is not None and not spawned.closing.is_set():
-                spawned.release(wait_s=0.0)  # failed before Ranks.start took them
+                spawned.release(wait_s=0.0)  # failed before Ranks.start claimed the group
             if pinned is not None:
                 pinned.release()
             raise
