@@ -86,10 +86,10 @@ def spawn_node_ranks(args: EngineArgs) -> NodeRanks:
     rank = global_rank(args)
     if ENV_RANK in os.environ:  # worker.py made this rank die with its parent
         return NodeRanks(os.environ[ENV_ADDR], rank)
-    node = NodeRanks(args.dist_init_addr or f"127.0.0.1:{free_port()}", rank)
-    node.workers = _spawn_ranks(args, rank, node.addr, node.closing)
-    _watch(node.workers, node.closing)  # from now: a rank that dies, even before meeting, ends us
-    return node
+    addr, closing = args.dist_init_addr or f"127.0.0.1:{free_port()}", threading.Event()
+    workers = _spawn_ranks(args, rank, addr, closing)
+    _watch(workers, closing)  # from now: a rank that dies, even before meeting, ends us
+    return NodeRanks(addr, rank, workers, closing)
 
 
 def _spawn_ranks(

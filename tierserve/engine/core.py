@@ -70,7 +70,8 @@ def main() -> int:
     clock = StepClock(int(os.environ[ENV_CLOCK_FD]))
     try:
         # The node's other ranks first: their imports run beside this process's.
-        node = start_node(EngineArgs(**json.loads(os.environ[ENV_ARGS])), True, spawn_ranks=True)
+        args = EngineArgs(**json.loads(os.environ[ENV_ARGS]))
+        node = start_node(args, serving=True, spawn_ranks=True)
         from tierserve.engine.engine import Engine
 
         engine = Engine(node.args, serving=True, node=node)
