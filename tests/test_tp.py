@@ -126,7 +126,10 @@ def test_a_served_start_refused_before_the_ranks_meet_ends_the_rank_its_core_spa
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last == "tierserve serve: error: device cuda requested but CUDA is not available"
-    assert "rank 1 exited with status" in proc.stderr  # it was started, then reaped
+    # It was started, then ended by its core, or refused the device itself first if its
+    # imports won the race: either is said as such, never as a crash's "status -9".
+    assert re.search(r"rank 1 (stopped by rank 0|exited with status 2)", proc.stderr)
+    assert "status -9" not in proc.stderr
     assert not _workers_left(tag)
 
 

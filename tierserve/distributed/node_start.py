@@ -53,13 +53,19 @@ class NodeRanks:
         """Reap the ranks started here, killing any still there after `wait_s`."""
         self.closing.set()  # first: a rank ended on purpose must not take this process with it
         deadline = time.monotonic() + wait_s
+        killed = set()
         for worker in self.workers:
             try:
                 worker.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 worker.kill()
+                killed.add(worker.pid)
         for i, worker in enumerate(self.workers, start=self.rank + 1):
-            logger.info("rank %d exited with status %s", i, worker.wait())
+            code = worker.wait()
+            if worker.pid in killed:  # its status would be -9, which reads as a crash
+                logger.info("rank %d stopped by rank %d", i, self.rank)
+            else:
+                logger.info("rank %d exited with status %s", i, code)
 
 
 @dataclass(frozen=True)
