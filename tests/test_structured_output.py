@@ -142,6 +142,34 @@ def test_a_builtin_structural_tag_compiles_as_the_tag_xgrammar_builds(demo):
             grammars.compile(StructuredOutput("builtin_structural_tag", bad))
 
 
+@pytest.mark.parametrize(
+    ("spec", "field"),
+    [
+        (StructuredOutput("ebnf", "root ::= root"), "ebnf"),
+        (StructuredOutput("ebnf", "root ::= a\na ::= b\nb ::= a"), "ebnf"),
+        (StructuredOutput("regex", "[^\\x00-\\U0010FFFF]"), "regex"),
+    ],
+)
+def test_a_grammar_that_matches_no_text_is_refused(demo, spec, field):
+    """It compiles, but allows no first token: a sampled request had nothing to sample, and
+    the failed step ended the server."""
+    with pytest.raises(TierserveError) as err:
+        demo.generate("hi", SamplingParams(temperature=1.0, structured_output=spec))
+    assert err.value.field == field and "matches no text" in err.value.message
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_grammar_with_no_way_on_ends_its_request_with_a_stop(demo, temperature):
+    """After its first token this grammar allows none (`x ::= x`): the request ends there
+    with "stop" and the engine serves on; a sampled one failed the step (NaN probabilities)."""
+    spec = StructuredOutput("ebnf", 'root ::= "a" x\nx ::= x')
+    params = SamplingParams(max_tokens=8, temperature=temperature, structured_output=spec)
+    out = demo.generate("well", params)[0]
+    assert out.text == "a" and out.finish_reason == "stop", (out.text, out.finish_reason)
+    plain = demo.generate("well", SamplingParams(max_tokens=4, temperature=1.0, seed=0))[0]
+    assert plain.token_ids
+
+
 def test_an_empty_grammar_is_refused():
     with pytest.raises(TierserveError) as err:
         StructuredOutput("regex", "")

@@ -51,10 +51,11 @@ JSON_STRING_CHAR = r"[^\0-\x1f\"\\\uD800-\uDFFF]"
 class GrammarState:
     """One request's position in its grammar."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, stop_ids: tuple[int, ...] = ()) -> None:
         import xgrammar
 
         self._matcher = matcher
+        self.stop_ids = stop_ids
         self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)
         self._apply = xgrammar.apply_token_bitmask_inplace
         self._refused = False
@@ -107,7 +108,7 @@ class Grammars:
         import xgrammar
 
         compiled = xgrammar.CompiledGrammar.deserialize_json(serialised, info)
-        return GrammarState(xgrammar.GrammarMatcher(compiled), self._vocab_size)
+        return GrammarState(xgrammar.GrammarMatcher(compiled), self._vocab_size, self.stop_ids)
 
     def start(self, spec: StructuredOutput) -> GrammarState:
         return self.matcher(self.compile(spec))
@@ -217,10 +218,23 @@ def compile_spec(compiler: Any, spec: StructuredOutput) -> Any:
         "builtin_structural_tag": lambda: compiler.compile_structural_tag(_builtin(spec.source)),
     }
     try:
-        return compile_by_kind[spec.kind]()
+        compiled = compile_by_kind[spec.kind]()
     except (RuntimeError, ValueError) as err:  # xgrammar's parse errors
         message = f"{spec.kind} does not compile: {_reason(err)}"
         raise TierserveError(message, spec.kind) from None
+    if not _allows_a_first_token(compiled):
+        raise TierserveError(f"{spec.kind} matches no text: it allows no first token", spec.kind)
+    return compiled
+
+
+def _allows_a_first_token(compiled: Any) -> bool:
+    """Whether a grammar that compiled can start (`root ::= root`, an empty character class
+    cannot): one that cannot would leave a request nothing to sample."""
+    import xgrammar
+
+    bitmask = xgrammar.allocate_token_bitmask(1, compiled.tokenizer_info.vocab_size)
+    xgrammar.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    return bool(bitmask.any())
 
 
 def _builtin(arguments: str) -> str:

@@ -39,6 +39,11 @@ class Constraint(Protocol):
     @property
     def ended(self) -> bool: ...
 
+    @property
+    def stop_ids(self) -> tuple[int, ...]:
+        """The tokens that end the grammar's output (the model's EOS)."""
+        ...
+
 
 class History(Protocol):
     """What a row's adjustments read: its request's tokens so far, the tokens that stop it,
@@ -103,10 +108,13 @@ def adjust_logits(row: torch.Tensor, p: SamplingParams, h: History) -> None:
         row[ids] -= counts * p.frequency_penalty + p.presence_penalty
     if h.grammar is not None:
         h.grammar.mask(row)
-        if banned_stops and not row.isfinite().any():
-            # The grammar is complete and wants its stop token, which min_tokens holds back:
-            # the grammar wins, or no token would be left to sample.
-            row[stops] = 0.0
+        if not row.isfinite().any():
+            # Nothing is left to sample: the grammar is complete and wants its stop token,
+            # which min_tokens holds back (the grammar wins), or it allows no token at all from
+            # here. A stop token ends the request, where sampling from nothing failed the step,
+            # and with it every request of the server.
+            ends = h.stop_ids or h.grammar.stop_ids or (0,)
+            row[torch.tensor(sorted(ends), device=device)] = 0.0
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
