@@ -106,8 +106,9 @@ class SamplingParams:
             raise TierserveError(f"temperature must be >= 0, got {self.temperature}", "temperature")
         if not 0.0 < self.top_p <= 1.0:
             raise TierserveError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        if self.top_k < -1:
-            raise TierserveError(f"top_k must be -1 (off) or >= 0, got {self.top_k}", "top_k")
+        if not -1 <= self.top_k < 2**31:  # any k past the vocabulary keeps every token
+            message = f"top_k must be -1 (off) or in [0, 2**31), got {self.top_k}"
+            raise TierserveError(message, "top_k")
         if not 0.0 <= self.min_p <= 1.0:
             raise TierserveError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if any(not s for s in self.stop):

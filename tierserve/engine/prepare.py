@@ -132,6 +132,10 @@ class RequestPreparer:
         vocab = self.info.vocab_size
         if any(t >= vocab for t, _ in params.logit_bias):
             raise TierserveError(f"logit_bias token ids must be < {vocab}", "logit_bias")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            # An id past the logits can never stop a request, and min_tokens bans each by index.
+            message = f"stop_token_ids must be token ids in [0, {vocab})"
+            raise TierserveError(message, "stop_token_ids")
         total = len(prompt_ids) + params.max_tokens
         if total > self.context_length:
             raise TierserveError(

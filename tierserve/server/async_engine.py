@@ -199,7 +199,12 @@ class AsyncEngine:
             self._streams.pop(req.rid, None)
             self._check_alive()
         self._adds_sent += 1
-        self._send(req)
+        try:
+            self._send(req)
+        except BaseException:  # not sent (a message that does not encode): nothing in flight
+            self._adds_sent -= 1
+            self._streams.pop(req.rid, None)
+            raise
         finished = False
         try:
             while not finished:
