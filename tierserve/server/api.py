@@ -16,7 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierserve.args import EngineArgs
-from tierserve.errors import StorageFull, TierserveError
+from tierserve.errors import TierserveError
 from tierserve.sampling_params import SamplingParams
 from tierserve.server import chat_template, choices, tools
 from tierserve.server.async_engine import AsyncEngine, EngineDeadError
@@ -32,6 +32,7 @@ from tierserve.server.protocol import (
     CompletionRequest,
     error_body,
     now,
+    user_error_body,
 )
 from tierserve.server.tools import ChatParsers
 from tierserve.server.worker_info import loads, model_info, server_info
@@ -94,13 +95,10 @@ def _error(status: int, message: str, kind: str, param: str | None = None) -> JS
 
 
 def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(TierserveError)
+    @app.exception_handler(TierserveError)  # StorageFull too: a 507
     async def user_error(_: Request, err: TierserveError) -> JSONResponse:
-        return _error(400, err.message, "invalid_request_error", err.field)
-
-    @app.exception_handler(StorageFull)
-    async def storage_full(_: Request, err: StorageFull) -> JSONResponse:
-        return _error(507, err.message, "insufficient_storage", err.field)
+        body = user_error_body(err)
+        return JSONResponse(body, status_code=body["error"]["code"])
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(_: Request, err: RequestValidationError) -> JSONResponse:

@@ -95,6 +95,9 @@ def render(tokenizer: Any, body: ChatTemplateFields, trust_request_template: boo
     except (TemplateError, ValueError, TypeError) as err:  # alternating roles; nothing to continue
         message = f"the chat template rejected the messages: {err}"
         raise TierserveError(message, "messages") from None
+    except Exception as err:  # a template is code: 1/0, endless recursion, ...
+        message = f"the chat template failed on the messages: {type(err).__name__}: {err}"
+        raise TierserveError(message, "messages") from None
     if not isinstance(text, str):
         raise TierserveError("the chat template did not render text", "chat_template")
     return text

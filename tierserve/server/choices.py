@@ -3,8 +3,8 @@
 Each choice is its own engine request, tagged `<response id>-<index>`; choice `j × n + i` is
 sample `i` of prompt `j` (OpenAI's order). The first sample of a prompt runs alone until its
 first token: by then its prompt is in the radix cache, so the other samples start from it and
-the prompt is prefilled once. With a seed, sample `i` uses seed + i: the choices equal single
-requests with those seeds. Usage counts each prompt once.
+the prompt is prefilled once. With a seed, sample `i` uses seed + i (mod 2**63): the choices
+equal single requests with those seeds. Usage counts each prompt once.
 """
 
 from __future__ import annotations
@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from tierserve.errors import TierserveError
 from tierserve.outputs import RequestOutput
 from tierserve.sampling_params import SamplingParams
 from tierserve.server.async_engine import EngineDeadError
 from tierserve.server.disconnect import unless_disconnected
-from tierserve.server.protocol import SSE_DONE, error_body, sse, usage
+from tierserve.server.protocol import SSE_DONE, error_body, sse, usage, user_error_body
 
 if TYPE_CHECKING:
     from tierserve.server.completion import Completion
@@ -40,9 +41,10 @@ def jobs(prompts: list[str | list[int]], params: SamplingParams, n: int) -> list
     out = []
     for j, prompt in enumerate(prompts):
         for i in range(n):
-            seeded = (
-                params if params.seed is None else dataclasses.replace(params, seed=params.seed + i)
-            )
+            # Within [0, 2**63): a seed near its top with n > 1 was refused as a seed the
+            # client never sent.
+            seed = None if params.seed is None else (params.seed + i) % 2**63
+            seeded = params if seed is None else dataclasses.replace(params, seed=seed)
             out.append(Job(j * n + i, prompt, seeded, None if i == 0 else j * n))
     return out
 
@@ -143,8 +145,10 @@ async def _sse(
             try:
                 item = await anext(outputs, None)
             except EngineDeadError as err:  # headers are sent: say so in the stream
-                body = error_body(str(err), "service_unavailable", None, 503)
-                yield sse(body)
+                yield sse(error_body(str(err), "service_unavailable", None, 503))
+                return
+            except TierserveError as err:  # a later prompt refused after the first streamed
+                yield sse(user_error_body(err))
                 return
         if c.include_usage:
             tail = c.envelope(c.chunk_object(), [], usage=total_usage(finals, n))

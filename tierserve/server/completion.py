@@ -19,7 +19,16 @@ from tierserve.server.async_engine import AsyncEngine, EngineDeadError
 from tierserve.server.disconnect import unless_disconnected
 from tierserve.server.logprobs import chat_logprobs, completion_logprobs, join
 from tierserve.server.metrics import ServerMetrics
-from tierserve.server.protocol import SSE_DONE, SamplingFields, error_body, new_id, now, sse, usage
+from tierserve.server.protocol import (
+    SSE_DONE,
+    SamplingFields,
+    error_body,
+    new_id,
+    now,
+    sse,
+    usage,
+    user_error_body,
+)
 from tierserve.server.tools import Reply
 
 
@@ -217,8 +226,10 @@ class Completion:
                 try:
                     out = await anext(outputs)
                 except EngineDeadError as err:  # headers are sent: say so in the stream
-                    body = error_body(str(err), "service_unavailable", None, 503)
-                    yield sse(body)
+                    yield sse(error_body(str(err), "service_unavailable", None, 503))
+                    return
+                except TierserveError as err:  # refused by the engine once it had begun
+                    yield sse(user_error_body(err))
                     return
             if self.include_usage and self.kind != "generate":
                 tail = self.envelope(self.chunk_object(), [], usage=self._usage(out))

@@ -22,7 +22,7 @@ from pydantic import (
     model_validator,
 )
 
-from tierserve.errors import TierserveError
+from tierserve.errors import StorageFull, TierserveError
 from tierserve.sampling_params import SamplingParams, StructuredOutput
 from tierserve.server.chat_messages import ChatMessage, NamedToolChoice, ToolDefinition
 
@@ -335,6 +335,14 @@ def sse(body: dict[str, Any]) -> bytes:
     """One server-sent event: a streamed chunk's JSON, by msgspec (0.4 µs a chunk where
     json.dumps took 3; compact and UTF-8, as vLLM's chunks are)."""
     return b"data: " + msgspec.json.encode(body) + b"\n\n"
+
+
+def user_error_body(err: TierserveError) -> dict[str, Any]:
+    """A user's error as the server answers it: 507 when storage is full, else 400 (its code
+    is the HTTP status, or the status a stream that had started could no longer send)."""
+    if isinstance(err, StorageFull):
+        return error_body(err.message, "insufficient_storage", err.field, 507)
+    return error_body(err.message, "invalid_request_error", err.field, 400)
 
 
 def error_body(message: str, kind: str, param: str | None, code: int) -> dict[str, Any]:
