@@ -210,6 +210,21 @@ def test_an_unclosed_call_spares_the_next(parser: str, cuts: list[int]) -> None:
         assert (out.content, got) == (whole.content, calls)
 
 
+@pytest.mark.parametrize("value", ["NaN", "-Infinity", "1e999"])
+def test_arguments_that_strict_json_refuses_are_no_call(value: str) -> None:
+    """Python's json reads NaN, Infinity and 1e999, and wrote them back into a call's
+    arguments, which a client's JSON.parse refuses: such a call is content."""
+    tools = TOOL_PARSERS["qwen25"](frozenset({"f"}), lambda i: f"call_{i}")
+    reply = ReplyParser(None, tools)
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": ' + value + "}}\n</tool_call>\n"
+    out = reply.feed(text)
+    out += reply.finish()
+    assert not reply.calls and value in out.content
+    required = RequiredToolsReply(lambda i: f"call_{i}")
+    required.feed('[{"name": "f", "parameters": {"a": ' + value + "}}]")
+    assert not required.calls and value in required.finish().content
+
+
 def test_required_without_a_parser_reads_the_json_array() -> None:
     reply = RequiredToolsReply(lambda i: f"call_{i}")
     text = json.dumps([{"name": n, "parameters": a} for n, a in CALLS])

@@ -115,6 +115,30 @@ def test_forced_calls_without_a_parser_follow_the_schema(demo_server, choice) ->
     assert whole.message.content is None
 
 
+def test_required_calls_of_tools_whose_parameters_use_defs(demo_server) -> None:
+    """Pydantic writes nested models as `$defs` and `#/$defs/...` references: two such tools
+    (their definitions named alike) compile under `required`, and the call follows its tool's
+    schema. Nested whole in the array of calls, the references did not resolve: a 400."""
+
+    def tool(name: str, maximum: int) -> dict:
+        x = {"type": "integer", "minimum": 0, "maximum": maximum}
+        point = {"type": "object", "properties": {"x": x}, "required": ["x"],
+                 "additionalProperties": False}  # fmt: skip
+        parameters = {"type": "object", "$defs": {"Point": point},
+                      "properties": {"p": {"$ref": "#/$defs/Point"}}, "required": ["p"],
+                      "additionalProperties": False}  # fmt: skip
+        return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+    tools = [tool("near", 9), tool("far", 99)]
+    reply = client_of(demo_server).chat.completions.create(
+        model="demo_model", messages=ASK, temperature=0, max_tokens=60, tools=tools,
+        tool_choice="required", parallel_tool_calls=False,
+    )  # fmt: skip
+    (call,) = reply.choices[0].message.tool_calls
+    schema = next(t for t in tools if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), schema["function"]["parameters"])
+
+
 def test_forced_calls_in_the_family_format_are_parsed(family_server) -> None:
     """With --tool-call-parser qwen25 the grammar writes the family's <tool_call> blocks and
     the parser reads them back; streamed calls accumulate to the whole reply's. Thinking off

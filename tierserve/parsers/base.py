@@ -9,6 +9,7 @@ the whole text parses to: one state machine serves both, and no chunking changes
 from __future__ import annotations
 
 import json
+import math
 import re
 import uuid
 from abc import ABC, abstractmethod
@@ -66,10 +67,28 @@ def random_call_id(index: int) -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+def strict_json(text: str) -> Any:
+    """`text` read as JSON, as strict parsers read it: Python's json reads NaN, Infinity and
+    1e999 (as inf), which it would write back into a call's arguments, and a client's
+    JSON.parse refuses. ValueError or RecursionError where it is not JSON."""
+    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not JSON")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is past a double's range")
+    return value
+
+
 def json_object(text: str) -> dict[str, Any] | None:
     """`text` as a JSON object, or None when it is not one."""
     try:
-        value = json.loads(text)
+        value = strict_json(text)
     except (ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None

@@ -4,7 +4,6 @@ what it leaves as content."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 
 from tierserve.parsers.base import (
@@ -15,6 +14,7 @@ from tierserve.parsers.base import (
     ToolParser,
     arguments_text,
     random_call_id,
+    strict_json,
 )
 
 
@@ -87,7 +87,7 @@ class RequiredToolsReply:
     def finish(self) -> ParsedDelta:
         text = "".join(self._text)
         try:
-            items = json.loads(text)
+            items = strict_json(text)
         except (ValueError, RecursionError):
             return ParsedDelta(content=text)
         if not isinstance(items, list) or not all(_is_call(i) for i in items):

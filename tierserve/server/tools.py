@@ -157,19 +157,52 @@ def _parameters(tool: ToolDefinition) -> dict[str, Any]:
 def _calls_schema(tools: list[ToolDefinition], parallel: bool) -> dict[str, Any]:
     """vLLM's parser-free form of `required`: an array of one call or more (one at most when
     calls may not run in parallel), each naming a tool and giving its parameters."""
-    one_of = [
-        {
+    defs: dict[str, Any] = {}
+    one_of = []
+    for i, t in enumerate(tools):
+        parameters = _lift_defs(_parameters(t), f"tool{i}_", defs)
+        one_of.append({
             "type": "object",
-            "properties": {"name": {"const": t.function.name}, "parameters": _parameters(t)},
+            "properties": {"name": {"const": t.function.name}, "parameters": parameters},
             "required": ["name", "parameters"],
             "additionalProperties": False,
-        }
-        for t in tools
-    ]
+        })  # fmt: skip
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_of}}
     if not parallel:
         schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema
+
+
+DEFS_KEYS = ("$defs", "definitions")  # JSON Schema's, and draft 7's
+
+
+def _lift_defs(parameters: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """A tool's parameters nested in the array of calls: its definitions move to the root's
+    `$defs` under `prefix` (two tools may name theirs alike), its `#/$defs/...` references
+    with them; nested as they were, they resolved against the array and did not compile."""
+    if not any(k in parameters for k in DEFS_KEYS):
+        return parameters
+
+    def moved(node: Any) -> Any:
+        if isinstance(node, list):
+            return [moved(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        out = {k: moved(v) for k, v in node.items()}
+        ref = out.get("$ref")
+        for key in DEFS_KEYS:
+            if isinstance(ref, str) and ref.startswith(f"#/{key}/"):
+                out["$ref"] = f"#/$defs/{prefix}{ref[len(key) + 3 :]}"
+        return out
+
+    lifted = moved(parameters)
+    for key in DEFS_KEYS:
+        block = lifted.pop(key, None)
+        for name, definition in block.items() if isinstance(block, dict) else ():
+            defs[f"{prefix}{name}"] = definition
+    return lifted
 
 
 def _family_grammar(
