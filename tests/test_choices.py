@@ -69,6 +69,18 @@ def test_streamed_choices_carry_their_index(client, offline, llama_dir):
     assert usage.prompt_tokens == len(prompt) and usage.completion_tokens == 24
 
 
+def test_a_seed_at_the_top_of_its_range_wraps_for_the_later_choices(client, offline, llama_dir):
+    """Sample i uses seed + i within [0, 2**63): at the top, the second choice is seed 0's, not
+    a refusal of a seed the client never sent."""
+    top = 2**63 - 1
+    got = client.completions.create(
+        model=llama_dir.name, prompt="Once upon a time", n=2, max_tokens=6, temperature=1.0,
+        seed=top, extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    want = [single(offline, "Once upon a time", s, 6) for s in (top, 0)]
+    assert [c.text for c in got.choices] == want
+
+
 def test_chat_takes_n(client, llama_dir):
     got = client.chat.completions.create(
         model=llama_dir.name, messages=[{"role": "user", "content": "hello"}], n=3,

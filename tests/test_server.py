@@ -363,6 +363,20 @@ def test_without_max_tokens_a_request_runs_to_the_context_end(client):
         ("/generate", b'{"input_ids": [5, 6], "sampling_params": {"temperature": "hot"}}'),
         ("/generate", b'{"input_ids": [5, 6], "sampling_params": {"stop": 5}}'),
         ("/generate", b'{"input_ids": [5, 6], "sampling_params": {"nucleus": 0.9}}'),
+        # Each of these ended the engine core, and the server with it (a failed step).
+        ("/v1/completions", b'{"prompt": "hi", "max_tokens": 4, "ebnf": "root ::= root"}'),
+        (
+            "/v1/completions",
+            b'{"prompt": "hi", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [100000]}',
+        ),
+        (
+            "/v1/completions",
+            b'{"prompt": "hi", "max_tokens": 4, "min_tokens": 2, "stop_token_ids": [-1]}',
+        ),
+        # Past 64 bits: a 500 from the core's message encoder.
+        ("/v1/completions", b'{"prompt": "hi", "top_k": 1180591620717411303424}'),
+        ("/v1/completions", b'{"prompt": "hi", "stop_token_ids": [18446744073709551616]}'),
+        ("/generate", b'{"input_ids": [5], "sampling_params": {"top_k": 18446744073709551616}}'),
     ],
 )
 def test_bad_values_are_400_and_the_engine_keeps_serving(server, route, body):
@@ -372,6 +386,52 @@ def test_bad_values_are_400_and_the_engine_keeps_serving(server, route, body):
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["message"]
     assert http.get(f"{server.url}/health").status_code == 200
+
+
+def test_a_refused_request_leaves_its_request_id_free(server):
+    """A request refused before it reached the engine is not left in flight: its id may be
+    used again (once, a 500 kept it for good, and counted it as waiting)."""
+    url = f"{server.url}/generate"
+    huge = {"input_ids": [5], "rid": "again", "sampling_params": {"top_k": 2**70}}
+    assert http.post(url, json=huge).status_code == 400
+    ok = {"input_ids": [5], "rid": "again", "sampling_params": {"max_new_tokens": 2}}
+    reply = http.post(url, json=ok, timeout=60)
+    assert reply.status_code == 200, reply.text
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{{ 1/0 }}",
+        "{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}",
+        "{% for i in range(10**9) %}{% endfor %}x",
+    ],
+)
+def test_a_request_template_that_fails_is_a_400(server, template):
+    """A request's own template is code (the shared server trusts it): one that raises is the
+    request's error, never a 500."""
+    messages = [{"role": "user", "content": "hi"}]
+    for route in ("/v1/chat/completions", "/v1/chat/completions/render"):
+        body = {"messages": messages, "max_tokens": 2, "chat_template": template}
+        reply = http.post(f"{server.url}{route}", json=body, timeout=60)
+        assert reply.status_code == 400, reply.text
+        assert "the chat template failed" in reply.json()["error"]["message"]
+
+
+def test_a_streamed_batch_with_a_prompt_refused_late_ends_with_an_error_event(server):
+    """A batch's second prompt, too long for the context, is refused when it has tokenized,
+    which may be after the first prompt's tokens were streamed: the stream then ends with an
+    error event, where it was cut without one. Either way the client is told."""
+    body = {"prompt": ["hi", "hello " * 5000], "max_tokens": 8, "stream": True}
+    with http.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as reply:
+        if reply.status_code == 400:  # refused before the first byte
+            assert "exceeds the context length" in reply.read().decode()
+            return
+        assert reply.status_code == 200
+        events = [line for line in reply.iter_lines() if line.startswith("data: ")]
+    last = json.loads(events[-1].removeprefix("data: "))
+    assert last["error"]["code"] == 400, events
+    assert "exceeds the context length" in last["error"]["message"]
 
 
 def test_extreme_but_valid_values_do_not_break_a_batch(client):
