@@ -339,6 +339,16 @@ def serve(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.parametrize("port", ["70000", "-1", "0", "99999999999999999999"])
+def test_a_port_outside_tcps_range_is_refused(llama_dir, port):
+    """getaddrinfo took 70000 as 4464 (the server said :70000 and listened elsewhere), -1 as
+    a bad --host, and 10**20 as an OverflowError; the dry run passed them all."""
+    done = serve("--model", str(llama_dir), "--dry-run", "--port", port)
+    assert done.returncode == 2, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.endswith(f"--port must be in [1, 65535], got {port}")
+
+
 def test_serve_dry_run_prints_the_plan_and_allocates_nothing(llama_dir, tmp_path):
     ok = serve(
         "--model",

@@ -40,6 +40,9 @@ def check_mem_fraction(
         raise TierserveError(f"{who}{name} must be in {interval}, got {fraction}", field=field)
 
 
+MAX_RANKS = 65_536  # past any cluster; larger counts overflowed the placement's tables
+
+
 def ranks_per_node(ranks: int, nnodes: int, what: str) -> int:
     """Ranks on each of `nnodes` nodes: they split evenly, in tierserve as in SGLang."""
     if nnodes <= 0 or ranks % nnodes:
@@ -366,6 +369,8 @@ class EngineArgs:
         for name, value in positive.items():
             if value <= 0:
                 raise TierserveError(f"{name} must be > 0, got {value}", field=name)
+        if not 0 <= self.seed < 2**63:  # torch's generators take a signed 64-bit seed
+            raise TierserveError(f"seed must be in [0, 2**63), got {self.seed}", field="seed")
         if self.chunked_prefill_size == 0 or self.chunked_prefill_size < -1:
             raise TierserveError(
                 f"chunked_prefill_size must be > 0 or -1 (off), got {self.chunked_prefill_size}",
@@ -485,8 +490,9 @@ class EngineArgs:
 
     def _check_distributed(self) -> None:
         for name in ("tp_size", "nnodes"):
-            if getattr(self, name) <= 0:
-                raise TierserveError(f"{name} must be > 0, got {getattr(self, name)}", name)
+            if not 0 < getattr(self, name) <= MAX_RANKS:
+                message = f"{name} must be in [1, {MAX_RANKS:,}], got {getattr(self, name)}"
+                raise TierserveError(message, name)
         ranks_per_node(self.tp_size, self.nnodes, "tp_size")
         if not 0 <= self.node_rank < self.nnodes:
             message = f"node_rank must be in [0, {self.nnodes}), got {self.node_rank}"

@@ -48,10 +48,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_port(port: int) -> None:
+    """A TCP port number: getaddrinfo takes 70000 as 4464 (mod 65536) and -1 as a bad host."""
+    if not 1 <= port <= 65535:
+        raise TierserveError(f"--port must be in [1, 65535], got {port}", field="port")
+
+
 def bind_server_socket(host: str, port: int) -> socket.socket:
     """The server's listening address, bound (not yet listening) before the engine loads: a
     port in use is refused at once, not after minutes of loading weights, and nothing can take
     the port while the engine loads (vLLM binds its API port first for the same reason)."""
+    check_port(port)
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE

@@ -16,7 +16,7 @@ from types import FrameType
 
 from tierserve.args import EngineArgs
 from tierserve.errors import TierserveError
-from tierserve.net import bind_server_socket
+from tierserve.net import bind_server_socket, check_port
 from tierserve.parsers import REASONING_PARSERS, TOOL_PARSERS
 from tierserve.server.grammar_worker import DEFAULT_COMPILE_TIMEOUT_S
 from tierserve.server.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
@@ -148,6 +148,7 @@ def run(ns: argparse.Namespace) -> int:
         if not 0 < getattr(ns, name) < 1e6:
             message = f"{name} must be in (0, 1e6) seconds, got {getattr(ns, name)}"
             raise TierserveError(message, field=name)
+    check_port(ns.port)
     if ns.dry_run:
         return dry_run(args)
     if args.tp_size > 1:
