@@ -313,3 +313,47 @@ def test_loading_a_model_imports_no_symbolic_shapes(checkpoints):
     )
     paths = [default_model(), str(checkpoints["deepseek-v3"])]
     assert "sympy" not in modules_after(probe, *paths)
+
+
+# --- checkpoints that cannot run ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"vocab_size": 0}, "vocab_size"),  # oneDNN's RuntimeError when packing the head
+        ({"max_position_embeddings": 0}, "max_position_embeddings"),  # served, refused all
+        ({"hidden_size": 0}, "hidden_size"),
+        ({"num_hidden_layers": 10**11}, "num_hidden_layers"),  # a MemoryError
+    ],
+)
+def test_a_config_of_no_size_or_past_any_model_is_refused(change, field):
+    import json
+
+    from tierserve import TierserveError
+
+    config = json.loads((Path(default_model()) / "config.json").read_text())
+    with pytest.raises(TierserveError) as err:
+        ModelConfig.from_dict({**config, **change})
+    assert err.value.field == field
+
+
+def test_a_truncated_checkpoint_is_refused_before_and_at_load(tmp_path):
+    """Its header is whole and its tensors are not: the dry run passed it, and the load
+    raised safetensors' own error (exit 1, a traceback)."""
+    import shutil
+    import subprocess
+    import sys
+
+    from tierserve import TierserveError
+
+    model = tmp_path / "cut"
+    shutil.copytree(default_model(), model)
+    with (model / "model.safetensors").open("r+b") as f:
+        f.truncate(1_000_000)
+    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(model), "--dry-run"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "truncated: 1,000,000 bytes of the" in done.stderr.strip().splitlines()[-1]
+    with pytest.raises(TierserveError, match="truncated"):
+        LLM(str(model))

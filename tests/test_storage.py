@@ -196,6 +196,18 @@ def test_a_removed_directory_is_made_again_and_hits_return(llama_dir, tmp_path, 
     assert llm.engine.storage.store.state == "closed"
 
 
+@pytest.mark.parametrize("path", [5, "FILE", "/proc/tierserve-nowhere"])
+def test_a_storage_path_that_cannot_be_used_is_refused_at_start(llama_dir, tmp_path, path):
+    """A number, a file, a place no directory can be made: a TypeError, NotADirectoryError or
+    FileNotFoundError ended the start as a crash (exit 1, a traceback)."""
+    (tmp_path / "file").write_text("not a directory")
+    path = str(tmp_path / "file") if path == "FILE" else path
+    with pytest.raises(TierserveError) as err:
+        storage_llm(llama_dir, "file", {"path": path})
+    assert err.value.field == "hicache_storage_backend_extra_config"
+    assert "path" in err.value.message
+
+
 def test_a_path_that_cannot_be_a_directory_opens_the_breaker_with_a_log_line(tmp_path, caplog):
     backend = FileBackend({"path": str(tmp_path / "kv")})
     stats = StorageStats()

@@ -46,6 +46,7 @@ TEXT_MODEL_TYPES = {
 # Past any real model (the largest have ~100 layers and vocabularies of ~10^6): a larger value
 # is a broken config, and refusing it keeps every product of sizes a finite float.
 CONFIG_INT_MAX = 2**40
+MAX_LAYERS = 10_000  # the deepest real models have ~130
 
 
 def config_int(raw: Mapping[str, Any], key: str, default: int | None = None) -> int:
@@ -243,9 +244,16 @@ class ModelConfig:
         heads = config_int(raw, "num_attention_heads")
         hidden = config_int(raw, "hidden_size")
         layers = config_int(raw, "num_hidden_layers")
-        for key, value in (("num_attention_heads", heads), ("num_hidden_layers", layers)):
-            if value == 0:
+        vocab = config_int(raw, "vocab_size", 0)
+        positions = config_int(raw, "max_position_embeddings", 2048)
+        sizes = {"num_attention_heads": heads, "num_hidden_layers": layers, "hidden_size": hidden,
+                 "vocab_size": vocab, "max_position_embeddings": positions}  # fmt: skip
+        for key, value in sizes.items():
+            if value == 0:  # a model of no vocabulary or context served nothing, or crashed
                 raise TierserveError(f"model config {key!r} must be > 0", key)
+        if layers > MAX_LAYERS:  # a tuple per layer is made before any weight is read
+            message = f"model config 'num_hidden_layers' must be at most {MAX_LAYERS:,}"
+            raise TierserveError(message, "num_hidden_layers")
         rope = _config_of_type(raw, "rope_parameters", dict, None)
         rope = rope or _config_of_type(raw, "rope_scaling", dict, None) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -258,7 +266,7 @@ class ModelConfig:
                     raise TierserveError(f"an MLA model config needs {key!r} > 0", key)
         return cls(
             architecture=archs[0] if archs else "",
-            vocab_size=config_int(raw, "vocab_size", 0),
+            vocab_size=vocab,
             hidden_size=hidden,
             intermediate_size=config_int(raw, "intermediate_size", 0),
             num_layers=layers,
@@ -266,7 +274,7 @@ class ModelConfig:
             num_kv_heads=config_int(raw, "num_key_value_heads", 0) or heads,
             head_dim=config_int(raw, "head_dim", 0) or hidden // heads,
             rms_norm_eps=_config_float(raw, "rms_norm_eps", 1e-6),
-            max_position_embeddings=config_int(raw, "max_position_embeddings", 2048),
+            max_position_embeddings=positions,
             rope_theta=_config_float(rope, "rope_theta", _config_float(raw, "rope_theta", 1e4)),
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 from torch import nn
 from tqdm import tqdm
@@ -133,7 +133,10 @@ def checkpoint_tensors(path: Path, layout: CheckpointLayout) -> Iterator[tuple[s
     for file in weight_files(path):
         # Memory-mapped: a shard's tensors are page cache until copied into the model, so
         # only one tensor at a time (dequantized, for fp8) takes memory of its own.
-        shard = load_file(str(file))
+        try:
+            shard = load_file(str(file))
+        except SafetensorError as err:  # truncated or corrupt past its header
+            raise TierserveError(f"cannot read {file}: {err}", field="model") from None
         for key in sorted(shard):
             name = layout.model_name(key)
             if name is None:
@@ -279,8 +282,13 @@ def tensor_shapes(file: Path) -> dict[str, list[int]]:
             if not 0 < length <= MAX_HEADER_BYTES:
                 raise ValueError(f"header length {length}")
             header = json.loads(f.read(length))
-        return {k: list(v["shape"]) for k, v in header.items() if k != "__metadata__"}
-    except (OSError, ValueError, KeyError, TypeError) as err:
+        tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+        # A copy cut short: its header is whole, its tensors not (loading then fails).
+        end = 8 + length + max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
+        if end > file.stat().st_size:
+            raise ValueError(f"truncated: {file.stat().st_size:,} bytes of the {end:,} it needs")
+        return {k: list(v["shape"]) for k, v in tensors.items()}
+    except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
         raise TierserveError(f"cannot read {file}: {err}", field="model") from None
 
 

@@ -41,7 +41,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from tierserve.storage.backend import StorageBackend, config_bytes
+from tierserve.errors import TierserveError
+from tierserve.storage.backend import EXTRA_FIELD, StorageBackend, config_bytes
 
 logger = logging.getLogger("tierserve")
 
@@ -60,18 +61,25 @@ class FileBackend(StorageBackend):
     name = "file"
 
     def __init__(self, extra: Mapping[str, Any]) -> None:
-        self.root = Path(extra.get("path") or default_dir()).expanduser()
+        path = extra.get("path")
+        if path is not None and not isinstance(path, str):
+            raise TierserveError("path in the storage config must be a string", EXTRA_FIELD)
+        self.root = Path(path or default_dir()).expanduser()
         self.tmp = self.root / ".tmp"
         given = extra.get("max_bytes")
         self._given = None if given is None else config_bytes(extra, "max_bytes", 0)
         self.evicted = 0  # objects this process deleted (every server's, least recent first)
         self._opened = False
-        self._ensure_dirs()
-        self._drop_stale_tmp()
-        with self._locked() as record:
-            if self._given is not None:
-                record["cap"] = self._given  # the directory's cap, for every process
-            self._note(record)
+        try:
+            self._ensure_dirs()
+            self._drop_stale_tmp()
+            with self._locked() as record:
+                if self._given is not None:
+                    record["cap"] = self._given  # the directory's cap, for every process
+                self._note(record)
+        except OSError as err:  # the user's path: not a directory, not writable, under /proc
+            said = f"the storage path {self.root} cannot be used: {err.strerror}"
+            raise TierserveError(said if err.strerror else str(err), EXTRA_FIELD) from None
         self._opened = True
 
     # --- the directory and its record ------------------------------------------------------
