@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -191,6 +193,60 @@ def test_bad_prompts_raise_one_typed_error(small_llm, prompt, params, field, wor
     assert not small_llm.engine.has_unfinished()
 
 
+@pytest.mark.parametrize(
+    ("prompts", "params", "field"),
+    [
+        (b"abc", None, "prompt"),  # was read as token ids
+        ({"a": 1}, None, "prompt"),  # was read as its keys
+        (["ok", 5], None, "prompt"),
+        ("\x00\ud800", None, "prompt"),  # tokenizers' TypeError
+        (["a"], {"max_tokens": 2}, "params"),  # an AttributeError deep in the engine
+        (["a"], [None], "params"),
+        (["a"], [SamplingParams(), SamplingParams()], "params"),  # zip's ValueError
+    ],
+)
+def test_prompts_and_params_of_the_wrong_kind_raise_one_typed_error(
+    small_llm, prompts, params, field
+):
+    with pytest.raises(TierserveError) as err:
+        small_llm.generate(prompts, params)
+    assert err.value.field == field
+    assert not small_llm.engine.has_unfinished()
+
+
+def test_generate_from_several_threads_runs_each_call_whole(small_llm):
+    """Calls from threads take turns: each got an internal RuntimeError but one, or would
+    have waited for outputs another thread's steps took."""
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    want = small_llm.generate([[5, 6, 7], [8, 9]], params)
+    results: list = []
+    start = threading.Barrier(4)
+
+    def call() -> None:
+        start.wait()
+        try:
+            results.append(small_llm.generate([[5, 6, 7], [8, 9]], params))
+        except Exception as err:  # reported below as what went wrong
+            results.append(err)
+
+    threads = [threading.Thread(target=call) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)  # a hang bound, far past four small calls
+    assert len(results) == 4
+    for got in results:
+        assert [o.token_ids for o in got] == [o.token_ids for o in want], got
+
+
+def test_a_closed_llm_says_so(llama_dir):
+    llm = LLM(str(llama_dir), max_total_tokens=1024)
+    llm.close()
+    for call in (lambda: llm.generate("hi"), lambda: next(llm.generate_stream("hi"))):
+        with pytest.raises(TierserveError, match="this LLM is closed"):
+            call()
+
+
 def test_a_bad_prompt_in_a_batch_queues_nothing(small_llm):
     with pytest.raises(TierserveError):
         small_llm.generate([[5, 6, 7], [1] * 600], SamplingParams(max_tokens=4))
@@ -212,8 +268,11 @@ def test_request_larger_than_the_pool_is_refused(llama_dir):
         ({"temperature": -0.1}, "temperature", ">= 0"),
         ({"top_p": 0.0}, "top_p", "(0, 1]"),
         ({"top_p": 1.5}, "top_p", "(0, 1]"),
-        ({"top_k": -2}, "top_k", ">= 0"),
+        ({"top_k": -2}, "top_k", "[0, 2**31)"),
         ({"min_p": 2.0}, "min_p", "[0, 1]"),
+        ({"top_k": 2**31}, "top_k", "[0, 2**31)"),
+        ({"ignore_eos": "yes"}, "ignore_eos", "true or false"),
+        ({"skip_special_tokens": None}, "skip_special_tokens", "true or false"),
     ],
 )
 def test_bad_sampling_params_name_field_and_limit(kwargs, field, limit):
@@ -235,6 +294,7 @@ def test_engine_flags_are_llm_kwargs(llama_dir):
         LLM(str(llama_dir), context_length=4096)
     # what argparse refuses for a flag, by name, not a TypeError or torch's RuntimeError
     wrong = {"tp_size": "2"}, {"page_size": True}, {"disable_radix_cache": 1}, {"device": "gpu"}
+    wrong += {"seed": 2**70}, {"seed": -1}, {"tp_size": 10**20}  # torch's overflow, a tuple's
     for kwargs in wrong:
         with pytest.raises(TierserveError, match="must be") as err:
             LLM(str(llama_dir), **kwargs)

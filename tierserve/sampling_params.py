@@ -141,6 +141,12 @@ class SamplingParams:
                 raise TierserveError(f"{name} must be a number, got {value!r}", name)
             if not math.isfinite(value):
                 raise TierserveError(f"{name} must be finite, got {value}", name)
+        switches = {"ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens}
+        if self.return_hidden_states is not None:
+            switches["return_hidden_states"] = self.return_hidden_states
+        for name, value in switches.items():
+            if not isinstance(value, bool):  # "yes" would be true, and "false" too
+                raise TierserveError(f"{name} must be true or false, got {value!r}", name)
         if not all(isinstance(s, str) for s in self.stop):
             raise TierserveError("stop must be a string or a list of strings", "stop")
         if not all(isinstance(t, int) for t in self.stop_token_ids):

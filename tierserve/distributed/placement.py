@@ -244,6 +244,7 @@ def parse_cores(text: str) -> tuple[int, ...]:
 
 
 def _parse_lists(bind: str, local_ranks: int) -> tuple[tuple[int, ...], ...]:
+    bind = str(bind)  # LLM(cpu_omp_threads_bind=5) means core 5, as the flag "5" does
     lists = tuple(parse_cores(part) for part in bind.split("|"))
     if len(lists) != local_ranks:
         raise TierserveError(

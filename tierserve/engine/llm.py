@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
@@ -11,6 +12,7 @@ from tierserve.args import EngineArgs
 from tierserve.engine.engine import Engine
 from tierserve.engine.output import OutputBuilder
 from tierserve.engine.startup import resolve_device
+from tierserve.errors import TierserveError
 from tierserve.outputs import RequestOutput
 from tierserve.sampling_params import SamplingParams
 
@@ -39,7 +41,8 @@ class LLM:
 
     With `tp_size` > 1 one LLM at a time may be open in a process (it holds torch's process
     group): close it (`close()`, `with LLM(...)`), or drop every reference to it, before the
-    next."""
+    next. Calls from several threads run one after another (a stream holds the engine until
+    it ends or is closed): each steps the whole engine and keeps only its own outputs."""
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         # Offline, the first batch is the work: a warm-up before it only adds its own time.
@@ -48,6 +51,7 @@ class LLM:
         if "chunked_prefill_size" not in engine_args:  # from the checked device and tp_size
             self.args = replace(self.args, chunked_prefill_size=offline_chunk(self.args))
         self.engine = Engine(self.args)
+        self._lock = threading.RLock()
         # An LLM nobody holds (`del llm`, `llm = None`) still stops its ranks and leaves the
         # group, and so does one left open at interpreter exit. The finalizer holds the engine
         # only: holding the LLM would keep it alive.
@@ -66,6 +70,10 @@ class LLM:
         """Stop the tensor-parallel ranks (and the storage tier's writers); idempotent."""
         self._finalizer()
 
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise TierserveError("this LLM is closed: make a new one", "model")
+
     def __enter__(self) -> LLM:
         return self
 
@@ -80,6 +88,13 @@ class LLM:
         """Run all prompts together (continuous batching); outputs in the prompts' order."""
         prompts = _as_list(prompts)
         params_list = _broadcast(params, len(prompts))
+        with self._lock:
+            self._check_open()
+            return self._generate(prompts, params_list)
+
+    def _generate(
+        self, prompts: list[Prompt], params_list: list[SamplingParams]
+    ) -> list[RequestOutput]:
         # Validate every prompt before queueing any, so a bad one leaves nothing half-submitted.
         builders: dict[str, OutputBuilder] = {}
         try:
@@ -101,18 +116,24 @@ class LLM:
         self, prompt: Prompt, params: SamplingParams | None = None
     ) -> Iterator[str]:
         """Yields text deltas of one prompt as its tokens are produced."""
-        builder = self._submit(prompt, params or SamplingParams())
-        rid = builder.request_id
-        builders = {rid: builder}
-        try:
-            while True:
-                for out in self._step(builders):
-                    if out.text_delta:
-                        yield out.text_delta
-                    if out.finished:
-                        return
-        finally:
-            self.engine.abort(rid)  # a consumer that stops early frees the request's KV
+        prompts = _as_list(prompt)
+        if len(prompts) != 1:
+            raise TierserveError("generate_stream takes one prompt", "prompt")
+        (params,) = _broadcast(params, 1)
+        with self._lock:
+            self._check_open()
+            builder = self._submit(prompts[0], params)
+            rid = builder.request_id
+            builders = {rid: builder}
+            try:
+                while True:
+                    for out in self._step(builders):
+                        if out.text_delta:
+                            yield out.text_delta
+                        if out.finished:
+                            return
+            finally:
+                self.engine.abort(rid)  # a consumer that stops early frees the request's KV
 
     def _submit(self, prompt: Prompt, params: SamplingParams) -> OutputBuilder:
         req = self.engine.make_request(prompt, params, None, self.engine.next_arrival())
@@ -134,11 +155,18 @@ class LLM:
         return outputs
 
 
+PROMPTS = "prompts must be a string, a list of token ids, or a list of those"
+
+
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if isinstance(prompts, str):
         return [prompts]
+    if not isinstance(prompts, list | tuple):  # bytes read as token ids, a dict as its keys
+        raise TierserveError(f"{PROMPTS}, got {type(prompts).__name__}", "prompt")
     if prompts and all(isinstance(t, int) for t in prompts):
         return [list(prompts)]  # a single token-id prompt
+    if not all(isinstance(p, str | list | tuple) for p in prompts):
+        raise TierserveError(PROMPTS, "prompt")
     return list(prompts)
 
 
@@ -149,4 +177,11 @@ def _broadcast(
         return [SamplingParams()] * n
     if isinstance(params, SamplingParams):
         return [params] * n
+    if not isinstance(params, list | tuple) or not all(
+        isinstance(p, SamplingParams) for p in params
+    ):
+        message = "params must be a SamplingParams or a list of them, one per prompt"
+        raise TierserveError(message, "params")
+    if len(params) != n:
+        raise TierserveError(f"{len(params)} SamplingParams for {n} prompts", "params")
     return list(params)

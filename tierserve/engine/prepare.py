@@ -77,7 +77,13 @@ class RequestPreparer:
             if not prompt:
                 raise TierserveError("prompt is empty", field="prompt")
             self.check_text_length(len(prompt), "prompt")
-            return self._tokenizer()(prompt).input_ids
+            try:
+                return self._tokenizer()(prompt).input_ids
+            except TypeError:  # what tokenizers says of a lone UTF-16 surrogate ("\ud800")
+                if not _encodes(prompt):
+                    message = "prompt holds a lone UTF-16 surrogate, which UTF-8 cannot encode"
+                    raise TierserveError(message, field="prompt") from None
+                raise
         ids = list(prompt)
         vocab = self.info.vocab_size
         if not ids:
@@ -149,3 +155,11 @@ class RequestPreparer:
                 f" exceeds the KV pool of {self._pool_tokens} tokens",
                 field="max_tokens",
             )
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
