@@ -456,6 +456,43 @@ def test_replica_configurations_name_their_layout():
             cmp.configurations(sizing, [bad])
 
 
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["run", "--url", "http://127.0.0.1:9", "--workload", "trace", "--trace-file", "TRACE"],
+         "line 1 is not JSON"),
+        (["run", "--url", "http://127.0.0.1:9", "--workload", "random", "--model", "BROKEN"],
+         "gives no vocab_size"),
+        (["compare", "--out", "OUT", "--device-fraction", "nan"],
+         "--device-fraction must be in (0, 1]"),
+        (["compare", "--out", "OUT", "--configs", ""], "--configs names no configuration"),
+        (["compare", "--out", "OUT", "--server-args", '"unterminated'], "No closing quotation"),
+    ],
+)  # fmt: skip
+def test_bad_files_and_values_exit_2_with_one_line(tmp_path, capsys, args, words):
+    """Each raised a traceback (exit 1): a trace line that is not JSON, a model whose config
+    does not parse, a NaN fraction, no configuration, an unclosed quote."""
+    (tmp_path / "trace.jsonl").write_text("not json\n")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text("{oops")
+    paths = {"TRACE": str(tmp_path / "trace.jsonl"), "BROKEN": str(tmp_path / "broken"),
+             "OUT": str(tmp_path / "out")}  # fmt: skip
+    rc = cli_main(["bench", *(paths.get(a, a) for a in args)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "Traceback" not in err, err
+    assert words in err.strip().splitlines()[-1]
+
+
+def test_batch_output_that_cannot_be_written_exits_2_before_any_request(tmp_path, capsys):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                               "body": {"model": "m", "prompt": "hi"}}) + "\n")  # fmt: skip
+    rc = cli_main(["batch", str(src), "-o", str(tmp_path / "nowhere" / "out.jsonl"),
+                   "--url", "http://127.0.0.1:9"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and "cannot write --output" in err and "Traceback" not in err, err
+
+
 def test_cli_bad_input_exits_2(capsys):
     rc = cli_main(["bench", "run", "--url", "http://127.0.0.1:9", "--vocab-size", "320",
                    "--workload", "random", "--random-range-ratio", "2"])  # fmt: skip

@@ -235,7 +235,11 @@ def _vocab_size(ns: argparse.Namespace) -> int:
 
     for d in (getattr(ns, "model", None), ns.tokenizer, default_model()):
         if d and (Path(d) / "config.json").is_file():
-            return int(json.loads((Path(d) / "config.json").read_text())["vocab_size"])
+            try:
+                return int(json.loads((Path(d) / "config.json").read_text())["vocab_size"])
+            except (ValueError, KeyError, TypeError):
+                message = f"{d}/config.json gives no vocab_size: give --vocab-size"
+                raise TierserveError(message, "vocab_size") from None
     raise TierserveError(
         "cannot tell the vocabulary size: give --vocab-size or --model DIR", "vocab_size"
     )
@@ -395,6 +399,8 @@ def run(ns: argparse.Namespace) -> int:
     if model is None:
         raise TierserveError("no --model given and no bundled demo model", "model")
     names = [n.strip() for n in ns.configs.split(",") if n.strip()]
+    if not names:
+        raise TierserveError("--configs names no configuration", "configs")
     sizing = cmp.size_pools(
         workload, ns.page_size, ns.device_tokens, ns.device_fraction, ns.hicache_ratio
     )
@@ -413,13 +419,20 @@ def run(ns: argparse.Namespace) -> int:
         configs,
         ns.out,
         space,
-        server_args=shlex.split(ns.server_args),
+        server_args=_split_server_args(ns.server_args),
         meta=meta,
         repeats=ns.repeats,
         warmup_requests=ns.warmup_requests,
     )
     print(f"report: {path}")
     return 0
+
+
+def _split_server_args(text: str) -> list[str]:
+    try:
+        return shlex.split(text)
+    except ValueError as err:  # an unclosed quote
+        raise TierserveError(f"--server-args {text!r}: {err}", "server_args") from None
 
 
 def _load_meta(opts: Any) -> dict[str, Any]:

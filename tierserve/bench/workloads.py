@@ -367,7 +367,11 @@ def trace(
             if len(rows) == num_requests:
                 break
             if line.strip():
-                rows.append(json.loads(line))
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    message = f"{file} line {i + 1} is not JSON (a trace has one object a line)"
+                    raise TierserveError(message, "trace_file") from None
     if not rows:
         raise TierserveError(f"{file} has no lines from {start}", "trace_start")
     block_tokens = max(1, round(TRACE_BLOCK_TOKENS * block_scale))

@@ -211,6 +211,17 @@ class BatchRunner:
         )
 
 
+def writable_output(out: Path) -> Path:
+    """`out`, once it opens for appending: refused before any request is sent, not after the
+    first answer, whose work would be lost."""
+    try:
+        with out.open("a"):
+            pass
+    except OSError as err:
+        raise TierserveError(f"cannot write --output {out}: {err.strerror}", "output") from None
+    return out
+
+
 def run(ns: argparse.Namespace) -> int:
     if ns.concurrency <= 0:
         raise TierserveError("--concurrency must be > 0", "concurrency")
@@ -219,7 +230,7 @@ def run(ns: argparse.Namespace) -> int:
     if ns.regenerate:
         return _regenerate(ns)
     lines = read_input(Path(ns.input))
-    out = Path(ns.output)
+    out = writable_output(Path(ns.output))
     done = read_output(out)
     retry = not ns.no_retry_failed
     if retry and not all(done.values()):
@@ -242,7 +253,7 @@ def _regenerate(ns: argparse.Namespace) -> int:
     if ns.max_tokens <= 0:
         raise TierserveError("--max-tokens must be > 0", "max_tokens")
     rows = read_rows(Path(ns.input))
-    out = Path(ns.output)
+    out = writable_output(Path(ns.output))
     done = read_done(out)
     pending = [row for row in rows if row.key not in done]
     pending = pending if ns.no_prefix_order else prefix_order(pending)
