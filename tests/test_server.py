@@ -380,8 +380,12 @@ def test_without_max_tokens_a_request_runs_to_the_context_end(client):
     ],
 )
 def test_bad_values_are_400_and_the_engine_keeps_serving(server, route, body):
+    # A hang bound: a grammar's first compile starts the server's compile worker (its imports).
     reply = http.post(
-        f"{server.url}{route}", content=body, headers={"content-type": "application/json"}
+        f"{server.url}{route}",
+        content=body,
+        headers={"content-type": "application/json"},
+        timeout=120,
     )
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["message"]

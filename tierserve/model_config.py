@@ -249,7 +249,8 @@ class ModelConfig:
         sizes = {"num_attention_heads": heads, "num_hidden_layers": layers, "hidden_size": hidden,
                  "vocab_size": vocab, "max_position_embeddings": positions}  # fmt: skip
         for key, value in sizes.items():
-            if value == 0:  # a model of no vocabulary or context served nothing, or crashed
+            # A model of no vocabulary or context served nothing, or crashed in oneDNN.
+            if value == 0 and key in raw:  # a vocabulary a plan of the KV alone leaves out
                 raise TierserveError(f"model config {key!r} must be > 0", key)
         if layers > MAX_LAYERS:  # a tuple per layer is made before any weight is read
             message = f"model config 'num_hidden_layers' must be at most {MAX_LAYERS:,}"

@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from tierserve.args import check_mem_fraction
 from tierserve.bench import report
 from tierserve.bench.client import LoadOptions, RunResult, run_load, warmup
 from tierserve.bench.metrics import later_rounds_ttft, summarize
@@ -84,9 +85,7 @@ def size_pools(
     """The small pool holds `fraction` of the workload's KV (never less than its longest request
     plus two pages); the host tier holds the whole workload twice over; "limit" holds it twice
     over, plus a page per request for partly filled pages."""
-    if not 0 < fraction <= 1:  # also refuses nan
-        message = f"--device-fraction must be in (0, 1], got {fraction}"
-        raise TierserveError(message, "device_fraction")
+    check_mem_fraction(fraction, "device_fraction", "--", "device-fraction", one_allowed=True)
     kv = workload.kv_tokens()
     floor = workload.max_request_tokens() + 2 * page_size
     small = _round_up(device_tokens or max(kv * fraction, floor), page_size)
