@@ -483,8 +483,14 @@ def test_cli_model_that_does_not_fit_the_gpus(capsys: pytest.CaptureFixture[str]
         (["--model", "llama-3-8b", "--gpu", "h900"], "cannot read gpu"),
         (["--model", "llama-3-8b", "--host-mem", "64GB", "--tp", "0"], "tp must be > 0"),
         (["--host-mem", "64GB"], "give --model"),
+        # What serve refuses, plan refuses (0 GPUs read as "unset"; a ratio of 0 planned none).
+        (["--model", "llama-3-8b", "--host-mem", "64GB", "--gpus", "0"], "gpus must be > 0"),
+        (["--model", "llama-3-8b", "--host-mem", "64GB", "--host-ratio", "0"],
+         "host_ratio must be a number in (0, 1e6)"),
+        (["--model", "llama-3-8b", "--host-mem", "64GB", "--speculative-num-steps", "0"],
+         "speculative_num_steps must be >= 1"),
     ],
-)
+)  # fmt: skip
 def test_cli_bad_input_exits_2_with_one_line(
     capsys: pytest.CaptureFixture[str], args: list[str], message: str
 ) -> None:

@@ -40,6 +40,14 @@ def check_mem_fraction(
         raise TierserveError(f"{who}{name} must be in {interval}, got {fraction}", field=field)
 
 
+def check_host_ratio(ratio: float, name: str = "hicache_ratio") -> None:
+    """The host tier's size as a multiple of the device pool's: serve's --hicache-ratio,
+    plan's --host-ratio."""
+    if not (0 < ratio < 1e6):  # also refuses nan and inf
+        message = f"{name} must be a number in (0, 1e6), got {ratio}"
+        raise TierserveError(message, field=name)
+
+
 MAX_RANKS = 65_536  # past any cluster; larger counts overflowed the placement's tables
 
 
@@ -381,11 +389,7 @@ class EngineArgs:
                 "give --hicache-size (per rank) or --hicache-node-size (per node), not both",
                 field="hicache_size",
             )
-        if not (0 < self.hicache_ratio < 1e6):  # also refuses nan and inf
-            raise TierserveError(
-                f"hicache_ratio must be a number in (0, 1e6), got {self.hicache_ratio}",
-                field="hicache_ratio",
-            )
+        check_host_ratio(self.hicache_ratio)
         host_flags = {
             "hicache_size": self.hicache_size,
             "hicache_node_size": self.hicache_node_size,

@@ -12,7 +12,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from tierserve.args import EngineArgs, ranks_per_node
+from tierserve.args import EngineArgs, check_host_ratio, ranks_per_node
 from tierserve.console import JSON_SCHEMA_VERSION, emit
 from tierserve.errors import TierserveError
 from tierserve.model_config import read_hf_config
@@ -367,6 +367,8 @@ def _host_available(text: str | None) -> tuple[int, str]:
 
 
 def _host_request(ns: argparse.Namespace) -> HostRequest:
+    if ns.host_ratio is not None:  # as serve refuses its --hicache-ratio
+        check_host_ratio(ns.host_ratio, "host_ratio")
     return host_request(ns.host_per_node, ns.host_per_rank, ns.host_ratio, ns.no_host_cache)
 
 

@@ -22,6 +22,9 @@ def draft_size(
     """The draft a line's speculative flags name (SGLang's spellings; EAGLE means the model's
     MTP layer when it ships one and no draft is given, as SGLang reads it); None without one."""
     algorithm = (algorithm or "").upper()
+    if num_steps is not None and num_steps < 1:  # as serve refuses it
+        message = f"speculative_num_steps must be >= 1, got {num_steps}"
+        raise TierserveError(message, "speculative_num_steps")
     if algorithm in ("", "NGRAM"):  # no draft model: n-gram drafts cost no memory
         return None
     tokens = (num_steps or DEFAULT_STEPS) + 1

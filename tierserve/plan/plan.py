@@ -101,7 +101,10 @@ class PlanInputs:
 
     def __post_init__(self) -> None:
         kv_dtype_name(self.kv_dtype)
-        positive = {"tp": self.tp, "page_size": self.page_size, "gpus": self.gpus_per_node}
+        # --gpus as given: 0 would read as unset (as many as the ranks) in gpus_per_node.
+        given = self.machine.gpus_per_node
+        gpus = self.gpus_per_node if given is None else given
+        positive = {"tp": self.tp, "page_size": self.page_size, "gpus": gpus}
         positive["pp"], positive["dp"] = self.pp, self.dp
         positive["avg_seq_len"] = self.workload.avg_seq_len
         positive["gpu_memory"] = self.machine.gpu_memory
