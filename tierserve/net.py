@@ -58,7 +58,6 @@ def bind_server_socket(host: str, port: int) -> socket.socket:
     """The server's listening address, bound (not yet listening) before the engine loads: a
     port in use is refused at once, not after minutes of loading weights, and nothing can take
     the port while the engine loads (vLLM binds its API port first for the same reason)."""
-    check_port(port)
     try:
         family, kind, proto, _, address = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE

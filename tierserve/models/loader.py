@@ -285,8 +285,9 @@ def tensor_shapes(file: Path) -> dict[str, list[int]]:
         tensors = {k: v for k, v in header.items() if k != "__metadata__"}
         # A copy cut short: its header is whole, its tensors not (loading then fails).
         end = 8 + length + max((int(v["data_offsets"][1]) for v in tensors.values()), default=0)
-        if end > file.stat().st_size:
-            raise ValueError(f"truncated: {file.stat().st_size:,} bytes of the {end:,} it needs")
+        size = file.stat().st_size
+        if end > size:
+            raise ValueError(f"truncated: {size:,} bytes of the {end:,} it needs")
         return {k: list(v["shape"]) for k, v in tensors.items()}
     except (OSError, ValueError, KeyError, TypeError, IndexError) as err:
         raise TierserveError(f"cannot read {file}: {err}", field="model") from None
