@@ -467,6 +467,14 @@ def test_replica_configurations_name_their_layout():
          "--device-fraction must be in (0, 1]"),
         (["compare", "--out", "OUT", "--configs", ""], "--configs names no configuration"),
         (["compare", "--out", "OUT", "--server-args", '"unterminated'], "No closing quotation"),
+        # A URL without a scheme was retried for ~15 s; a port past 65535 was a traceback.
+        (["run", "--url", "notaurl"], "is not a server's URL"),
+        (["run", "--url", "http://127.0.0.1:99999"], "is not a server's URL"),
+        # -1 warm-up requests silently sent none; a negative seed was numpy's traceback.
+        (["run", "--url", "http://127.0.0.1:9", "--warmup-requests", "-1"],
+         "--warmup-requests must be >= 0, got -1"),
+        (["run", "--url", "http://127.0.0.1:9", "--seed", "-1"], "--seed must be >= 0"),
+        (["run", "--url", "http://127.0.0.1:9", "--timeout", "nan"], "timeout must be > 0 s"),
     ],
 )  # fmt: skip
 def test_bad_files_and_values_exit_2_with_one_line(tmp_path, capsys, args, words):
@@ -491,6 +499,17 @@ def test_batch_output_that_cannot_be_written_exits_2_before_any_request(tmp_path
                    "--url", "http://127.0.0.1:9"])  # fmt: skip
     err = capsys.readouterr().err
     assert rc == 2 and "cannot write --output" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("url", ["notaurl", "http://127.0.0.1:99999", "https://h:0"])
+def test_batch_refuses_a_url_that_names_no_server_before_any_request(tmp_path, capsys, url):
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                               "body": {"model": "m", "prompt": "hi"}}) + "\n")  # fmt: skip
+    rc = cli_main(["batch", str(src), "-o", str(tmp_path / "out.jsonl"), "--url", url])
+    err = capsys.readouterr().err
+    assert rc == 2 and "is not a server's URL" in err and "Traceback" not in err, err
+    assert not (tmp_path / "out.jsonl").exists()
 
 
 def test_cli_bad_input_exits_2(capsys):

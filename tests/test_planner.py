@@ -488,7 +488,7 @@ def test_cli_model_that_does_not_fit_the_gpus(capsys: pytest.CaptureFixture[str]
         (["--model", "llama-3-8b", "--host-mem", "64GB", "--host-ratio", "0"],
          "host_ratio must be a number in (0, 1e6)"),
         (["--model", "llama-3-8b", "--host-mem", "64GB", "--speculative-num-steps", "0"],
-         "speculative_num_steps must be >= 1"),
+         "--speculative-num-steps must be >= 1, got 0"),
     ],
 )  # fmt: skip
 def test_cli_bad_input_exits_2_with_one_line(

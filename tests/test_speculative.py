@@ -263,6 +263,10 @@ def test_the_spec_decode_counters_are_vllms_names():
     [
         ({"speculative_algorithm": "NGRAM", "speculative_draft_model_path": "d"}, "for EAGLE3"),
         ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 4}, "not trees"),
+        # 0 once read as the default chain of 1.
+        ({"speculative_algorithm": "NGRAM", "speculative_eagle_topk": 0}, "not trees; got 0"),
+        ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 0},
+         "--speculative-num-steps must be >= 1, got 0"),
         ({"speculative_algorithm": "NGRAM", "speculative_num_steps": 3,
           "speculative_num_draft_tokens": 8}, "does not match"),
         ({"speculative_num_steps": 3}, "add --speculative-algorithm"),

@@ -25,6 +25,7 @@ import pytest
 from tests.conftest import Server, http, random_prompts, serve_cmd
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.args import default_model
+from tierserve.net import free_port
 from tierserve.sizing.kv import KVSpec
 from tierserve.storage.client import GuardedStore, StorageStats, StorageUnavailable
 from tierserve.storage.file import FileBackend
@@ -660,8 +661,8 @@ def test_objects_overwritten_in_mooncake_are_caught_and_recomputed(llama_dir, ma
     intruder.close()
 
 
-def test_the_start_up_plan_counts_mooncakes_ram_and_refuses_what_does_not_fit(llama_dir):
-    extra = {"global_segment_size": "10TB", "local_buffer_size": "1GiB"}
+def test_the_start_up_plan_counts_mooncakes_ram_and_refuses_what_does_not_fit(llama_dir, master):
+    extra = master.extra(global_segment_size="10TB", local_buffer_size="1GiB")
     cmd = serve_cmd(llama_dir, "--enable-hierarchical-cache", "--hicache-storage-backend",
                     "mooncake", "--hicache-storage-backend-extra-config", json.dumps(extra),
                     "--dry-run")  # fmt: skip
@@ -673,6 +674,39 @@ def test_the_start_up_plan_counts_mooncakes_ram_and_refuses_what_does_not_fit(ll
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "storage client RAM" in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize(
+    ("backend", "extra", "words"),
+    [
+        ("mooncake", {"master_server_address": "127.0.0.1:PORT"},
+         "mooncake_master does not answer at 127.0.0.1:"),
+        ("mooncake", {"master_server_address": "localhost"}, "must be host:port"),
+        ("file", {"path": "FILE/kv"}, "is not a directory"),
+    ],
+)  # fmt: skip
+def test_the_dry_run_checks_the_store_it_would_open(llama_dir, tmp_path, backend, extra, words):
+    """The dry run said "would start" for a master nobody runs (the start then retried for
+    ~50 s) and for a storage path under a file; now both are one line, exit 2, in seconds."""
+    (tmp_path / "file").write_text("not a directory")
+    text = (
+        json.dumps(extra).replace("PORT", str(free_port())).replace("FILE", str(tmp_path / "file"))
+    )
+    cmd = serve_cmd(llama_dir, "--enable-hierarchical-cache", "--hicache-storage-backend", backend,
+                    "--hicache-storage-backend-extra-config", text, "--dry-run")  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert words in done.stderr and "Traceback" not in done.stderr, done.stderr
+    assert "would start" not in done.stdout
+
+
+def test_a_server_refuses_a_master_nobody_runs_before_the_clients_retries():
+    """MooncakeBackend's open asks the same question first: its client's setup retried ~50 s."""
+    from tierserve.storage.mooncake import MooncakeBackend
+
+    with pytest.raises(TierserveError, match="does not answer") as err:
+        MooncakeBackend({"master_server_address": f"127.0.0.1:{free_port()}"})
+    assert err.value.field == "hicache_storage_backend_extra_config"
 
 
 def test_plan_counts_each_processs_storage_client_in_the_node_budget():

@@ -48,6 +48,18 @@ def check_host_ratio(ratio: float, name: str = "hicache_ratio") -> None:
         raise TierserveError(message, field=name)
 
 
+SPEC_STEPS = (
+    3  # drafted tokens per step unless the line says (tierserve's chain; SGLang's 5 is a tree)
+)
+
+
+def check_speculative_steps(steps: int) -> None:
+    """--speculative-num-steps, as serve and plan read it."""
+    if steps < 1:
+        message = f"--speculative-num-steps must be >= 1, got {steps}"
+        raise TierserveError(message, "speculative_num_steps")
+
+
 MAX_RANKS = 65_536  # past any cluster; larger counts overflowed the placement's tables
 
 
@@ -472,11 +484,14 @@ class EngineArgs:
         if algorithm == "NGRAM" and self.speculative_draft_model_path is not None:
             message = "--speculative-draft-model-path is for EAGLE3; NGRAM drafts need no model"
             raise TierserveError(message, "speculative_draft_model_path")
-        if (self.speculative_eagle_topk or 1) != 1:
-            message = "--speculative-eagle-topk: only chains (1) are served, not trees"
+        topk = self.speculative_eagle_topk
+        if topk is not None and topk != 1:
+            message = f"--speculative-eagle-topk: only chains (1) are served, not trees; got {topk}"
             raise TierserveError(message, "speculative_eagle_topk")
         steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
-        steps = steps if steps is not None else (tokens - 1 if tokens is not None else 3)
+        if steps is not None:
+            check_speculative_steps(steps)
+        steps = steps if steps is not None else (tokens - 1 if tokens is not None else SPEC_STEPS)
         tokens = tokens if tokens is not None else steps + 1
         if steps < 1 or tokens != steps + 1:
             message = (

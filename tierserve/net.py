@@ -6,6 +6,7 @@ from __future__ import annotations
 import random
 import socket
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from tierserve.errors import TierserveError
 
@@ -52,6 +53,22 @@ def check_port(port: int) -> None:
     """A TCP port number: getaddrinfo takes 70000 as 4464 (mod 65536) and -1 as a bad host."""
     if not 1 <= port <= 65535:
         raise TierserveError(f"--port must be in [1, 65535], got {port}", field="port")
+
+
+def check_url(url: str, field: str = "url") -> None:
+    """A server's root as a client flag names it (http://host:port): refused before any
+    request, not after the client's retries (a missing scheme) or as a traceback (a port past
+    65535)."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:  # not a number, or past 65535
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0 or port == -1:
+        message = (
+            f"--{field.replace('_', '-')} {url!r} is not a server's URL, e.g. http://127.0.0.1:8000"
+        )
+        raise TierserveError(message, field=field)
 
 
 def bind_server_socket(host: str, port: int) -> socket.socket:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tierserve.errors import TierserveError
+from tierserve.net import check_url
 
 WORKLOADS = ("multiturn", "shared-prefix", "random", "trace")
 
@@ -248,6 +249,8 @@ def _vocab_size(ns: argparse.Namespace) -> int:
 def build_workload(ns: argparse.Namespace) -> tuple[Any, Any]:
     from tierserve.bench import workloads as w
 
+    if ns.seed < 0:  # numpy's generators take no negative seed
+        raise TierserveError(f"--seed must be >= 0, got {ns.seed}", "seed")
     space = w.TokenSpace(_vocab_size(ns), ns.token_low)
     if ns.workload == "multiturn":
         wl = w.multiturn(
@@ -369,6 +372,11 @@ def run(ns: argparse.Namespace) -> int:
     from tierserve.bench import report
     from tierserve.bench.client import run_load, warmup
 
+    if ns.warmup_requests < 0:
+        message = f"--warmup-requests must be >= 0, got {ns.warmup_requests}"
+        raise TierserveError(message, "warmup_requests")
+    if ns.bench_command == "run":
+        check_url(ns.url)
     space, workload = build_workload(ns)
     opts = load_options(ns)
     workload_meta = {"kind": workload.kind, **workload.params, **_load_meta(opts)}

@@ -116,6 +116,8 @@ class LoadOptions:
             raise TierserveError("max_in_flight must be >= 0 (0: no bound)", "max_in_flight")
         if not self.request_rate > 0:
             raise TierserveError("request_rate must be > 0 (inf: no gaps)", "request_rate")
+        if not self.timeout_s > 0:  # NaN too
+            raise TierserveError(f"timeout must be > 0 s, got {self.timeout_s}", "timeout")
 
 
 @dataclass

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tierserve.args import SPEC_STEPS, check_speculative_steps
 from tierserve.errors import TierserveError
 from tierserve.plan.weights import ModelSpec
 from tierserve.sizing import DraftSize
-
-DEFAULT_STEPS = 3  # drafted tokens per step unless the line says (tierserve's default)
 
 
 def draft_size(
@@ -22,12 +21,11 @@ def draft_size(
     """The draft a line's speculative flags name (SGLang's spellings; EAGLE means the model's
     MTP layer when it ships one and no draft is given, as SGLang reads it); None without one."""
     algorithm = (algorithm or "").upper()
-    if num_steps is not None and num_steps < 1:  # as serve refuses it
-        message = f"speculative_num_steps must be >= 1, got {num_steps}"
-        raise TierserveError(message, "speculative_num_steps")
+    if num_steps is not None:
+        check_speculative_steps(num_steps)
     if algorithm in ("", "NGRAM"):  # no draft model: n-gram drafts cost no memory
         return None
-    tokens = (num_steps or DEFAULT_STEPS) + 1
+    tokens = (num_steps or SPEC_STEPS) + 1
     mtp = algorithm in ("NEXTN", "MTP") or (algorithm == "EAGLE" and not draft_path)
     if mtp:
         if not model.mtp_bytes:

@@ -28,6 +28,7 @@ import httpx
 
 from tierserve.args import EngineArgs
 from tierserve.errors import TierserveError
+from tierserve.net import check_url
 from tierserve.server.job_usage import JobUsage
 from tierserve.server.jsonl import read_json_lines
 
@@ -227,6 +228,8 @@ def run(ns: argparse.Namespace) -> int:
         raise TierserveError("--concurrency must be > 0", "concurrency")
     if ns.max_retries < 0:
         raise TierserveError("--max-retries must be >= 0", "max_retries")
+    if ns.url is not None:
+        check_url(ns.url)
     if ns.regenerate:
         return _regenerate(ns)
     lines = read_input(Path(ns.input))

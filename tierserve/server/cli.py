@@ -125,9 +125,12 @@ def served_model_name(args: EngineArgs, override: str | None = None) -> str:
 def dry_run(args: EngineArgs) -> int:
     from tierserve.distributed import resolve_placement
     from tierserve.engine import Startup, load_tokenizer, startup_table
+    from tierserve.storage import backend_class
 
     _, placement = resolve_placement(args, serving=True)
     startup = Startup.from_args(args)
+    if startup.storage is not None:
+        backend_class(startup.storage.backend).preflight(startup.storage.extra)
     load_tokenizer(args.tokenizer_dir)
     print(f"tierserve serve --dry-run: {startup.model_path} would start", flush=True)
     print(startup_table(startup.plan, args.dp_groups, placement.describe()), flush=True)

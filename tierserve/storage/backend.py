@@ -51,6 +51,12 @@ class StorageBackend(ABC):
         a dead store's timeouts."""
         return True
 
+    @classmethod  # noqa: B027 (optional)
+    def preflight(cls, extra: Mapping[str, Any]) -> None:
+        """Raise TierserveError for what this config gets wrong that can be told without
+        opening the store: `serve --dry-run` asks, and an open asks first where it would
+        otherwise retry for long."""
+
     @classmethod
     def ram_bytes(cls, extra: Mapping[str, Any]) -> int:
         """RAM a backend of this config takes on this node beyond the tiers, known before it

@@ -61,10 +61,7 @@ class FileBackend(StorageBackend):
     name = "file"
 
     def __init__(self, extra: Mapping[str, Any]) -> None:
-        path = extra.get("path")
-        if path is not None and not isinstance(path, str):
-            raise TierserveError("path in the storage config must be a string", EXTRA_FIELD)
-        self.root = Path(path or default_dir()).expanduser()
+        self.root = self._root(extra)
         self.tmp = self.root / ".tmp"
         given = extra.get("max_bytes")
         self._given = None if given is None else config_bytes(extra, "max_bytes", 0)
@@ -81,6 +78,25 @@ class FileBackend(StorageBackend):
             said = f"the storage path {self.root} cannot be used: {err.strerror}"
             raise TierserveError(said if err.strerror else str(err), EXTRA_FIELD) from None
         self._opened = True
+
+    @staticmethod
+    def _root(extra: Mapping[str, Any]) -> Path:
+        path = extra.get("path")
+        if path is not None and not isinstance(path, str):
+            raise TierserveError("path in the storage config must be a string", EXTRA_FIELD)
+        return Path(path or default_dir()).expanduser()
+
+    @classmethod
+    def preflight(cls, extra: Mapping[str, Any]) -> None:
+        """The directory, or the nearest folder above it that exists, must be a directory this
+        process may write (nothing is made: a dry run leaves no trace)."""
+        root = cls._root(extra)
+        config_bytes(extra, "max_bytes", 0)
+        there = next(p for p in (root, *root.parents) if p.exists() or p == p.parent)
+        if not there.is_dir() or not os.access(there, os.W_OK | os.X_OK):
+            why = "is not a directory" if not there.is_dir() else "is not writable"
+            message = f"the storage path {root} cannot be used: {there} {why}"
+            raise TierserveError(message, EXTRA_FIELD)
 
     # --- the directory and its record ------------------------------------------------------
 

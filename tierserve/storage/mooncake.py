@@ -38,6 +38,8 @@ DEFAULTS = {
     "local_buffer_size": 128 * 2**20,
 }
 
+MASTER_PROBE_S = 3.0  # a master on another node answers a connect in milliseconds
+
 
 def segment_bytes(extra: Mapping[str, Any]) -> int:
     """RAM a Mooncake client takes on this node: its segment plus its transfer buffer."""
@@ -60,6 +62,7 @@ class MooncakeBackend(StorageBackend):
                 "hicache_storage_backend",
             ) from None
         cfg = {**DEFAULTS, **extra}
+        self.preflight(cfg)
         self.store = MooncakeDistributedStore()
         rc = self.store.setup(
             cfg["local_hostname"],
@@ -102,6 +105,30 @@ class MooncakeBackend(StorageBackend):
         if self.store.health_check() != 0:
             return False
         return all(f >= 0 for f in self.store.batch_is_exist(["tierserve-probe"]))
+
+    @classmethod
+    def preflight(cls, extra: Mapping[str, Any]) -> None:
+        """The master must accept a connection: the client's setup retries an absent one for
+        ~50 s before it fails. An HA master list (etcd://...) is the client's to resolve."""
+        segment_bytes(extra)
+        address = extra.get("master_server_address", DEFAULTS["master_server_address"])
+        if not isinstance(address, str):
+            message = f"master_server_address must be a string, got {address!r}"
+            raise TierserveError(message, EXTRA_FIELD)
+        if "://" in address or ";" in address:
+            return
+        host, _, port = address.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            message = f"master_server_address {address!r} must be host:port"
+            raise TierserveError(message, EXTRA_FIELD)
+        try:
+            socket.create_connection((host.strip("[]"), int(port)), timeout=MASTER_PROBE_S).close()
+        except OSError as err:
+            message = (
+                f"mooncake_master does not answer at {address} "
+                f"({err.strerror or err}): start it, or give its master_server_address"
+            )
+            raise TierserveError(message, EXTRA_FIELD) from None
 
     @classmethod
     def ram_bytes(cls, extra: Mapping[str, Any]) -> int:
