@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 import tierserve
 from tests.conftest import Server, eventually, http, random_prompts
 from tierserve import LLM, SamplingParams, TierserveError
-from tierserve.engine.hidden_states import default_layers
+from tierserve.engine.hidden_states import HiddenStatesWriter, default_layers
 
 GREEDY = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
 DEMO_DIR = Path(tierserve.__file__).parent / "demo_model"
@@ -137,6 +137,35 @@ def test_a_capturing_server_speaks_vllms_hidden_states_protocol(checkpoints, tmp
         (tmp_path / "moved").rename(out_dir)
         again = http.post(f"{server.url}/v1/completions", json=body, timeout=30)
         assert again.status_code == 200 and "kv_transfer_params" in again.json()
+
+
+def test_ids_that_clean_alike_get_files_of_their_own(tmp_path):
+    """ "x/y", "x?y" and "x_y" all wrote x_y.safetensors: each overwrote the last, silently."""
+    writer = HiddenStatesWriter(str(tmp_path))
+    ids = ["x/y", "x?y", "x_y", "a" * 300, "é", ".hidden"]
+    paths = [writer.path_for(rid) for rid in ids]
+    assert len(set(paths)) == len(ids)
+    assert paths[2].name == "x_y.safetensors"  # a plain id keeps its own name
+    assert all(len(p.name) < 255 and not p.name.startswith(".") for p in paths)
+    writer.close()
+
+
+def test_a_reader_holding_an_ids_lock_loses_that_file_but_never_holds_the_engine(tmp_path):
+    """An id sent again while a reader still held its earlier file's lock: the engine's thread
+    waited on the flock, and every request with it, as long as the reader liked."""
+    writer = HiddenStatesWriter(str(tmp_path))
+    hidden = torch.zeros(3, 2, 4)
+    first = writer.submit("rid", [1, 2, 3], hidden)
+    assert first is not None and eventually(lambda: unlocked(first), 30)
+    with open(first + ".lock") as reader:
+        fcntl.flock(reader, fcntl.LOCK_EX)  # a reader that does not let go
+        assert writer.submit("rid", [4, 5, 6], hidden) is None  # at once, not after the reader
+        assert writer.failed == 1 and Path(first + ".lock").exists()  # the reader's to remove
+    assert load_file(first)["token_ids"].tolist() == [1, 2, 3]  # the earlier file stands
+    again = writer.submit("rid", [7, 8, 9], hidden)
+    assert again == first and eventually(lambda: unlocked(again), 30)
+    assert load_file(again)["token_ids"].tolist() == [7, 8, 9]
+    writer.close()
 
 
 def test_chat_returns_token_ids_and_continues_a_final_message(demo_server):

@@ -26,6 +26,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import fcntl
+import hashlib
 import logging
 import os
 import queue
@@ -49,6 +50,7 @@ logger = logging.getLogger("tierserve")
 QUEUED_FILES = 8  # files waiting for the writer before the engine waits for it
 LOCK_TTL_S = 600.0  # a whole file's lock left by no reader is removed after this long
 UNREAD_LOCKS = 1024  # and beyond this many such locks, the oldest go first
+MAX_NAME = 200  # characters of a request id kept in its file's name (filesystems allow 255)
 
 
 def default_layers(num_layers: int) -> tuple[int, ...]:
@@ -97,7 +99,13 @@ class HiddenStatesWriter:
         self._thread.start()
 
     def path_for(self, request_id: str) -> Path:
+        """The id as the file's name; an id that is no file name as it stands (other
+        characters, too long, a hidden file's) gets its hash too, so that "x/y" and "x_y"
+        never share a file."""
         safe = re.sub(r"[^A-Za-z0-9._-]", "_", request_id)
+        if safe != request_id or len(safe) > MAX_NAME or safe.startswith("."):
+            digest = hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()
+            safe = f"{safe[:MAX_NAME].replace('.', '_', 1)}-{digest[:16]}"
         return self.directory / f"{safe}.safetensors"
 
     def submit(self, request_id: str, token_ids: list[int], hidden: torch.Tensor) -> str | None:
@@ -108,11 +116,17 @@ class HiddenStatesWriter:
         lock_path, lock = path.with_name(path.name + ".lock"), None
         try:
             lock = open(lock_path, "w")  # noqa: SIM115 (held until written)
-            fcntl.flock(lock, fcntl.LOCK_EX)
+            # Never waits: a reader still holding the lock of this id's earlier file would
+            # hold the engine's step, and every request, for as long as it likes.
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
+            held = isinstance(err, BlockingIOError)
+            if held:
+                err = OSError(err.errno, "the lock of this id's earlier file is held (a reader)")
             if lock is not None:
                 lock.close()
-                lock_path.unlink(missing_ok=True)
+                if not held:  # a held lock is its reader's to remove
+                    lock_path.unlink(missing_ok=True)
             self._lost(path, err)
             return None
         ids = torch.tensor(token_ids, dtype=torch.long)
