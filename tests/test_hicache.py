@@ -349,6 +349,26 @@ def test_a_port_outside_tcps_range_is_refused(llama_dir, port):
     assert last.endswith(f"--port must be in [1, 65535], got {port}")
 
 
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        # The start crashed in its warm-up (ZeroDivisionError, exit 1); the dry run passed.
+        (["--context-length", "1"], "context_length must be >= 2"),
+        # Each passed the dry run, then refused a real start after the weights loaded.
+        (["--hidden-states-dir", "FILE"], "is not a directory"),
+        (["--hidden-states-dir", "DIR", "--hidden-states-layers", "99"], "must be ids in [0, "),
+        (["--host", "999.1.1.1"], "--host '999.1.1.1' does not resolve"),
+    ],
+)  # fmt: skip
+def test_the_dry_run_refuses_what_a_start_would(llama_dir, tmp_path, flags, words):
+    (tmp_path / "file").write_text("not a directory")
+    paths = {"FILE": str(tmp_path / "file"), "DIR": str(tmp_path / "hs")}
+    done = serve("--model", str(llama_dir), "--dry-run", *(paths.get(f, f) for f in flags))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert words in done.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "hs").exists()  # the dry run makes nothing
+
+
 def test_serve_dry_run_prints_the_plan_and_allocates_nothing(llama_dir, tmp_path):
     ok = serve(
         "--model",

@@ -71,16 +71,19 @@ def check_url(url: str, field: str = "url") -> None:
         raise TierserveError(message, field=field)
 
 
+def listen_address(host: str, port: int) -> tuple:
+    """`--host` and `--port` resolved as the server binds them (the dry run asks too)."""
+    try:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as err:
+        raise TierserveError(f"--host {host!r} does not resolve: {err}", field="host") from err
+
+
 def bind_server_socket(host: str, port: int) -> socket.socket:
     """The server's listening address, bound (not yet listening) before the engine loads: a
     port in use is refused at once, not after minutes of loading weights, and nothing can take
     the port while the engine loads (vLLM binds its API port first for the same reason)."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-    except socket.gaierror as err:
-        raise TierserveError(f"--host {host!r} does not resolve: {err}", field="host") from err
+    family, kind, proto, _, address = listen_address(host, port)
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

@@ -20,6 +20,7 @@ EXPORTS = {
     "LLM": "llm",
     "OutputBuilder": "output",
     "Startup": "startup",
+    "check_capture_args": "hidden_states",
     "check_size": "grammar",
     "compile_spec": "grammar",
     "engine_metrics": "metrics",

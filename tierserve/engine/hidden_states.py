@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierserve.errors import TierserveError
+from tierserve.paths import unusable_dir
 
 if TYPE_CHECKING:
     from tierserve.args import EngineArgs
@@ -77,9 +78,20 @@ def parse_layers(text: str | None, num_layers: int) -> tuple[int, ...]:
     return layers
 
 
+def check_capture_args(args: EngineArgs, num_layers: int) -> tuple[int, ...]:
+    """`--hidden-states-layers` read, and `--hidden-states-dir` one this process could make
+    and write (nothing is made): what a start checks, asked by the dry run too."""
+    layers = parse_layers(args.hidden_states_layers, num_layers)
+    directory = args.hidden_states_dir
+    if directory is not None and (why := unusable_dir(Path(directory).expanduser())):
+        message = f"--hidden-states-dir {directory} cannot be used: {why}"
+        raise TierserveError(message, "hidden_states_dir")
+    return layers
+
+
 class HiddenStatesWriter:
     def __init__(self, directory: str) -> None:
-        self.directory = Path(directory)
+        self.directory = Path(directory).expanduser()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             probe = self.directory / ".tierserve-write-probe"
@@ -192,7 +204,7 @@ class HiddenStateCapture:
     ) -> HiddenStateCapture:
         """What `--hidden-states-dir` and `--hidden-states-layers` ask for; `writes`: this rank
         writes the files (the first of its attention group, whose ranks hold the same states)."""
-        layers = parse_layers(args.hidden_states_layers, cfg.num_layers)  # checked even unused
+        layers = check_capture_args(args, cfg.num_layers)  # checked even unused
         if args.hidden_states_dir is None:
             return cls((), cfg.hidden_size, dtype)
         capture = cls(layers, cfg.hidden_size, dtype)

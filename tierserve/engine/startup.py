@@ -206,6 +206,9 @@ def _context_length(args: EngineArgs, cfg: ModelConfig) -> int:
             f"{cfg.max_position_embeddings}",
             field="context_length",
         )
+    if limit < 2:  # the warm-up's decode shape, and any request, need a prompt and a token
+        message = f"context_length must be >= 2 (one prompt token and one sampled), got {limit}"
+        raise TierserveError(message, field="context_length")
     return limit
 
 

@@ -16,7 +16,7 @@ from types import FrameType
 
 from tierserve.args import EngineArgs
 from tierserve.errors import TierserveError
-from tierserve.net import bind_server_socket, check_port
+from tierserve.net import bind_server_socket, check_port, listen_address
 from tierserve.parsers import REASONING_PARSERS, TOOL_PARSERS
 from tierserve.server.grammar_worker import DEFAULT_COMPILE_TIMEOUT_S
 from tierserve.server.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
@@ -122,15 +122,19 @@ def served_model_name(args: EngineArgs, override: str | None = None) -> str:
     return override or Path(args.model_dir or "model").name
 
 
-def dry_run(args: EngineArgs) -> int:
+def dry_run(args: EngineArgs, host: str, port: int) -> int:
+    """Every check a start makes before it allocates, and what would be allocated. The
+    address is resolved, not bound; the directories a start would make are not made."""
     from tierserve.distributed import resolve_placement
-    from tierserve.engine import Startup, load_tokenizer, startup_table
+    from tierserve.engine import Startup, check_capture_args, load_tokenizer, startup_table
     from tierserve.storage import backend_class
 
+    listen_address(host, port)
     _, placement = resolve_placement(args, serving=True)
     startup = Startup.from_args(args)
     if startup.storage is not None:
         backend_class(startup.storage.backend).preflight(startup.storage.extra)
+    check_capture_args(args, startup.config.num_layers)
     load_tokenizer(args.tokenizer_dir)
     print(f"tierserve serve --dry-run: {startup.model_path} would start", flush=True)
     print(startup_table(startup.plan, args.dp_groups, placement.describe()), flush=True)
@@ -153,7 +157,7 @@ def run(ns: argparse.Namespace) -> int:
             raise TierserveError(message, field=name)
     check_port(ns.port)
     if ns.dry_run:
-        return dry_run(args)
+        return dry_run(args, ns.host, ns.port)
     if args.tp_size > 1:
         from tierserve.distributed import global_rank
 

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from tierserve.errors import TierserveError
+from tierserve.paths import unusable_dir
 from tierserve.storage.backend import EXTRA_FIELD, StorageBackend, config_bytes
 
 logger = logging.getLogger("tierserve")
@@ -92,11 +93,8 @@ class FileBackend(StorageBackend):
         process may write (nothing is made: a dry run leaves no trace)."""
         root = cls._root(extra)
         config_bytes(extra, "max_bytes", 0)
-        there = next(p for p in (root, *root.parents) if p.exists() or p == p.parent)
-        if not there.is_dir() or not os.access(there, os.W_OK | os.X_OK):
-            why = "is not a directory" if not there.is_dir() else "is not writable"
-            message = f"the storage path {root} cannot be used: {there} {why}"
-            raise TierserveError(message, EXTRA_FIELD)
+        if why := unusable_dir(root):
+            raise TierserveError(f"the storage path {root} cannot be used: {why}", EXTRA_FIELD)
 
     # --- the directory and its record ------------------------------------------------------
 
