@@ -28,6 +28,7 @@ from tierserve.args import default_model
 from tierserve.net import free_port
 from tierserve.sizing.kv import KVSpec
 from tierserve.storage.client import GuardedStore, StorageStats, StorageUnavailable
+from tierserve.storage.config import StorageConfig
 from tierserve.storage.file import FileBackend
 from tierserve.storage.keys import Namespace
 from tierserve.storage.mooncake import MooncakeMaster
@@ -365,6 +366,8 @@ def test_auto_weighs_reading_against_recomputing():
 class SlowFileBackend(FileBackend):
     """The file backend behind a slow link: every call takes `delay_s`."""
 
+    config_keys = FileBackend.config_keys | {"delay_s"}
+
     def __init__(self, extra) -> None:
         super().__init__(extra)
         self.delay_s = float(extra.get("delay_s", 0.5))
@@ -500,6 +503,42 @@ def test_bad_storage_flags_are_refused_naming_the_flag(llama_dir, tmp_path, kw, 
     with pytest.raises(TierserveError) as err:
         LLM(str(llama_dir), enable_hierarchical_cache=True, max_total_tokens=1024, **{**base, **kw})
     assert err.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        # A TypeError traceback (the config's own fields taken from the JSON twice).
+        ({"backend": 1}, "'backend' is not a storage config key: give --hicache-storage-backend"),
+        ({"prefetch_policy": "best"}, "give --hicache-storage-prefetch-policy"),
+        # Served from the default directory, silently.
+        ({"pathh": "PATH"}, "unknown key 'pathh' in the file storage config"),
+        ({"path": ""}, "must be a directory's path"),
+        # Accepted, then every call overflowed the clock and the breaker stayed open.
+        ({"path": "PATH", "timeout_s": 1e10}, "timeout_s in the storage config must be < 1e+06"),
+        # Kept nothing while every page counted as written.
+        ({"path": "PATH", "max_bytes": 0}, "less than one page"),
+    ],
+)  # fmt: skip
+def test_storage_config_keys_that_cannot_serve_are_refused_by_name(
+    llama_dir, tmp_path, extra, words
+):
+    text = json.dumps(extra).replace("PATH", str(tmp_path / "kv"))
+    with pytest.raises(TierserveError) as err:
+        LLM(str(llama_dir), enable_hierarchical_cache=True, max_total_tokens=1024,
+            hicache_storage_backend="file", hicache_storage_backend_extra_config=text)  # fmt: skip
+    assert err.value.field == EXTRA and words in err.value.message
+    assert not (tmp_path / "kv").exists()
+
+
+def test_mooncake_keys_are_checked_before_its_client_loads():
+    for extra, words in (({"bogus": 1}, "unknown key 'bogus' in the mooncake"),
+                         ({"protocol": 5}, "protocol in the storage config must be a string"),
+                         ({"master_server_address": "nohost"}, "must be host:port")):  # fmt: skip
+        with pytest.raises(TierserveError, match=words):
+            StorageConfig.parse("mooncake", json.dumps(extra))
+    # An HA list is the client's to read: nothing is probed or refused here.
+    assert StorageConfig.parse("mooncake", '{"master_server_address": "etcd://10.0.0.1:2379"}')
 
 
 def test_storage_without_the_host_tier_is_refused(llama_dir):

@@ -30,7 +30,7 @@ from tierserve.models import (
     nextn_layers,
 )
 from tierserve.sizing import DraftSize, KVSpec, device_pool_bytes
-from tierserve.storage import StorageConfig, backend_class
+from tierserve.storage import EXTRA_FIELD, StorageConfig, backend_class
 
 CPU_DEFAULT_POOL_TOKENS = 32768
 
@@ -251,12 +251,24 @@ def _kv_plan(
         overhead += weight_bytes  # split among the node's ranks (tensor parallelism)
         store = 0
         if storage is not None:  # each rank's client RAM, and its write and fetch buffers
+            _check_page_room(storage, spec.bytes_per_page)
             store = backend_class(storage.backend).ram_bytes(storage.extra)
             store += storage.buffer_bytes(spec.bytes_per_page)
             store *= args.local_ranks
         host = size_host_tier(args, spec, device_tokens, (overhead if on_cpu else 0) + store)
         plan = dataclasses.replace(plan, storage_ram_bytes=store)
     return dataclasses.replace(plan, host=host)
+
+
+def _check_page_room(storage: StorageConfig, bytes_per_page: int) -> None:
+    """A cap below one page kept nothing, and every page still counted as written."""
+    room = backend_class(storage.backend).page_room(storage.extra)
+    if room is not None and room < bytes_per_page:
+        message = (
+            f"the {storage.backend} storage config leaves {max(room, 0):,} bytes for pages, "
+            f"less than one page ({bytes_per_page:,} bytes): the store would keep nothing"
+        )
+        raise TierserveError(message, field=EXTRA_FIELD)
 
 
 def _pool_tokens(args: EngineArgs, device: torch.device, spec: KVSpec, rank_weights: int) -> int:

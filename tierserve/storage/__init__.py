@@ -6,6 +6,7 @@ from tierserve.lazy import lazy_exports
 # What outsiders import from this package, and the module that defines each (loaded on
 # first use: tierserve/lazy.py).
 EXPORTS = {
+    "EXTRA_FIELD": "backend",
     "MooncakeMaster": "mooncake",
     "Namespace": "keys",
     "shard_of": "keys",

@@ -32,6 +32,9 @@ def config_bytes(extra: Mapping[str, Any], key: str, default: int) -> int:
 class StorageBackend(ABC):
     name: str = ""
     tears_down: bool = False  # close() talks to the store, so it may wait on a dead one
+    # The extra config's keys this backend reads; another key is refused by name, never
+    # ignored (a misspelt "pathh" once served from the default directory). None: any.
+    config_keys: frozenset[str] | None = None
 
     @abstractmethod
     def exists(self, keys: list[str]) -> list[bool]: ...
@@ -52,10 +55,22 @@ class StorageBackend(ABC):
         return True
 
     @classmethod  # noqa: B027 (optional)
+    def check_config(cls, extra: Mapping[str, Any]) -> None:
+        """Raise TierserveError for a value of this backend's keys that cannot be right, read
+        from the config alone (serve, its dry run and plan all read the config through it)."""
+
+    @classmethod
     def preflight(cls, extra: Mapping[str, Any]) -> None:
-        """Raise TierserveError for what this config gets wrong that can be told without
-        opening the store: `serve --dry-run` asks, and an open asks first where it would
-        otherwise retry for long."""
+        """What the config gets wrong that the machine tells, without opening the store (a
+        directory, a master that does not answer): `serve --dry-run` asks, and an open asks
+        first where it would otherwise retry for long."""
+        cls.check_config(extra)
+
+    @classmethod
+    def page_room(cls, extra: Mapping[str, Any]) -> int | None:
+        """Bytes the config lets the store hold for pages, where it caps them; None: no cap
+        the config gives."""
+        return None
 
     @classmethod
     def ram_bytes(cls, extra: Mapping[str, Any]) -> int:

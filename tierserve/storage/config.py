@@ -11,6 +11,7 @@ from typing import Any
 from tierserve.errors import TierserveError
 from tierserve.storage.backend import EXTRA_FIELD
 from tierserve.storage.prefetch_policy import DEFAULT_POLICY, PREFETCH_POLICIES
+from tierserve.storage.registry import backend_class
 
 FETCHERS = 2  # prefetches that run at once
 FETCH_AHEAD = 2  # batches a prefetch fetches before the engine has placed the earlier ones
@@ -53,9 +54,23 @@ class StorageConfig:
                 f"prefetch policy {policy!r}; known: {', '.join(PREFETCH_POLICIES)}",
                 "hicache_storage_prefetch_policy",
             )
+        for name, flag in _FLAGS.items():
+            if name in extra:
+                message = f"{name!r} is not a storage config key: give {flag}"
+                raise TierserveError(message, EXTRA_FIELD)
         ours = {k: extra.pop(k) for k in list(extra) if k in cls.__dataclass_fields__}
         for name, value in ours.items():
             _check_field(name, value)
+        store = backend_class(backend)
+        unknown = sorted(set(extra) - store.config_keys) if store.config_keys is not None else []
+        if unknown:
+            known = ", ".join(sorted(store.config_keys or ())) or "none"
+            message = (
+                f"unknown key {unknown[0]!r} in the {backend} storage config (the backend's: "
+                f"{known}; the tier's: {', '.join(sorted(_TIER_KEYS))})"
+            )
+            raise TierserveError(message, EXTRA_FIELD)
+        store.check_config(extra)
         return cls(backend, extra, policy, **ours)
 
     def buffer_bytes(self, bytes_per_page: int) -> int:
@@ -69,6 +84,18 @@ class StorageConfig:
         return min(self.prefetch_timeout_max, limit)
 
 
+# The config's own fields that flags give, not the extra config.
+_FLAGS = {
+    "backend": "--hicache-storage-backend",
+    "prefetch_policy": "--hicache-storage-prefetch-policy",
+    "extra": "the backend's keys at the top level",
+}
+_TIER_KEYS = set(StorageConfig.__dataclass_fields__) - set(_FLAGS)
+# Past these a second overflows the clock's types (threading's TIMEOUT_MAX is ~9.2e9 s), and
+# every storage call failed.
+_MAX_SECONDS = 1e6
+_SECONDS = ("timeout_s", "prefetch_timeout_base", "prefetch_timeout_max", "breaker_cooldown_s",
+            "close_timeout_s", "miss_ttl_s")  # fmt: skip
 # Fields that count things: whole numbers >= 1. The rest are seconds or tokens, >= 0.
 _COUNTS = ("write_queue_bytes", "batch_pages", "breaker_failures")
 
@@ -84,3 +111,6 @@ def _check_field(name: str, value: Any) -> None:
         raise TierserveError(f"{name} in the storage config must be an int >= 1", EXTRA_FIELD)
     if name == "timeout_s" and value == 0:
         raise TierserveError("timeout_s in the storage config must be > 0", EXTRA_FIELD)
+    if name in _SECONDS and not value < _MAX_SECONDS:
+        message = f"{name} in the storage config must be < {_MAX_SECONDS:g} seconds, got {value}"
+        raise TierserveError(message, EXTRA_FIELD)

@@ -60,6 +60,7 @@ def default_dir() -> Path:
 
 class FileBackend(StorageBackend):
     name = "file"
+    config_keys = frozenset({"path", "max_bytes"})
 
     def __init__(self, extra: Mapping[str, Any]) -> None:
         self.root = self._root(extra)
@@ -83,16 +84,28 @@ class FileBackend(StorageBackend):
     @staticmethod
     def _root(extra: Mapping[str, Any]) -> Path:
         path = extra.get("path")
-        if path is not None and not isinstance(path, str):
-            raise TierserveError("path in the storage config must be a string", EXTRA_FIELD)
+        if path is not None and (not isinstance(path, str) or not path.strip()):
+            message = "path in the storage config must be a directory's path (a string)"
+            raise TierserveError(message, EXTRA_FIELD)
         return Path(path or default_dir()).expanduser()
+
+    @classmethod
+    def check_config(cls, extra: Mapping[str, Any]) -> None:
+        cls._root(extra)
+        config_bytes(extra, "max_bytes", 0)
+
+    @classmethod
+    def page_room(cls, extra: Mapping[str, Any]) -> int | None:
+        if extra.get("max_bytes") is None:
+            return None
+        return config_bytes(extra, "max_bytes", 0) - RECORD_BYTES
 
     @classmethod
     def preflight(cls, extra: Mapping[str, Any]) -> None:
         """The directory, or the nearest folder above it that exists, must be a directory this
         process may write (nothing is made: a dry run leaves no trace)."""
+        cls.check_config(extra)
         root = cls._root(extra)
-        config_bytes(extra, "max_bytes", 0)
         if why := unusable_dir(root):
             raise TierserveError(f"the storage path {root} cannot be used: {why}", EXTRA_FIELD)
 

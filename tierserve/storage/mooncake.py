@@ -41,14 +41,29 @@ DEFAULTS = {
 MASTER_PROBE_S = 3.0  # a master on another node answers a connect in milliseconds
 
 
+SIZES = {"global_segment_size", "local_buffer_size"}
+
+
 def segment_bytes(extra: Mapping[str, Any]) -> int:
     """RAM a Mooncake client takes on this node: its segment plus its transfer buffer."""
-    keys = ("global_segment_size", "local_buffer_size")
-    return sum(config_bytes(extra, k, DEFAULTS[k]) for k in keys)  # type: ignore[arg-type]
+    return sum(config_bytes(extra, k, DEFAULTS[k]) for k in sorted(SIZES))  # type: ignore[arg-type]
+
+
+def _master(extra: Mapping[str, Any]) -> tuple[str, int] | None:
+    """The master's host and port; None for an HA list (etcd://...), the client's to read."""
+    address = extra.get("master_server_address", DEFAULTS["master_server_address"])
+    if "://" in address or ";" in address:
+        return None
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        message = f"master_server_address {address!r} must be host:port"
+        raise TierserveError(message, EXTRA_FIELD)
+    return host.strip("[]"), int(port)
 
 
 class MooncakeBackend(StorageBackend):
     name = "mooncake"
+    config_keys = frozenset(DEFAULTS)
     tears_down = True  # it unmounts its segment through the master
 
     def __init__(self, extra: Mapping[str, Any]) -> None:
@@ -107,25 +122,28 @@ class MooncakeBackend(StorageBackend):
         return all(f >= 0 for f in self.store.batch_is_exist(["tierserve-probe"]))
 
     @classmethod
+    def check_config(cls, extra: Mapping[str, Any]) -> None:
+        segment_bytes(extra)
+        for key in DEFAULTS.keys() - SIZES:
+            if not isinstance(extra.get(key, ""), str):
+                message = f"{key} in the storage config must be a string, got {extra[key]!r}"
+                raise TierserveError(message, EXTRA_FIELD)
+        _master(extra)
+
+    @classmethod
     def preflight(cls, extra: Mapping[str, Any]) -> None:
         """The master must accept a connection: the client's setup retries an absent one for
         ~50 s before it fails. An HA master list (etcd://...) is the client's to resolve."""
-        segment_bytes(extra)
-        address = extra.get("master_server_address", DEFAULTS["master_server_address"])
-        if not isinstance(address, str):
-            message = f"master_server_address must be a string, got {address!r}"
-            raise TierserveError(message, EXTRA_FIELD)
-        if "://" in address or ";" in address:
+        cls.check_config(extra)
+        address = _master(extra)
+        if address is None:
             return
-        host, _, port = address.rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            message = f"master_server_address {address!r} must be host:port"
-            raise TierserveError(message, EXTRA_FIELD)
+        host, port = address
         try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=MASTER_PROBE_S).close()
+            socket.create_connection((host, port), timeout=MASTER_PROBE_S).close()
         except OSError as err:
             message = (
-                f"mooncake_master does not answer at {address} "
+                f"mooncake_master does not answer at {host}:{port} "
                 f"({err.strerror or err}): start it, or give its master_server_address"
             )
             raise TierserveError(message, EXTRA_FIELD) from None
