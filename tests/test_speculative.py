@@ -275,6 +275,11 @@ def test_the_spec_decode_counters_are_vllms_names():
         ({"speculative_config": '{"method": "ngram", "k": 3}'}, "unknown key 'k'"),
         ({"speculative_config": '{"method": "ngram"}', "speculative_algorithm": "NGRAM"},
          "not both"),
+        # Each was overwritten by the JSON's value or its default, silently.
+        ({"speculative_config": '{"method": "ngram"}', "speculative_num_steps": 5},
+         r"or --speculative-num-steps \(SGLang's\), not both"),
+        ({"speculative_config": '{"method": "ngram"}',
+          "speculative_ngram_max_match_window_size": 2}, "not both"),
         ({"speculative_algorithm": "NGRAM", "speculative_ngram_min_match_window_size": 5,
           "speculative_ngram_max_match_window_size": 2}, "1 <= min"),
     ],

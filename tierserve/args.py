@@ -663,8 +663,16 @@ def vllm_speculative_config(args: EngineArgs) -> dict[str, Any]:
         raise TierserveError(f"--speculative-config is not JSON: {e}", field_name) from None
     if not isinstance(raw, dict):
         raise TierserveError("--speculative-config must be a JSON object", field_name)
-    if args.speculative_algorithm is not None:
-        message = "give --speculative-config (vLLM's) or --speculative-algorithm, not both"
+    given = [
+        f.name
+        for f in fields(args)
+        if f.name.startswith("speculative_")
+        and f.name != field_name
+        and getattr(args, f.name) != _DEFAULTS[f.name]
+    ]  # each was overwritten by the JSON's value, or its default, silently
+    if given:
+        flag = "--" + given[0].replace("_", "-")
+        message = f"give --speculative-config (vLLM's) or {flag} (SGLang's), not both"
         raise TierserveError(message, field_name)
     unknown = sorted(set(raw) - {"method", *_VLLM_KEYS})
     if unknown:
