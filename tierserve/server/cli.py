@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning"])
     parser.add_argument(
         "--api-key",
-        default=os.environ.get("TIERSERVE_API_KEY"),
+        default=os.environ.get("TIERSERVE_API_KEY") or None,
         help="require 'Authorization: Bearer KEY' on every route but /health, /health_generate "
         "and /metrics, as SGLang (default: $TIERSERVE_API_KEY)",
     )
@@ -155,6 +155,9 @@ def run(ns: argparse.Namespace) -> int:
         if not 0 < getattr(ns, name) < 1e6:
             message = f"{name} must be in (0, 1e6) seconds, got {getattr(ns, name)}"
             raise TierserveError(message, field=name)
+    if ns.api_key is not None and not ns.api_key.strip():  # `--api-key "$KEY"`, KEY unset
+        message = "--api-key is empty: give the key, or leave the flag out to serve without one"
+        raise TierserveError(message, field="api_key")
     check_port(ns.port)
     if ns.dry_run:
         return dry_run(args, ns.host, ns.port)
@@ -202,7 +205,7 @@ def _serve(ns: argparse.Namespace, args: EngineArgs, sock: socket.socket) -> int
         return 1
     name = served_model_name(args, ns.served_model_name)
     limits = ServerLimits(
-        ns.api_key or None,
+        ns.api_key,
         ns.max_queued_requests,
         ns.body_timeout,
         ns.trust_request_chat_template,
