@@ -125,6 +125,12 @@ def test_unknown_model_is_404_and_bad_json_400(client, server):
         headers={"content-type": "application/json"},
     )
     assert bad.status_code == 400 and bad.json()["error"]["type"] == "invalid_request_error"
+    # curl -d labels a JSON body as a form: the 400 said the body was not an object.
+    for route in ("/v1/completions", "/generate"):
+        form = http.post(f"{server.url}{route}", data={"prompt": "hi"})
+        assert form.status_code == 400, form.text
+        message = form.json()["error"]["message"]
+        assert "Content-Type: application/json" in message and "x-www-form-urlencoded" in message
     huge = http.post(
         f"{server.url}/v1/completions",
         content=b"x" * (17 * 1024 * 1024),

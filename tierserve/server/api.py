@@ -101,8 +101,15 @@ def _add_error_handlers(app: FastAPI) -> None:
         return JSONResponse(body, status_code=body["error"]["code"])
 
     @app.exception_handler(RequestValidationError)
-    async def invalid_body(_: Request, err: RequestValidationError) -> JSONResponse:
+    async def invalid_body(request: Request, err: RequestValidationError) -> JSONResponse:
         first = err.errors()[0] if err.errors() else {}
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if tuple(first.get("loc", ())) == ("body",) and "json" not in kind:
+            # FastAPI reads a body as JSON only when it is labelled so (curl -d sends a form).
+            message = (
+                f"send the body as JSON, with Content-Type: application/json (not {kind or 'none'})"
+            )
+            return _error(400, message, "invalid_request_error")
         if first.get("type") == "json_invalid":
             message = f"body is not valid JSON: {first.get('msg')}"
             return _error(400, message, "invalid_request_error")
