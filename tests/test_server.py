@@ -383,6 +383,14 @@ def test_without_max_tokens_a_request_runs_to_the_context_end(client):
         ("/v1/completions", b'{"prompt": "hi", "top_k": 1180591620717411303424}'),
         ("/v1/completions", b'{"prompt": "hi", "stop_token_ids": [18446744073709551616]}'),
         ("/generate", b'{"input_ids": [5], "sampling_params": {"top_k": 18446744073709551616}}'),
+        # Each was a 200 that ignored what the client asked: a misspelt sampling_params (128
+        # tokens), an image given as 0 (0 == False), two limits at once (one ignored).
+        ("/generate", b'{"input_ids": [5], "sampling_param": {"max_new_tokens": 2}}'),
+        ("/generate", b'{"input_ids": [5], "image_data": 0}'),
+        (
+            "/generate",
+            b'{"input_ids": [5], "sampling_params": {"max_new_tokens": 2, "max_tokens": 5}}',
+        ),
     ],
 )
 def test_bad_values_are_400_and_the_engine_keeps_serving(server, route, body):

@@ -23,6 +23,9 @@ class NativeSamplingParams(SamplingKnobs):
     json_schema: str | None = None  # SGLang's: the schema as JSON text
 
     def to_params(self) -> SamplingParams:
+        if self.max_new_tokens is not None and self.max_tokens is not None:
+            message = "give max_new_tokens (SGLang's) or max_tokens, not both"
+            raise TierserveError(message, "max_new_tokens")
         limit = self.max_new_tokens if self.max_new_tokens is not None else self.max_tokens
         if self.min_new_tokens is not None:
             self.min_tokens = self.min_new_tokens
@@ -71,7 +74,11 @@ class GenerateRequest(TextBody):
 
     def prompt(self) -> str | list[int]:
         for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED_GENERATE_FIELDS and value not in (None, False, [], {}):
+            if name not in UNSUPPORTED_GENERATE_FIELDS:  # a typo ("sampling_param") was ignored
+                raise TierserveError(f"unknown field {name!r} of /generate", name)
+            # Unset by identity: `"return_logprob": 0` passed as False (0 == False).
+            empty = isinstance(value, list | dict) and not value
+            if not (value is None or value is False or empty):
                 raise TierserveError(f"{name} is not supported", name)
         if (self.text is None) == (self.input_ids is None):
             raise TierserveError("give exactly one of text or input_ids", "text")
