@@ -489,6 +489,10 @@ def test_cli_model_that_does_not_fit_the_gpus(capsys: pytest.CaptureFixture[str]
          "host_ratio must be a number in (0, 1e6)"),
         (["--model", "llama-3-8b", "--host-mem", "64GB", "--speculative-num-steps", "0"],
          "--speculative-num-steps must be >= 1, got 0"),
+        # A misspelt memory flag was planned as if absent (exit 0).
+        (["--model", "llama-3-8b", "--host-mem", "64GB",
+          "--check-sglang=--enable-hierarchical-cache --hicache-sise 48"],
+         "SGLang has no --hicache-sise: did you mean --hicache-size?"),
     ],
 )  # fmt: skip
 def test_cli_bad_input_exits_2_with_one_line(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import shlex
 from dataclasses import dataclass
@@ -95,10 +96,12 @@ def parse_sglang_flags(flags: str) -> SGLangFlags:
     flags that do not affect memory are ignored."""
     try:
         words = shlex.split(flags.replace("\\\n", " "))
-        ns, _ignored = _sglang_parser().parse_known_args(words)
+        parser = _sglang_parser()
+        ns, ignored = parser.parse_known_args(words)
     except (ValueError, argparse.ArgumentError) as err:
         # SGLang's own parser rejects these too, e.g. --hicache-size 300GB (it takes an int).
         raise TierserveError(f"cannot read SGLang flags: {err}", field="check_sglang") from err
+    _refuse_misspelt(parser, ignored)
     parsed = SGLangFlags(**vars(ns))
     if min(parsed.tp, parsed.pp, parsed.dp, parsed.nnodes, parsed.page_size) <= 0:
         message = "SGLang --tp-size, --pp-size, --dp-size, --nnodes, --page-size must be > 0"
@@ -115,6 +118,18 @@ def parse_sglang_flags(flags: str) -> SGLangFlags:
     if fraction is not None:
         check_mem_fraction(fraction, field="check_sglang", who="SGLang --")
     return parsed
+
+
+def _refuse_misspelt(parser: argparse.ArgumentParser, ignored: list[str]) -> None:
+    """Flags that do not size memory are SGLang's to check; one a letter or two from a flag
+    that does (--hicache-sise) was planned as if absent, so it is refused."""
+    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    for word in ignored:
+        flag = word.split("=", 1)[0]
+        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.85)
+        if flag.startswith("--") and close:
+            message = f"SGLang has no {flag}: did you mean {close[0]}?"
+            raise TierserveError(message, field="check_sglang")
 
 
 def sglang_kv_dtype(kv_cache_dtype: str | None, default: str) -> str:
