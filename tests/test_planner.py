@@ -493,6 +493,9 @@ def test_cli_model_that_does_not_fit_the_gpus(capsys: pytest.CaptureFixture[str]
         (["--model", "llama-3-8b", "--host-mem", "64GB",
           "--check-sglang=--enable-hierarchical-cache --hicache-sise 48"],
          "SGLang has no --hicache-sise: did you mean --hicache-size?"),
+        (["--model", "llama-3-8b", "--host-mem", "64GB",
+          "--check-vllm=vllm serve m --gpu-memory-utilisation 0.9"],
+         "vLLM has no --gpu-memory-utilisation: did you mean --gpu-memory-utilization?"),
     ],
 )  # fmt: skip
 def test_cli_bad_input_exits_2_with_one_line(

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import math
 import shlex
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any
 from tierserve.args import check_mem_fraction, ranks_per_node
 from tierserve.errors import TierserveError
 from tierserve.plan.draft import draft_size
+from tierserve.plan.misspelt import refuse_misspelt
 from tierserve.plan.plan import Plan, PlanInputs, draft_lines, kv_dtype_flag, make_plan
 from tierserve.plan.sglang_versions import (
     DEFAULT_FRACTION,
@@ -101,7 +101,7 @@ def parse_sglang_flags(flags: str) -> SGLangFlags:
     except (ValueError, argparse.ArgumentError) as err:
         # SGLang's own parser rejects these too, e.g. --hicache-size 300GB (it takes an int).
         raise TierserveError(f"cannot read SGLang flags: {err}", field="check_sglang") from err
-    _refuse_misspelt(parser, ignored)
+    refuse_misspelt(parser, ignored, "SGLang", "check_sglang")
     parsed = SGLangFlags(**vars(ns))
     if min(parsed.tp, parsed.pp, parsed.dp, parsed.nnodes, parsed.page_size) <= 0:
         message = "SGLang --tp-size, --pp-size, --dp-size, --nnodes, --page-size must be > 0"
@@ -118,18 +118,6 @@ def parse_sglang_flags(flags: str) -> SGLangFlags:
     if fraction is not None:
         check_mem_fraction(fraction, field="check_sglang", who="SGLang --")
     return parsed
-
-
-def _refuse_misspelt(parser: argparse.ArgumentParser, ignored: list[str]) -> None:
-    """Flags that do not size memory are SGLang's to check; one a letter or two from a flag
-    that does (--hicache-sise) was planned as if absent, so it is refused."""
-    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
-    for word in ignored:
-        flag = word.split("=", 1)[0]
-        close = difflib.get_close_matches(flag, known, n=1, cutoff=0.85)
-        if flag.startswith("--") and close:
-            message = f"SGLang has no {flag}: did you mean {close[0]}?"
-            raise TierserveError(message, field="check_sglang")
 
 
 def sglang_kv_dtype(kv_cache_dtype: str | None, default: str) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 
 from tierserve.errors import TierserveError
 from tierserve.plan.draft import draft_size
+from tierserve.plan.misspelt import refuse_misspelt
 from tierserve.plan.plan import Plan, PlanInputs, draft_lines, kv_dtype_flag, make_plan
 from tierserve.plan.verdict import Constraint, Verdict, judge
 from tierserve.sizing import DraftSize, HostRequest, HostSizing, short_kv_dtype
@@ -71,9 +72,11 @@ def parse_vllm_flags(flags: str) -> VLLMFlags:
     """Read a vLLM command line (`vllm serve MODEL …` is fine); other flags are ignored."""
     try:
         words = shlex.split(flags.replace("\\\n", " "))
-        ns, rest = _parser().parse_known_args(words)
+        parser = _parser()
+        ns, rest = parser.parse_known_args(words)
     except (ValueError, argparse.ArgumentError) as err:
         raise TierserveError(f"cannot read vLLM flags: {err}", field="check_vllm") from err
+    refuse_misspelt(parser, rest, "vLLM", "check_vllm")
     if ns.model is None and len(rest) >= 2 and rest[:2] == ["vllm", "serve"] and len(rest) > 2:
         ns.model = rest[2]
     parsed = VLLMFlags(**vars(ns))
