@@ -531,6 +531,16 @@ def test_storage_config_keys_that_cannot_serve_are_refused_by_name(
     assert not (tmp_path / "kv").exists()
 
 
+def test_buffers_past_ram_are_refused_without_a_size_that_cannot_help(llama_dir, tmp_path):
+    """The refusal said "use --hicache-size 0.0", which is refused too."""
+    extra = json.dumps({"path": str(tmp_path / "kv"), "batch_pages": 10**14})
+    with pytest.raises(TierserveError) as err:
+        LLM(str(llama_dir), enable_hierarchical_cache=True, max_total_tokens=1024,
+            hicache_storage_backend="file", hicache_storage_backend_extra_config=extra)  # fmt: skip
+    assert "leaves nothing for it" in err.value.message and "batch_pages" in err.value.message
+    assert "use --hicache-size" not in err.value.message
+
+
 def test_mooncake_keys_are_checked_before_its_client_loads():
     for extra, words in (({"bogus": 1}, "unknown key 'bogus' in the mooncake"),
                          ({"protocol": 5}, "protocol in the storage config must be a string"),

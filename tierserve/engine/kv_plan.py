@@ -117,6 +117,14 @@ def refusal(sizing: HostSizing, budget: HostBudget, requested: int) -> str:
     ranks = budget.local_ranks
     most = budget.max_bytes_per_rank
     shared = f" (one copy per {sizing.sharing} ranks)" if sizing.sharing > 1 else ""
+    if most <= 0:  # no host cache size helps: what the overhead counts must shrink
+        return (
+            f"host cache does not fit: {format_gb(budget.available)} available − "
+            f"{format_gb(budget.overhead)} overhead − {format_gb(budget.margin)} margin leaves "
+            "nothing for it. The overhead is this process's pools and weights on CPU, and a "
+            "store's client RAM and buffers (write_queue_bytes, batch_pages): shrink those, or "
+            "drop --enable-hierarchical-cache"
+        )
     return (
         f"host cache does not fit: {ranks} rank(s) × {format_gb(sizing.bytes_per_rank)}{shared} = "
         f"{format_gb(requested)} requested; {format_gb(budget.available)} available − "
