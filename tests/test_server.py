@@ -16,7 +16,7 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import Server, hold_steps, http, random_prompts
+from tests.conftest import Server, eventually, hold_steps, http, random_prompts, running
 from tierserve import SamplingParams
 from tierserve.engine import STEP_GATE_ENV
 from tierserve.net import free_port
@@ -264,6 +264,40 @@ def test_sigterm_drains_in_flight_requests(llama_dir):
         # uvicorn re-raises the signal once drained, so the status says "ended by SIGTERM".
         assert s.proc.wait(timeout=60) in (0, -signal.SIGTERM)
     finally:
+        s.stop()
+
+
+def listening(url: str) -> bool:
+    try:
+        http.get(f"{url}/health", timeout=10)
+    except httpx.ConnectError:
+        return False
+    return True
+
+
+def test_a_second_ctrl_c_cuts_open_streams_with_one_line_and_no_traceback(llama_dir):
+    """uvicorn's forced shutdown logged a CancelledError traceback per open request and one
+    for the lifespan; the user asked for exactly that cut."""
+    s = Server(llama_dir, "--max-total-tokens", "2048")
+    try:
+        core = s.core
+        s.hold_steps(2)  # the stream stays open until the server is forced down
+        body = {"prompt": [5] * 20, "max_tokens": 100, "stream": True, "ignore_eos": True}
+        with http.stream("POST", f"{s.url}/v1/completions", json=body, timeout=120) as reply:
+            lines = reply.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            s.proc.send_signal(signal.SIGINT)
+            assert eventually(lambda: not listening(s.url), 60)  # draining: its port closed
+            s.proc.send_signal(signal.SIGINT)
+            with pytest.raises(httpx.HTTPError):
+                list(lines)  # cut mid-stream
+        s.proc.wait(timeout=60)
+        log = s.log_tail(100_000)
+        assert "forced shutdown (a second signal): open requests are cut" in log
+        assert "Traceback" not in log and "CancelledError" not in log, log
+        assert eventually(lambda: not running(core.pid), 30)
+    finally:
+        s.release_steps()
         s.stop()
 
 

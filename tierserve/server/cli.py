@@ -7,6 +7,7 @@ that does not fit exits with status 2 and nothing half-started.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import socket
@@ -116,6 +117,16 @@ def _later(delay_s: float, server: object) -> None:
     timer = threading.Timer(delay_s, setattr, (server, "should_exit", True))
     timer.daemon = True
     timer.start()
+
+
+def _forced_cancel(server: object, record: logging.LogRecord) -> bool:
+    """A record of a task that a forced shutdown cancelled: an open request's (with its
+    exception), or the lifespan's (Starlette sends its traceback as the message)."""
+    if not getattr(server, "force_exit", False):
+        return False
+    exc = record.exc_info[1] if record.exc_info else None
+    said = str(record.msg).rstrip()
+    return isinstance(exc, asyncio.CancelledError) or said.endswith("CancelledError")
 
 
 def served_model_name(args: EngineArgs, override: str | None = None) -> str:
@@ -230,10 +241,16 @@ def _serve(ns: argparse.Namespace, args: EngineArgs, sock: socket.socket) -> int
         requests get a 503 instead of holding the shutdown for a compile's time."""
 
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            forced = self.should_exit  # a second signal: uvicorn cancels what is open
             super().handle_exit(sig, frame)
             async_engine.grammar_pool.close()
+            if forced:
+                logger.warning("forced shutdown (a second signal): open requests are cut")
 
     server = Server(config)
+    # The cancellations of a forced shutdown are its intent, not errors: one line above, no
+    # traceback per open request and for the lifespan.
+    logging.getLogger("uvicorn.error").addFilter(lambda r: not _forced_cancel(server, r))
     # A dead or hung engine core cannot be revived in place: answer 503 for a moment (a
     # router's health probe sees it), then shut down and exit non-zero, so a supervisor
     # restarts the server.
