@@ -137,6 +137,16 @@ def test_the_directory_cap_evicts_least_recently_used(tmp_path):
     assert backend.evicted > 0
 
 
+def test_a_record_no_process_wrote_is_counted_again(tmp_path):
+    """A negative count in .usage was trusted: eviction never ran and the cap meant nothing."""
+    FileBackend({"path": str(tmp_path), "max_bytes": 10_000}).put({"00key": b"x" * 1000})
+    (tmp_path / ".usage").write_text('{"used": -1000000000, "cap": 10000}')
+    backend = FileBackend({"path": str(tmp_path)})
+    assert backend.used >= 1000  # the directory counted again
+    backend.put({f"{i:02d}key": b"y" * 1000 for i in range(1, 14)})  # 14,000 B > cap
+    assert backend.used <= 10_000 and backend.evicted > 0
+
+
 WRITER = """
 import sys
 from tierserve.storage.file import FileBackend

@@ -53,6 +53,10 @@ RECORD_BYTES = 64  # the record is padded to this, and counted in the cap
 STALE_TMP_S = 3600.0  # a temporary file this old was left by a writer that died
 
 
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def default_dir() -> Path:
     cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(cache) / "tierserve" / "kv"
@@ -165,9 +169,10 @@ class FileBackend(StorageBackend):
             record = {}
         if not isinstance(record, dict):
             record = {}
-        if not isinstance(record.get("used"), int):
+        # A value no process wrote (a negative count stopped eviction for good): read again.
+        if not _count(record.get("used")):
             record["used"] = self._scan_bytes()
-        if not isinstance(record.get("cap"), int):
+        if not _count(record.get("cap")):
             record["cap"] = self._given if self._given is not None else self._default_cap(record)
         return record
 
