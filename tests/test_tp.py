@@ -222,6 +222,7 @@ def test_server_with_tp2_answers_the_openai_client_and_a_dead_rank_gives_503(lla
         status = http.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code
         assert status == 503
         assert server.proc.wait(timeout=30) != 0  # it exits for its supervisor, never hangs
+        assert "tensor-parallel rank 1 was killed by SIGKILL" in server.log_tail(10**6)
     finally:
         server.stop()
 

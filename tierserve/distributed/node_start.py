@@ -10,10 +10,12 @@ them from `Ranks.start` instead, once it has checked that its process holds no o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -49,6 +51,18 @@ class NodeRanks:
     workers: list[subprocess.Popen] = field(default_factory=list)
     closing: threading.Event = field(default_factory=threading.Event)
 
+    def dead(self, wait_s: float = 1.0) -> str | None:
+        """Which rank started here has ended, waited for up to `wait_s`: a collective fails
+        (a reset socket) a moment before its peer's exit is seen."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            for i, worker in enumerate(self.workers, start=self.rank + 1):
+                if (code := worker.poll()) is not None:
+                    return f"tensor-parallel rank {i} {_ended(code)}"
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
     def release(self, wait_s: float) -> None:
         """Reap the ranks started here, killing any still there after `wait_s`."""
         self.closing.set()  # first: a rank ended on purpose must not take this process with it
@@ -65,7 +79,7 @@ class NodeRanks:
             if worker.pid in killed:  # its status would be -9, which reads as a crash
                 logger.info("rank %d stopped by rank %d", i, self.rank)
             else:
-                logger.info("rank %d exited with status %s", i, code)
+                logger.info("rank %d %s", i, _ended(code))
 
 
 @dataclass(frozen=True)
@@ -94,7 +108,7 @@ def spawn_node_ranks(args: EngineArgs) -> NodeRanks:
         return NodeRanks(os.environ[ENV_ADDR], rank)
     addr, closing = args.dist_init_addr or f"127.0.0.1:{free_port()}", threading.Event()
     workers = _spawn_ranks(args, rank, addr, closing)
-    _watch(workers, closing)  # from now: a rank that dies, even before meeting, ends us
+    _watch(workers, rank, closing)  # from now: a rank that dies, even before meeting, ends us
     return NodeRanks(addr, rank, workers, closing)
 
 
@@ -124,6 +138,14 @@ def _spawn_ranks(
     return start_from_lasting_thread(start, outlive, "tierserve-rank-spawner")
 
 
+def _ended(code: int) -> str:
+    """A rank's exit status as a person reads it: "was killed by SIGKILL", not -9."""
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with status {code}"
+
+
 def _spawn(args: EngineArgs, rank: int, addr: str) -> subprocess.Popen:
     env = {
         **os.environ,
@@ -136,16 +158,16 @@ def _spawn(args: EngineArgs, rank: int, addr: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
 
 
-def _watch(workers: list[subprocess.Popen], closing: threading.Event) -> None:
+def _watch(workers: list[subprocess.Popen], rank: int, closing: threading.Event) -> None:
     """End this process soon after a rank it started dies (unless it is being closed)."""
 
     def run() -> None:
         while not closing.is_set():
-            for worker in workers:
+            for i, worker in enumerate(workers, start=rank + 1):
                 code = worker.poll()
                 if code is not None and not closing.is_set():
                     if code != 2:  # 2: a start-up refusal, which rank 0 reports itself
-                        logger.error("a tensor-parallel rank exited with status %s", code)
+                        logger.error("tensor-parallel rank %d %s", i, _ended(code))
                     if not closing.wait(DEATH_GRACE_S):
                         os._exit(1 if code != 2 else 2)
                     return

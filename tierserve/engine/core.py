@@ -87,8 +87,12 @@ def main() -> int:
         EngineCore(engine, conn, clock).run()
     except BaseException as err:  # a bug, not bad input: say so, then stop
         logger.exception("engine loop failed; the server now answers 503")
+        # A rank that died fails its peers' collectives with a gloo socket error: name it.
+        why = node.ranks.dead() if node.ranks is not None and node.ranks.workers else None
+        if why:
+            logger.error("%s", why)
         with contextlib.suppress(OSError):  # the API process may be gone already
-            conn.send_bytes(encode(CoreFailed(f"engine loop failed: {err!r}")))
+            conn.send_bytes(encode(CoreFailed(f"engine loop failed: {why or repr(err)}")))
         engine.abandon_storage()
         return 1
     return 0
