@@ -45,7 +45,7 @@ class Guarded(Server):
         self.tmpfs = _mount_tmpfs(self.mnt)
         self.hs = self.mnt / "hs"
         self.hs.mkdir()
-        extra = {"path": str(root / "kv"), "note": PLANTED}
+        extra = {"path": str(root / "kv"), "namespace": PLANTED}  # a salt: as secret as a key
         super().__init__(
             model,
             "--api-key", KEY,
@@ -110,7 +110,7 @@ def test_a_planted_secret_never_appears_in_any_response(guarded):
     info = http.get(f"{guarded.url}/server_info", headers=AUTH).json()
     assert info["hicache_storage_backend_extra_config"] == {
         "path": "<redacted>",
-        "note": "<redacted>",
+        "namespace": "<redacted>",
     }
     assert info["hidden_states_dir"] == "<redacted>"
     assert info["model_path"] and info["dp_size"] == 1  # what a router reads is still there

@@ -48,9 +48,8 @@ def check_host_ratio(ratio: float, name: str = "hicache_ratio") -> None:
         raise TierserveError(message, field=name)
 
 
-SPEC_STEPS = (
-    3  # drafted tokens per step unless the line says (tierserve's chain; SGLang's 5 is a tree)
-)
+# Drafted tokens per step unless the line says (tierserve's chain; SGLang's 5 is a tree's).
+SPEC_STEPS = 3
 
 
 def check_speculative_steps(steps: int) -> None:

@@ -54,7 +54,22 @@ UNSUPPORTED_GENERATE_FIELDS = frozenset(
         "bootstrap_port",
         "bootstrap_room",
         "return_routed_experts",
+        "bootstrap_pair_key",
+        "data_parallel_rank",
+        "modalities",
+        "background",
+        "priority",
+        "extra_key",
+        "return_bytes",
+        "return_entropy",
     }
+)
+
+
+# SGLang's fields that change no output (logging, tracking, labels), which sglang-router sends
+# with every /generate (`log_metrics: true`; older releases `model`): accepted and ignored.
+IGNORED_GENERATE_FIELDS = frozenset(
+    {"model", "log_metrics", "no_logs", "custom_labels", "conversation_id"}
 )
 
 
@@ -74,6 +89,8 @@ class GenerateRequest(TextBody):
 
     def prompt(self) -> str | list[int]:
         for name, value in (self.model_extra or {}).items():
+            if name in IGNORED_GENERATE_FIELDS:
+                continue
             if name not in UNSUPPORTED_GENERATE_FIELDS:  # a typo ("sampling_param") was ignored
                 raise TierserveError(f"unknown field {name!r} of /generate", name)
             # Unset by identity: `"return_logprob": 0` passed as False (0 == False).
