@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 import tierserve
 from tests.conftest import eventually
 from tierserve import TierserveError
+from tierserve.server.batch import output_lock
 from tierserve.server.regenerate import prefix_order, read_done, read_rows
 
 DEMO_DIR = Path(tierserve.__file__).parent / "demo_model"
@@ -191,8 +192,18 @@ def test_rows_that_share_a_first_turn_run_together(tmp_path):
         ('{"text": "no turns"}', "needs `conversations` or `messages`"),
         ('{"messages": [{"role": "user"}]}', "string role and content"),
         ("not json", "not JSON"),
+        # Python's json read these; the run then died encoding the row, mid-run.
+        ('{"messages": [{"role": "user", "content": "hi"}], "tools": [{"default": NaN}]}',
+         "NaN is no JSON number"),
+        ('{"messages": [{"role": "user", "content": "hi"}], "x": -Infinity}',
+         "-Infinity is no JSON number"),
+        # Regenerated as text, its tool result answering nothing, and counted a success.
+        ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null,'
+         ' "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f",'
+         ' "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c", "content": "x"}]}',
+         "calls tools, but the row gives no tools"),
     ],
-)
+)  # fmt: skip
 def test_bad_rows_are_refused_with_their_line(tmp_path, line, needle):
     src = tmp_path / "in.jsonl"
     src.write_text(line + "\n")
@@ -208,6 +219,24 @@ def test_a_line_that_is_not_utf8_is_refused_with_its_line_and_status_2(tmp_path)
                           capture_output=True, timeout=120)  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert f"{src}:2: not UTF-8" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_second_run_on_one_output_is_refused_while_the_first_holds_it(tmp_path):
+    """Two runs on one output lost rows (one rewrote the file the other appended to) or wrote
+    them twice; a non-finite temperature ended the run with a traceback at its first row."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"messages": [{"role": "user", "content": "hi"}]}\n')
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "tierserve.cli", "batch", str(src), "-o", str(out),
+           "--regenerate", "--url", "http://127.0.0.1:9"]  # fmt: skip
+    with output_lock(out):  # the first run, holding the output
+        done = subprocess.run(cmd, text=True, capture_output=True, timeout=120)
+    assert done.returncode == 2 and "is being written by another run" in done.stderr
+    assert not out.exists() or out.read_text() == ""
+    for bad in ("nan", "inf", "-1"):
+        done = subprocess.run([*cmd, "--temperature", bad], text=True, capture_output=True,
+                              timeout=120)  # fmt: skip
+        assert done.returncode == 2 and "--temperature must be >= 0" in done.stderr, done.stderr
 
 
 def test_ids_are_written_back_as_they_came_and_a_clash_names_the_row_that_repeats(tmp_path):

@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import fcntl
 import json
 import os
 import sys
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -230,8 +231,31 @@ def run(ns: argparse.Namespace) -> int:
         raise TierserveError("--max-retries must be >= 0", "max_retries")
     if ns.url is not None:
         check_url(ns.url)
-    if ns.regenerate:
-        return _regenerate(ns)
+    with output_lock(Path(ns.output)):
+        return _regenerate(ns) if ns.regenerate else _batch(ns)
+
+
+@contextlib.contextmanager
+def output_lock(out: Path) -> Iterator[None]:
+    """One run at a time per output file, held beside it in `OUT.lock` (the file itself is
+    rewritten to drop failed lines): two runs on one output lost rows, or wrote them twice."""
+    lock_path = out.with_name(out.name + ".lock")
+    try:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise TierserveError(f"cannot write --output {out}: {err.strerror}", "output") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            message = f"--output {out} is being written by another run (it holds {lock_path})"
+            raise TierserveError(message, "output") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _batch(ns: argparse.Namespace) -> int:
     lines = read_input(Path(ns.input))
     out = writable_output(Path(ns.output))
     done = read_output(out)
@@ -255,6 +279,8 @@ def _regenerate(ns: argparse.Namespace) -> int:
 
     if ns.max_tokens <= 0:
         raise TierserveError("--max-tokens must be > 0", "max_tokens")
+    if not 0 <= ns.temperature < 1e6:  # NaN and inf too: the run died encoding its first row
+        raise TierserveError(f"--temperature must be >= 0, got {ns.temperature}", "temperature")
     rows = read_rows(Path(ns.input))
     out = writable_output(Path(ns.output))
     done = read_done(out)

@@ -167,9 +167,14 @@ def check_row(row: Row, where: str) -> None:
             message = f"{where}: a tool call needs a name and JSON-object arguments"
             raise TierserveError(message, "input") from None
     try:
-        _ = row.tools  # read once here: a bad list is the input's error
+        tools = row.tools  # read once here: a bad list is the input's error
     except ValueError:  # JSON's errors are ValueErrors too
         raise TierserveError(f"{where}: tools must be a list of functions", "input") from None
+    if not tools and any(row.is_assistant(t) and row.calls_in(t) for t in row.turns):
+        # Regenerated without tools, the calls became text and the tool results answered
+        # nothing, with the row counted a success.
+        message = f"{where}: an assistant turn calls tools, but the row gives no tools"
+        raise TierserveError(message, "input")
 
 
 def prefix_order(rows: list[Row]) -> list[Row]:

@@ -26,6 +26,14 @@ def read_json_lines(path: Path) -> Iterator[tuple[str, Any]]:
         if not text.strip():
             continue
         try:
-            yield where, json.loads(text)
+            yield where, json.loads(text, parse_constant=_not_json)
         except json.JSONDecodeError as err:
             raise TierserveError(f"{where}: not JSON ({err.msg})", "input") from None
+        except ValueError as err:  # NaN or Infinity: a request body cannot carry them
+            raise TierserveError(f"{where}: not JSON ({err})", "input") from None
+
+
+def _not_json(name: str) -> Any:
+    """Python's json reads NaN and Infinity, which JSON has not: the run died later, when a
+    request with one was encoded."""
+    raise ValueError(f"{name} is no JSON number")
