@@ -210,6 +210,23 @@ def test_an_unclosed_call_spares_the_next(parser: str, cuts: list[int]) -> None:
         assert (out.content, got) == (whole.content, calls)
 
 
+@pytest.mark.parametrize("one_call", [False, True])
+def test_parallel_tool_calls_false_keeps_the_first_call_where_no_grammar_does(one_call: bool):
+    """With tool_choice auto no grammar holds the model to one call: both came back, in the
+    message and in the stream, though the request said parallel_tool_calls false."""
+    tools = TOOL_PARSERS["qwen25"](frozenset({"get_weather", "get_time"}), lambda i: f"call_{i}")
+    reply = ReplyParser(None, tools, one_call=one_call)
+    text = qwen("get_weather", {"city": "Oslo"}) + qwen("get_time", {})
+    out = ParsedDelta()
+    for i in range(0, len(text), 7):  # streamed in pieces
+        out += reply.feed(text[i : i + 7])
+    out += reply.finish()
+    names = [c.name for c in reply.calls]
+    assert names == (["get_weather"] if one_call else ["get_weather", "get_time"])
+    assert {d.index for d in out.tool_calls} == ({0} if one_call else {0, 1})
+    assert out.content.strip() == ""
+
+
 @pytest.mark.parametrize("value", ["NaN", "-Infinity", "1e999"])
 def test_arguments_that_strict_json_refuses_are_no_call(value: str) -> None:
     """Python's json reads NaN, Infinity and 1e999, and wrote them back into a call's

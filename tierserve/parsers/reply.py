@@ -19,12 +19,17 @@ from tierserve.parsers.base import (
 
 
 class ReplyParser:
-    def __init__(self, reasoning: ReasoningParser | None, tools: ToolParser | None) -> None:
-        self.reasoning, self.tools = reasoning, tools
+    def __init__(
+        self, reasoning: ReasoningParser | None, tools: ToolParser | None, one_call: bool = False
+    ) -> None:
+        # `one_call`: `parallel_tool_calls: false` where no grammar holds the model to one
+        # call (tool_choice auto): the calls after the first are dropped, as vLLM does.
+        self.reasoning, self.tools, self.one_call = reasoning, tools, one_call
 
     @property
     def calls(self) -> list[ToolCall]:
-        return self.tools.calls if self.tools is not None else []
+        calls = self.tools.calls if self.tools is not None else []
+        return calls[:1] if self.one_call else calls
 
     def feed(self, text: str) -> ParsedDelta:
         return self._through(self.reasoning.feed(text) if self.reasoning else ParsedDelta(text))
@@ -32,15 +37,20 @@ class ReplyParser:
     def finish(self) -> ParsedDelta:
         out = self._through(self.reasoning.finish() if self.reasoning else ParsedDelta())
         if self.tools is not None:
-            out += self.tools.finish()
+            out += self._first_call_only(self.tools.finish())
         return out
 
     def _through(self, delta: ParsedDelta) -> ParsedDelta:
         if self.tools is None or not delta.content:
             return delta
-        calls = self.tools.feed(delta.content)
+        calls = self._first_call_only(self.tools.feed(delta.content))
         calls.reasoning = delta.reasoning
         return calls
+
+    def _first_call_only(self, delta: ParsedDelta) -> ParsedDelta:
+        if self.one_call:
+            delta.tool_calls = [d for d in delta.tool_calls if d.index == 0]
+        return delta
 
 
 class NamedToolReply:

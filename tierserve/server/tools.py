@@ -7,7 +7,8 @@
   own format (xgrammar's builtin structural tag for it); without one, in vLLM's parser-free
   JSON form: a JSON array of `{"name", "parameters"}` for `required`, the function's
   arguments object for a named one.
-`parallel_tool_calls: false` allows one call. With `--reasoning-parser`, the reply's reasoning
+`parallel_tool_calls: false` allows one call: by the grammar where there is one, else (`auto`)
+by keeping the first call the model wrote. With `--reasoning-parser`, the reply's reasoning
 is read first; a call written while thinking is reasoning text.
 """
 
@@ -110,7 +111,9 @@ def plan(body: ChatCompletionRequest, parsers: ChatParsers, tokenizer: Any) -> R
         return ReplyPlan(
             grammar,
             not family.needs_special_tokens,
-            lambda prompt: ReplyParser(thinking(prompt), family(names)),
+            lambda prompt: ReplyParser(
+                thinking(prompt), family(names), one_call=not body.parallel_tool_calls
+            ),
         )
     if isinstance(choice, NamedToolChoice):
         tool = next(t for t in tools if t.function.name == choice.function.name)
