@@ -268,9 +268,11 @@ def test_sigterm_drains_in_flight_requests(llama_dir):
 
 
 def listening(url: str) -> bool:
+    """Whether `url` takes a new request: refused once the port closed, or reset when the
+    connection reached the backlog of a socket closing meanwhile."""
     try:
         http.get(f"{url}/health", timeout=10)
-    except httpx.ConnectError:
+    except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
         return False
     return True
 
