@@ -55,13 +55,12 @@ class NodeRanks:
         """Which rank started here has ended, waited for up to `wait_s`: a collective fails
         (a reset socket) a moment before its peer's exit is seen."""
         deadline = time.monotonic() + wait_s
-        while True:
-            for i, worker in enumerate(self.workers, start=self.rank + 1):
-                if (code := worker.poll()) is not None:
-                    return f"tensor-parallel rank {i} {_ended(code)}"
+        while (found := _first_ended(self.workers, self.rank)) is None:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
+        rank, code = found
+        return f"tensor-parallel rank {rank} {_ended(code)}"
 
     def release(self, wait_s: float) -> None:
         """Reap the ranks started here, killing any still there after `wait_s`."""
@@ -138,6 +137,15 @@ def _spawn_ranks(
     return start_from_lasting_thread(start, outlive, "tierserve-rank-spawner")
 
 
+def _first_ended(workers: list[subprocess.Popen], rank: int) -> tuple[int, int] | None:
+    """The rank number and exit status of the first of `workers` (the ranks after `rank`)
+    that has ended; None while all run."""
+    for i, worker in enumerate(workers, start=rank + 1):
+        if (code := worker.poll()) is not None:
+            return i, code
+    return None
+
+
 def _ended(code: int) -> str:
     """A rank's exit status as a person reads it: "was killed by SIGKILL", not -9."""
     if code < 0:
@@ -163,14 +171,14 @@ def _watch(workers: list[subprocess.Popen], rank: int, closing: threading.Event)
 
     def run() -> None:
         while not closing.is_set():
-            for i, worker in enumerate(workers, start=rank + 1):
-                code = worker.poll()
-                if code is not None and not closing.is_set():
-                    if code != 2:  # 2: a start-up refusal, which rank 0 reports itself
-                        logger.error("tensor-parallel rank %d %s", i, _ended(code))
-                    if not closing.wait(DEATH_GRACE_S):
-                        os._exit(1 if code != 2 else 2)
-                    return
+            found = _first_ended(workers, rank)
+            if found is not None and not closing.is_set():
+                i, code = found
+                if code != 2:  # 2: a start-up refusal, which rank 0 reports itself
+                    logger.error("tensor-parallel rank %d %s", i, _ended(code))
+                if not closing.wait(DEATH_GRACE_S):
+                    os._exit(1 if code != 2 else 2)
+                return
             closing.wait(0.2)
 
     threading.Thread(target=run, name="tierserve-rank-watch", daemon=True).start()
