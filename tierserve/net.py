@@ -63,8 +63,8 @@ def check_url(url: str, field: str = "url") -> None:
     try:
         port = parts.port
     except ValueError:  # not a number, or past 65535
-        port = -1
-    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0 or port == -1:
+        port = 0
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == 0:
         message = (
             f"--{field.replace('_', '-')} {url!r} is not a server's URL, e.g. http://127.0.0.1:8000"
         )
