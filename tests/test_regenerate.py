@@ -108,8 +108,10 @@ def test_regenerated_rows_replace_every_assistant_turn(server, tmp_path):
     rows = {r["id"]: r for r in rows_in(out)}
     # Rows without an id take their index, written back as the number it is.
     assert sorted(rows, key=str) == sorted([f"row-{i}" for i in range(8)] + [8, 9], key=str)
+    cut = 0
     for row in rows.values():
         assert row["status"] == "success"
+        cut += row["truncated_turns"] > 0
         turns = row.get("conversations") or row["messages"]
         answers = [
             t.get("value", t.get("content"))
@@ -117,6 +119,9 @@ def test_regenerated_rows_replace_every_assistant_turn(server, tmp_path):
             if t.get("from", t.get("role")) in ("gpt", "assistant")
         ]
         assert answers and all(a not in ("old answer", "old") for a in answers)
+        assert 0 <= row["truncated_turns"] <= len(answers)
+    said = proc.stderr.read().decode()
+    assert (f"rows ({cut} with a turn cut short)" in said) == (cut > 0), said
     # The second turn's prompt is the first turn's conversation: the radix cache served it.
     assert server.metrics()["tierserve_cached_tokens_total{tier=device}"] > 0
 
@@ -202,6 +207,10 @@ def test_rows_that_share_a_first_turn_run_together(tmp_path):
          ' "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f",'
          ' "arguments": "{}"}}]}, {"role": "tool", "tool_call_id": "c", "content": "x"}]}',
          "calls tools, but the row gives no tools"),
+        # Refused by the server after a round trip each, with the rows before them sent.
+        ('{"messages": [{"role": "usr", "content": "hi"}]}', "role: Input should be"),
+        ('{"messages": [{"role": "tool", "content": "18 C"}]}', "needs the tool_call_id"),
+        ('{"conversations": [{"from": "bot", "value": "hi"}]}', "from 'bot' is none of"),
     ],
 )  # fmt: skip
 def test_bad_rows_are_refused_with_their_line(tmp_path, line, needle):
@@ -273,3 +282,24 @@ def test_regenerated_rows_come_with_their_hidden_states(tmp_path):
     assert not list(hs.glob("*.lock")) and not list(hs.glob("*cmpl*"))  # moved, none left
     tensors = load_file(rows["row-0"]["hidden_states_path"])
     assert tensors["hidden_states"].shape[:2] == (tensors["token_ids"].shape[0], 4)
+
+
+def test_without_max_tokens_a_turn_runs_to_the_context_and_is_counted_cut(tmp_path):
+    """The default once was 2048 tokens a turn, past the demo model's context: every row
+    failed. Unset, a turn may take what the context leaves (OpenAI's default)."""
+    src = tmp_path / "in.jsonl"
+    turns = [{"role": "user", "content": "say the"}, {"role": "assistant", "content": "old"}]
+    src.write_text(json.dumps({"id": "a", "messages": turns}) + "\n")
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "tierserve.cli", "batch", str(src), "-o", str(out)]
+    cmd += ["--regenerate", "--no-progress", "--device", "cpu", "--model", str(DEMO_DIR)]
+    # The prompt is 8 tokens and the demo model's greedy answer 9 (it ends at 20 tokens of
+    # context): 16 cut it, 24 do not.
+    for context, cut in (("16", 1), ("24", 0)):
+        out.unlink(missing_ok=True)
+        done = subprocess.run([*cmd, "--context-length", context], capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        (row,) = rows_in(out)
+        assert row["status"] == "success" and row["truncated_turns"] == cut
+        assert ("1 rows (1 with a turn cut short)" in done.stderr) == bool(cut)

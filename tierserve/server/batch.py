@@ -56,7 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "optional `id`): replace every assistant turn with the model's, turn by turn; "
         "resumable by row id",
     )
-    regen.add_argument("--max-tokens", type=int, default=2048, help="per regenerated turn")
+    regen.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="per regenerated turn (default: what the server's context leaves, as OpenAI)",
+    )
     regen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
     regen.add_argument("--model-name", default=None, help="the model a server is asked for")
     regen.add_argument(
@@ -277,7 +282,7 @@ def _batch(ns: argparse.Namespace) -> int:
 def _regenerate(ns: argparse.Namespace) -> int:
     from tierserve.server.regenerate import Regenerator, prefix_order, read_done, read_rows
 
-    if ns.max_tokens <= 0:
+    if ns.max_tokens is not None and ns.max_tokens <= 0:
         raise TierserveError("--max-tokens must be > 0", "max_tokens")
     if not 0 <= ns.temperature < 1e6:  # NaN and inf too: the run died encoding its first row
         raise TierserveError(f"--temperature must be >= 0, got {ns.temperature}", "temperature")

@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
+ChatRole = Literal["system", "user", "assistant", "tool", "developer"]
+
 
 class ContentPart(BaseModel):
     """An OpenAI content part; only text parts reach the model, and their text is a string."""
@@ -59,7 +61,7 @@ class MessageToolCall(BaseModel):
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
-    role: Literal["system", "user", "assistant", "tool", "developer"]
+    role: ChatRole
     content: str | list[ContentPart] | None = None
     tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
     tool_call_id: str | None = None  # a tool result: the call it answers

@@ -18,9 +18,12 @@ import json
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
+
+from pydantic import ValidationError
 
 from tierserve.errors import TierserveError
+from tierserve.server.chat_messages import ChatMessage, ChatRole
 from tierserve.server.jsonl import read_json_lines
 
 SHAREGPT_ROLES = {
@@ -161,6 +164,7 @@ def check_row(row: Row, where: str) -> None:
         calls = not row.sharegpt and turn.get("tool_calls")
         if not (isinstance(content, str) or (content is None and calls)):
             raise TierserveError(f"{where}: every turn needs string {keys[0]} and {keys[1]}")
+        _check_turn(row, turn, where)
         try:
             row.calls_in(turn)
         except (ValueError, KeyError, TypeError, AttributeError):
@@ -175,6 +179,25 @@ def check_row(row: Row, where: str) -> None:
         # nothing, with the row counted a success.
         message = f"{where}: an assistant turn calls tools, but the row gives no tools"
         raise TierserveError(message, "input")
+
+
+def _check_turn(row: Row, turn: dict[str, Any], where: str) -> None:
+    """A turn the server would refuse, refused here: before the run, not after a round trip
+    each, with the rows before it already sent."""
+    if row.sharegpt:
+        if row.role(turn) not in get_args(ChatRole):
+            known = sorted({*SHAREGPT_ROLES, "system"})
+            raise TierserveError(f"{where}: from {turn['from']!r} is none of {known}", "input")
+        return
+    if row.is_assistant(turn):
+        return  # replaced by the model's reply: the server never reads it
+    try:
+        ChatMessage.model_validate(turn)
+    except ValidationError as err:
+        first = err.errors()[0]
+        field = ".".join(str(part) for part in first["loc"])
+        said = first["msg"].removeprefix("Value error, ")
+        raise TierserveError(f"{where}: {field + ': ' if field else ''}{said}", "input") from None
 
 
 def prefix_order(rows: list[Row]) -> list[Row]:

@@ -11,7 +11,8 @@ called again (`tool_choice: required`) and a text turn answered in text (`none`)
 results stay as they are, so a row counts the turns whose calls changed
 (`divergent_tool_calls`): its later results no longer answer them. An output line is the input
 row with its turns replaced, in the input's own format, plus `status` ("success", or "error"
-and an `error`).
+and an `error`) and, on success, `truncated_turns`: the turns cut at `--max-tokens` or the
+context (finish_reason "length"), whose rows a training set may want to leave out.
 
 With `--hidden-states-dir DIR` each row's regenerated conversation, as the chat template renders
 it, is sent once more (one token) asking for its hidden states, and the server's file becomes
@@ -74,6 +75,7 @@ def read_done(path: Path) -> set[str]:
 class Progress(JobUsage):
     rows: int = 0
     failed: int = 0
+    truncated_rows: int = 0  # rows with a turn cut at --max-tokens or the context
     start: float = field(default_factory=time.perf_counter)
 
     def postfix(self) -> dict[str, str]:
@@ -109,7 +111,7 @@ class Regenerator:
         self.bar.close()
 
     async def _regenerate(self, row: Row) -> dict[str, Any]:
-        transcript, turns, divergent = Transcript(row), [], 0
+        transcript, turns, divergent, truncated = Transcript(row), [], 0, 0
         for turn in row.turns:
             if not row.is_assistant(turn):
                 transcript.add(turn)
@@ -117,16 +119,21 @@ class Regenerator:
                 continue
             original = row.calls_in(turn)
             try:
-                message = await self._answer(transcript.messages, row, turn, original)
+                choice = await self._answer(transcript.messages, row, turn, original)
             except TierserveError as err:
                 return {**row.raw, "id": row.id, "status": "error", "error": err.message}
+            message = choice["message"]
             calls = [(c["function"]["name"], json.loads(c["function"]["arguments"]))
                      for c in message.get("tool_calls") or []]  # fmt: skip
             divergent += calls != original
+            truncated += choice.get("finish_reason") == "length"
             transcript.add_reply(message)
             turns.append(row.written(turn, message))
         key = "conversations" if row.sharegpt else "messages"
+        # A turn cut at --max-tokens or the context is the model's, but not a whole answer:
+        # counted, so a training set can leave its row out.
         record = {**row.raw, "id": row.id, key: turns, "status": "success"}
+        record["truncated_turns"] = truncated
         if row.tools is not None:  # later tool results answer the original calls, not these
             record["divergent_tool_calls"] = divergent
         if self.ns.hidden_states_dir:
@@ -139,21 +146,24 @@ class Regenerator:
     async def _answer(
         self, messages: list[dict[str, Any]], row: Row, turn: dict[str, Any], original: list
     ) -> dict[str, Any]:
-        """The turn answered again. With the row's tools, a turn that called tools is asked to
-        call them again (`required`, as many calls may run at once as it made) and a text turn
-        for text (`none`): the row's later turns keep answering a turn of the same kind."""
-        body: dict[str, Any] = {"messages": messages, "max_tokens": self.ns.max_tokens}
+        """The turn answered again: the reply's choice (message and finish_reason). With the
+        row's tools, a turn that called tools is asked to call them again (`required`, as many
+        calls may run at once as it made) and a text turn for text (`none`): the row's later
+        turns keep answering a turn of the same kind."""
+        body: dict[str, Any] = {"messages": messages}
+        if self.ns.max_tokens is not None:
+            body["max_tokens"] = self.ns.max_tokens
         if row.tools is not None:
             body["tools"] = row.tools
             body["tool_choice"] = "required" if original else "none"
             body["parallel_tool_calls"] = len(original) > 1
         data = await self._chat({**body, "temperature": self.ns.temperature})
-        message = data["choices"][0]["message"]
-        for k, call in enumerate(message.get("tool_calls") or []):
+        choice = data["choices"][0]
+        for k, call in enumerate(choice["message"].get("tool_calls") or []):
             ids = [c.get("id") for c in turn.get("tool_calls") or []]
             if k < len(ids) and ids[k]:  # the row's tool results name these ids
                 call["id"] = ids[k]
-        return message
+        return choice
 
     async def _capture(self, row: Row, messages: list[dict[str, Any]]) -> str:
         """The conversation's hidden states, as `DIR/hs_{index}.safetensors`: rendered with
@@ -198,6 +208,7 @@ class Regenerator:
             sink.flush()  # a whole row, or nothing: what a killed run leaves
             self.progress.rows += 1
             self.progress.failed += record["status"] != "success"
+            self.progress.truncated_rows += record.get("truncated_turns", 0) > 0
             self.bar.set_postfix(self.progress.postfix())
             self.bar.update(1)
 
@@ -205,7 +216,8 @@ class Regenerator:
         p = self.progress
         done = p.rows - p.failed
         stats = ", ".join(f"{k} {v}" for k, v in p.postfix().items() if k != "failed")
-        return f"regenerate: {done} rows, {p.failed} failed, {skipped} already done; {stats}"
+        cut = f" ({p.truncated_rows} with a turn cut short)" if p.truncated_rows else ""
+        return f"regenerate: {done} rows{cut}, {p.failed} failed, {skipped} already done; {stats}"
 
 
 def _take(source: Path, target: Path) -> None:
