@@ -147,6 +147,31 @@ def test_a_record_no_process_wrote_is_counted_again(tmp_path):
     assert backend.used <= 10_000 and backend.evicted > 0
 
 
+def test_pages_a_full_directory_has_no_room_for_count_as_dropped_not_written(
+    llama_dir, tmp_path, reference
+):
+    """A batch larger than what eviction leaves is written as far as it fits; the rest were
+    counted as written, and worth asking for again."""
+    extra = {"path": str(tmp_path / "open"), "batch_pages": 64}  # a prompt's pages at once
+    uncapped = storage_llm(llama_dir, "file", extra)
+    assert run(uncapped, 1) == reference[1]
+    assert uncapped.engine.storage.flush_writes()
+    offered = uncapped.engine.storage.stats
+    uncapped.engine.close()
+    one = offered.written_bytes // offered.written_pages  # an object's bytes, header included
+    cap = 8 * one + 64  # 8 of a prompt's ~26 pages, and the 64-byte record
+    capped = storage_llm(llama_dir, "file", {**extra, "path": str(tmp_path / "full"),
+                                             "max_bytes": cap})  # fmt: skip
+    assert run(capped, 1) == reference[1]
+    assert capped.engine.storage.flush_writes()
+    stats, backend = capped.engine.storage.stats, capped.engine.storage.backend
+    objects = [p for p in (tmp_path / "full").rglob("*") if p.is_file() and p.name != ".usage"]
+    assert stats.dropped_writes > 0 and backend.evicted > 0
+    assert len(objects) == stats.written_pages - backend.evicted  # placed, less evicted
+    assert directory_bytes(tmp_path / "full") <= cap
+    capped.engine.close()
+
+
 WRITER = """
 import sys
 from tierserve.storage.file import FileBackend
@@ -388,7 +413,7 @@ class SlowFileBackend(FileBackend):
 
     def put(self, items):
         time.sleep(self.delay_s)
-        super().put(items)
+        return super().put(items)
 
 
 @register("gappy-file")

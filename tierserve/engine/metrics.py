@@ -221,7 +221,7 @@ STORAGE_COUNTERS = (
     ("timeouts", "storage calls abandoned after their timeout"),
     ("errors", "storage calls that failed"),
     ("corrupt_objects", "objects whose header or checksum did not match"),
-    ("dropped_writes", "pages not written: queue full or store unavailable"),
+    ("dropped_writes", "pages not written: queue full, store unavailable or full"),
     ("breaker_opens", "times the circuit breaker opened"),
     ("breaker_skips", "storage calls skipped while the breaker was open"),
 )

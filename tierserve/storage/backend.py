@@ -44,7 +44,9 @@ class StorageBackend(ABC):
         """Each key's object, None where there is none."""
 
     @abstractmethod
-    def put(self, items: Mapping[str, bytes]) -> None: ...
+    def put(self, items: Mapping[str, bytes]) -> list[str]:
+        """Store the objects; the keys of those it had no room for (a capped store): the tier
+        counts them dropped, not written, and asks for them again never."""
 
     def close(self) -> None:  # noqa: B027 (optional)
         """Release what the backend holds (connections, segments)."""

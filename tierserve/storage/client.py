@@ -41,7 +41,7 @@ class StorageStats:
     timeouts: int = 0
     errors: int = 0
     corrupt_objects: int = 0
-    dropped_writes: int = 0  # pages not written: the queue was full or the store unavailable
+    dropped_writes: int = 0  # pages not written: queue full, store unavailable or out of room
     # Fetched but not placed: no host room, no prefix left to attach to, or already cached.
     dropped_prefetch_pages: int = 0
     breaker_opens: int = 0

@@ -210,13 +210,14 @@ class FileBackend(StorageBackend):
 
     # --- writes ----------------------------------------------------------------------------
 
-    def put(self, items: Mapping[str, bytes]) -> None:
+    def put(self, items: Mapping[str, bytes]) -> list[str]:
         self._ensure_dirs()
         staged = [(key, self._stage(key, blob), len(blob)) for key, blob in items.items()]
         try:
             with self._locked() as record:
-                self._place(record, staged)
+                dropped = self._place(record, staged)
                 self._note(record)
+            return dropped
         finally:
             for _, tmp, _ in staged:  # those not placed (no room, or an error)
                 with contextlib.suppress(FileNotFoundError):
@@ -234,22 +235,26 @@ class FileBackend(StorageBackend):
             raise
         return tmp
 
-    def _place(self, record: dict[str, int], staged: list[tuple[str, str, int]]) -> None:
-        """Rename the staged objects into place, evicting first when they would not fit. The
-        count goes up before the renames: a process killed between them over-counts, which the
-        next eviction's scan puts right, and never lets the directory outgrow its cap."""
+    def _place(self, record: dict[str, int], staged: list[tuple[str, str, int]]) -> list[str]:
+        """Rename the staged objects into place, evicting first when they would not fit; the
+        keys of those that did not fit even then. The count goes up before the renames: a
+        process killed between them over-counts, which the next eviction's scan puts right,
+        and never lets the directory outgrow its cap."""
         room = record["cap"] - RECORD_BYTES
         incoming = sum(n for _, _, n in staged)
         if record["used"] + incoming > room:
             record["used"] = self._evict(max(0, int(room * 0.9) - incoming))
+        dropped = []
         for key, tmp, n in staged:
             path = self._path(key)
             old = _size(path)
             if record["used"] - old + n > room:
-                continue  # larger than what eviction left: dropped, like a full queue's pages
+                dropped.append(key)  # larger than what eviction left, like a full queue's
+                continue
             record["used"] += n - old
             path.parent.mkdir(exist_ok=True)
             os.replace(tmp, path)
+        return dropped
 
     def _objects(self) -> list[tuple[float, int, str]]:
         out = []

@@ -113,12 +113,15 @@ class StorageTier:
             }
             if todo:
                 start = time.perf_counter()
-                self.store.call(self.backend.put, todo)
+                dropped = self.store.call(self.backend.put, todo)
+                for key in dropped:  # no room in a capped store: not written
+                    del todo[key]
                 self.reads.written(list(todo))  # stored now: worth asking for again
                 self.stats.add(
                     written_pages=len(todo),
                     written_bytes=sum(len(b) for b in todo.values()),
                     write_seconds=time.perf_counter() - start,
+                    dropped_writes=len(dropped),
                 )
         except StorageUnavailable:
             self.stats.add(dropped_writes=len(batch))
