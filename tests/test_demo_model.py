@@ -180,3 +180,33 @@ def test_greedy_from_string_prompt_matches_transformers(tok, hf_model):
     )
     assert list(outs[1].token_ids) == expected
     assert list(outs[0].token_ids) == expected  # tierserve tokenizes with the bos, as HF does
+
+
+def test_chat_renders_the_template_once_and_answers_as_transformers(tok, hf_model):
+    """vLLM's offline `LLM.chat` and its output shape (`out.outputs[0].text`): the prompt is
+    the template's ids with one BOS, and the greedy answer transformers'."""
+    from tierserve import LLM, SamplingParams, TierserveError
+
+    conversations = [
+        [{"role": "user", "content": "say the"}],
+        [{"role": "system", "content": "You answer briefly."}, {"role": "user", "content": "hi"}],
+    ]
+    llm = LLM(str(DEMO_DIR))
+    greedy = SamplingParams(max_tokens=32, temperature=0, logprobs=0)
+    outs = llm.chat(conversations, greedy)
+    assert llm.chat(conversations[0], greedy)[0].token_ids == outs[0].token_ids  # one, bare
+    for conversation, out in zip(conversations, outs, strict=True):
+        ids = tok.apply_chat_template(conversation, add_generation_prompt=True)["input_ids"]
+        assert out.prompt_token_ids == ids and ids.count(tok.bos_token_id) == 1
+        answer = [t for t in out.token_ids if t != tok.eos_token_id]
+        assert answer == hf_greedy(hf_model, ids, len(answer))
+        (sample,) = out.outputs
+        assert (sample.text, sample.token_ids) == (out.text, out.token_ids)
+        assert sample.finish_reason == out.finish_reason == "stop"
+        assert sample.cumulative_logprob == pytest.approx(sum(t.logprob for t in out.logprobs))
+    for bad in ([], [[]], "hi", [{"content": "no role"}]):
+        with pytest.raises(TierserveError, match="messages must be a conversation"):
+            llm.chat(bad, greedy)
+    with pytest.raises(TierserveError, match="the chat template rejected the messages"):
+        kwargs = {"tokenize": True}  # a keyword chat() sets itself: a TypeError, named
+        llm.chat([{"role": "user", "content": "a"}], greedy, chat_template_kwargs=kwargs)

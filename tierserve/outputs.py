@@ -46,6 +46,19 @@ class StepOutput(msgspec.Struct, frozen=True, array_like=True):
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class CompletionOutput:
+    """A request's one sample as vLLM's offline API shapes it (`out.outputs[0].text`), for
+    code written against vLLM; the same fields are on RequestOutput itself."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[TokenLogprob] | None  # None where the request asked for none
+    cumulative_logprob: float | None  # the sampled tokens' logprobs summed, where asked
+
+
 @dataclass
 class RequestOutput:
     """A request's result as a user sees it. Streamed outputs carry what the latest step added
@@ -74,6 +87,16 @@ class RequestOutput:
     # file, in the first and the final output (engine/hidden_states.py).
     hidden_states_path: str | None = None
     spec_verify_ct: int = 0  # with speculative decoding: steps that emitted tokens, so far
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """vLLM's shape: a list of samples, here the one (`n` is the server's)."""
+        asked = bool(self.logprobs)
+        total = sum(t.logprob for t in self.logprobs) if asked else None
+        sample = CompletionOutput(
+            0, self.text, self.token_ids, self.finish_reason, self.logprobs or None, total
+        )
+        return [sample]
 
     def then(self, later: RequestOutput) -> RequestOutput:
         """This output and the next as one, as if they were one step's: what a stream that

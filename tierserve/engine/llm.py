@@ -1,4 +1,5 @@
-"""Offline API: `LLM(path, **engine_args).generate(prompts, params)`."""
+"""Offline API: `LLM(path, **engine_args).generate(prompts, params)`, and `.chat(messages,
+params)` for conversations, as vLLM's."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from tierserve.outputs import RequestOutput
 from tierserve.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+Conversation = Sequence[dict[str, Any]]
 
 __all__ = ["LLM", "RequestOutput"]
 
@@ -112,6 +114,46 @@ class LLM:
                     finished[out.request_id] = out
         return [finished[rid] for rid in builders]
 
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or a
+        list of them, rendered by the model's chat template, then run as `generate` runs."""
+        conversations = _conversations(messages)
+        prompts: list[Prompt] = [
+            self._render(c, add_generation_prompt, tools, chat_template_kwargs or {})
+            for c in conversations
+        ]
+        return self.generate(prompts, params)
+
+    def _render(
+        self,
+        conversation: Conversation,
+        add_generation_prompt: bool,
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+    ) -> list[int]:
+        """The conversation's prompt ids: its text as the template renders it, tokenized
+        without special tokens, which the template has written (a second BOS otherwise)."""
+        try:
+            text = self.tokenizer.apply_chat_template(
+                list(conversation),
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                tools=tools,
+                **kwargs,
+            )
+        except Exception as err:  # a template is code: it fails in any way
+            message = f"the chat template rejected the messages: {type(err).__name__}: {err}"
+            raise TierserveError(message, "messages") from None
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
     def generate_stream(
         self, prompt: Prompt, params: SamplingParams | None = None
     ) -> Iterator[str]:
@@ -156,6 +198,10 @@ class LLM:
 
 
 PROMPTS = "prompts must be a string, a list of token ids, or a list of those"
+CONVERSATIONS = (
+    "messages must be a conversation (a non-empty list of {'role', 'content'} dicts) "
+    "or a list of those"
+)
 
 
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
@@ -168,6 +214,20 @@ def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if not all(isinstance(p, str | list | tuple) for p in prompts):
         raise TierserveError(PROMPTS, "prompt")
     return list(prompts)
+
+
+def _conversations(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:
+    """One conversation or a list of them, each a list of message dicts."""
+    if isinstance(messages, list | tuple) and messages and isinstance(messages[0], dict):
+        messages = [messages]  # one conversation
+    if not isinstance(messages, list | tuple) or not messages:
+        raise TierserveError(CONVERSATIONS, "messages")
+    for conversation in messages:
+        if not isinstance(conversation, list | tuple) or not conversation:
+            raise TierserveError(CONVERSATIONS, "messages")
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in conversation):
+            raise TierserveError(CONVERSATIONS, "messages")
+    return list(messages)
 
 
 def _broadcast(
