@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import pytest
@@ -237,6 +238,46 @@ def test_generate_from_several_threads_runs_each_call_whole(small_llm):
     assert len(results) == 4
     for got in results:
         assert [o.token_ids for o in got] == [o.token_ids for o in want], got
+
+
+def test_open_streams_and_a_generate_between_them_keep_their_own_outputs(small_llm):
+    """Two streams read in turns, and a generate while a stream is open: whichever call
+    stepped the engine dropped the others' tokens, and a stream whose request another call
+    finished stepped an idle engine for ever."""
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    want = [o.text for o in small_llm.generate([[5, 6, 7], [8, 9]], params)]
+    a, b = small_llm.generate_stream([5, 6, 7], params), small_llm.generate_stream([8, 9], params)
+    read: list[list[str]] = [[], []]
+    for da, db in itertools.zip_longest(a, b):
+        read[0].append(da or "")
+        read[1].append(db or "")
+    assert ["".join(r) for r in read] == want
+    stream = small_llm.generate_stream([5, 6, 7], params)
+    first = next(stream)
+    assert small_llm.generate([[8, 9]], params)[0].text == want[1]  # finishes the stream's too
+    assert first + "".join(stream) == want[0]
+    assert not small_llm.engine.has_unfinished()
+
+
+def test_an_interrupted_generate_leaves_nothing_running(small_llm, monkeypatch):
+    """A Ctrl-C mid-generate left its requests in the engine, taking KV and steps in every
+    later call, their outputs thrown away."""
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    want = small_llm.generate([[5, 6, 7]], params)
+    step, steps = small_llm.engine.step, itertools.count()
+
+    def interrupted_third_step():
+        if next(steps) == 2:
+            raise KeyboardInterrupt
+        return step()
+
+    monkeypatch.setattr(small_llm.engine, "step", interrupted_third_step)
+    with pytest.raises(KeyboardInterrupt):
+        small_llm.generate([[5, 6, 7]] * 4, params)
+    monkeypatch.undo()
+    assert not small_llm.engine.has_unfinished()
+    small_llm.engine.check_accounting()
+    assert small_llm.generate([[5, 6, 7]], params)[0].token_ids == want[0].token_ids
 
 
 def test_a_closed_llm_says_so(llama_dir):

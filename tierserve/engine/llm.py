@@ -54,6 +54,10 @@ class LLM:
             self.args = replace(self.args, chunked_prefill_size=offline_chunk(self.args))
         self.engine = Engine(self.args)
         self._lock = threading.RLock()
+        # The requests of every open call (a generate, the streams open in this thread) and
+        # the outputs each has not taken yet: whichever call steps the engine keeps them all.
+        self._open: dict[str, OutputBuilder] = {}
+        self._ready: dict[str, list[RequestOutput]] = {}
         # An LLM nobody holds (`del llm`, `llm = None`) still stops its ranks and leaves the
         # group, and so does one left open at interpreter exit. The finalizer holds the engine
         # only: holding the LLM would keep it alive.
@@ -97,22 +101,21 @@ class LLM:
     def _generate(
         self, prompts: list[Prompt], params_list: list[SamplingParams]
     ) -> list[RequestOutput]:
-        # Validate every prompt before queueing any, so a bad one leaves nothing half-submitted.
-        builders: dict[str, OutputBuilder] = {}
+        rids: list[str] = []
         try:
             for prompt, p in zip(prompts, params_list, strict=True):
-                builder = self._submit(prompt, p)
-                builders[builder.request_id] = builder
-        except Exception:
-            for rid in builders:
-                self.engine.abort(rid)
-            raise
-        finished: dict[str, RequestOutput] = {}
-        while len(finished) < len(builders):
-            for out in self._step(builders):
-                if out.finished:
-                    finished[out.request_id] = out
-        return [finished[rid] for rid in builders]
+                rids.append(self._submit(prompt, p))  # a bad one: those before it are aborted
+            mine, finished = set(rids), dict[str, RequestOutput]()
+            touched = rids  # outputs another call's steps kept for these may be waiting
+            while True:
+                for rid in mine.intersection(touched):
+                    finished.update((o.request_id, o) for o in self._take(rid) if o.finished)
+                if len(finished) == len(rids):
+                    return [finished[rid] for rid in rids]
+                touched = self._step()
+        finally:  # an error or a Ctrl-C mid-run: nothing of this call keeps running
+            for rid in rids:
+                self._forget(rid)
 
     def chat(
         self,
@@ -157,44 +160,63 @@ class LLM:
     def generate_stream(
         self, prompt: Prompt, params: SamplingParams | None = None
     ) -> Iterator[str]:
-        """Yields text deltas of one prompt as its tokens are produced."""
+        """Yields text deltas of one prompt as its tokens are produced. Other calls may run
+        while it is open (in this thread: the engine stays held until the stream ends or is
+        closed); each keeps its own outputs."""
         prompts = _as_list(prompt)
         if len(prompts) != 1:
             raise TierserveError("generate_stream takes one prompt", "prompt")
         (params,) = _broadcast(params, 1)
         with self._lock:
             self._check_open()
-            builder = self._submit(prompts[0], params)
-            rid = builder.request_id
-            builders = {rid: builder}
+            rid = self._submit(prompts[0], params)
             try:
                 while True:
-                    for out in self._step(builders):
+                    outs = self._take(rid)
+                    if not outs:
+                        self._step()
+                    for out in outs:
                         if out.text_delta:
                             yield out.text_delta
                         if out.finished:
                             return
             finally:
-                self.engine.abort(rid)  # a consumer that stops early frees the request's KV
+                self._forget(rid)  # a consumer that stops early frees the request's KV
 
-    def _submit(self, prompt: Prompt, params: SamplingParams) -> OutputBuilder:
+    def _submit(self, prompt: Prompt, params: SamplingParams) -> str:
         req = self.engine.make_request(prompt, params, None, self.engine.next_arrival())
         self.engine.submit(req)
-        return OutputBuilder(req, self.tokenizer)
+        self._open[req.rid] = OutputBuilder(req, self.tokenizer)
+        self._ready[req.rid] = []
+        return req.rid
 
-    def _step(self, builders: dict[str, OutputBuilder]) -> list[RequestOutput]:
-        """One engine step, as outputs of the requests in `builders`; a request a stop string
-        ended is aborted before the next step, so it samples nothing more."""
-        outputs = []
+    def _step(self) -> list[str]:
+        """One engine step, its outputs kept for the calls whose requests they are (their ids
+        returned); a request a stop string ended is aborted before the next step, so it
+        samples nothing more."""
+        if not self.engine.has_unfinished():  # every open request's outputs are already kept
+            raise RuntimeError("an open request is missing from the engine")
+        touched = []
         for step in self.engine.step():
-            builder = builders.get(step.request_id)
+            builder = self._open.get(step.request_id)
             out = builder.add(step) if builder is not None else None
             if out is None:
                 continue
             if builder.stopped_here:
                 self.engine.abort(step.request_id)
-            outputs.append(out)
-        return outputs
+            self._ready[step.request_id].append(out)
+            touched.append(step.request_id)
+        return touched
+
+    def _take(self, rid: str) -> list[RequestOutput]:
+        outs, self._ready[rid] = self._ready[rid], []
+        return outs
+
+    def _forget(self, rid: str) -> None:
+        builder = self._open.pop(rid)
+        del self._ready[rid]
+        if not builder.finished:
+            self.engine.abort(rid)
 
 
 PROMPTS = "prompts must be a string, a list of token ids, or a list of those"
