@@ -231,6 +231,19 @@ def test_output_builder_matches_cutting_the_whole_text(tokenizer, text, picks, a
         assert builder.stopped_here == (first < len(ids))
 
 
+@pytest.mark.parametrize("min_tokens", [0, 3, 6])
+def test_a_stop_string_in_the_first_min_tokens_does_not_end_the_request(tokenizer, min_tokens):
+    """vLLM's rule (its test_min_tokens_with_stop): a stop string counts only in text made
+    after the first min_tokens tokens; here every one ended the request at its first "e"."""
+    ids = tokenizer(" is Lee, and I'm a student in the college", add_special_tokens=False)
+    ids = ids.input_ids
+    builder = OutputBuilder(_request(SamplingParams(stop=["e"], min_tokens=min_tokens)), tokenizer)
+    outs = [o for o in map(builder.add, _steps(ids)) if o is not None]
+    full, made = tokenizer.decode(ids), tokenizer.decode(ids[:min_tokens])
+    assert outs[-1].finish_reason == "stop" and len(outs) > min_tokens
+    assert outs[-1].text == full[: full.index("e", len(made))]
+
+
 def _request(params: SamplingParams) -> Request:
     return Request(rid="r", arrival=0, prompt_ids=[1], params=params)
 

@@ -30,6 +30,8 @@ class OutputBuilder:
         self.prompt_logprobs: list[TokenLogprob] | None = None
         self.hidden_states_path: str | None = None
         self.stops = req.params.stop
+        # As vLLM: a stop string ends a request only in text its first min_tokens did not make.
+        self.min_tokens = req.params.min_tokens
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._detokenizer = IncrementalDetokenizer(tokenizer, req.params.skip_special_tokens)
         # Text of special tokens kept: the stop token that ends the request is left out.
@@ -62,7 +64,8 @@ class OutputBuilder:
             text += self._detokenizer.flush()
         reason = step.finish_reason
         window = self._held + text
-        cut = self._first_stop(window) if text and self.stops else None
+        checks = text and self.stops and len(self._ids) > self.min_tokens
+        cut = self._first_stop(window) if checks else None
         if cut is not None:
             window, reason = window[:cut], "stop"
             self.stopped_here = not step.finished
