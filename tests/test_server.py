@@ -392,6 +392,42 @@ def test_without_max_tokens_a_request_runs_to_the_context_end(client):
 
 
 @pytest.mark.parametrize(
+    ("route", "field", "value"),
+    [
+        ("/v1/completions", "guided_choice", ["yes", "no"]),
+        ("/v1/completions", "structured_outputs", {"choice": ["yes", "no"]}),
+        ("/v1/completions", "allowed_token_ids", [5]),
+        ("/v1/completions", "bad_words", ["the"]),
+        ("/v1/completions", "include_stop_str_in_output", True),
+        ("/v1/completions", "prompt_logprobs", 5),
+        ("/v1/completions", "use_beam_search", True),
+        ("/v1/completions", "cache_salt", "tenant-a"),
+        ("/v1/completions", "top_logprobs", 3),
+        ("/v1/completions", "max_completion_tokens", 3),
+        ("/v1/chat/completions", "guided_json", {"type": "object"}),
+        ("/v1/chat/completions", "echo", True),
+        ("/v1/chat/completions", "logprobs", 1),  # read as true
+        ("/v1/chat/completions", "stream_options", {"include_usage": True}),  # no stream
+    ],
+)
+def test_fields_that_would_change_the_answer_are_refused_not_ignored(server, route, field, value):
+    """vLLM's extensions, and the other route's fields: each was a 200 that answered as if
+    it had not been sent."""
+    body = {"max_tokens": 2, field: value}
+    if route == "/v1/completions":
+        body["prompt"] = "hi"
+    else:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    reply = http.post(f"{server.url}{route}", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    assert field in reply.json()["error"]["message"]
+    body.pop(field)
+    body |= {"stream": True, "stream_options": {"continuous_usage_stats": True}}
+    reply = http.post(f"{server.url}{route}", json=body, timeout=60)
+    assert reply.status_code == 400 and "continuous_usage_stats" in reply.text, reply.text
+
+
+@pytest.mark.parametrize(
     ("route", "body"),
     [
         ("/v1/completions", b'{"prompt": "hi", "temperature": NaN}'),

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 from pydantic import (
@@ -28,8 +28,9 @@ from tierserve.server.chat_messages import ChatMessage, NamedToolChoice, ToolDef
 
 MAX_CHOICES = 128  # prompts × n in one request: bounded work per request
 
-# OpenAI fields tierserve does not implement: refused when set, never silently ignored. Other
-# unknown fields (metadata, store, extras) are ignored, as OpenAI-compatible servers do.
+# Fields of OpenAI's, vLLM's and SGLang's requests that tierserve does not implement, each of
+# which changes what comes back: refused when set, never silently ignored. Other unknown fields
+# (metadata, store, extras) are ignored, as OpenAI-compatible servers do.
 UNSUPPORTED_FIELDS = frozenset(
     {
         "best_of",
@@ -39,6 +40,29 @@ UNSUPPORTED_FIELDS = frozenset(
         "audio",
         "modalities",
         "prediction",
+        # vLLM's sampling extensions
+        "use_beam_search",
+        "length_penalty",
+        "include_stop_str_in_output",
+        "allowed_token_ids",
+        "bad_words",
+        "prompt_logprobs",
+        "truncate_prompt_tokens",
+        "logits_processors",
+        "return_tokens_as_token_ids",
+        "prompt_embeds",
+        "cache_salt",  # a prefix cache kept apart per salt: ignored, it would be shared
+        "vllm_xargs",
+        "thinking_token_budget",
+        # vLLM's guided decoding (tierserve's is response_format, and SGLang's regex and ebnf)
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "guided_decoding_backend",
+        "guided_whitespace_pattern",
+        "structural_tag",
+        "structured_outputs",
     }
 )
 
@@ -76,6 +100,7 @@ class TextBody(BaseModel):
 
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # vLLM's: refused when set (not implemented)
 
 
 class SamplingKnobs(TextBody):
@@ -189,10 +214,20 @@ class SamplingFields(SamplingKnobs):
             raise TierserveError("logprobs must be an integer in [0, 20]", "logprobs")
         return value
 
+    # This route's own refusals beside UNSUPPORTED_FIELDS: the other route's fields.
+    refused_here: ClassVar[dict[str, str]] = {}
+
     def _refuse_unsupported(self) -> None:
         for name, value in (self.model_extra or {}).items():
+            if name in self.refused_here and value is not None:
+                raise TierserveError(self.refused_here[name], name)
             if name in UNSUPPORTED_FIELDS and value not in (None, False, [], {}):
                 raise TierserveError(f"{name} is not supported", name)
+        if self.stream_options is not None and not self.stream:
+            raise TierserveError("stream_options needs stream: true", "stream_options")
+        if self.stream_options is not None and self.stream_options.continuous_usage_stats:
+            message = "stream_options.continuous_usage_stats is not supported: use include_usage"
+            raise TierserveError(message, "stream_options")
         if isinstance(self.n, bool) or not 1 <= self.n <= MAX_CHOICES:
             raise TierserveError(f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
 
@@ -204,6 +239,9 @@ class SamplingFields(SamplingKnobs):
 class CompletionRequest(SamplingFields):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     echo: StrictBool = False
+    refused_here: ClassVar[dict[str, str]] = {
+        "max_completion_tokens": "max_completion_tokens is chat's: completions take max_tokens",
+    }
 
     @property
     def prompt_only(self) -> bool:
@@ -216,6 +254,9 @@ class CompletionRequest(SamplingFields):
         loglikelihood requests). A prompt-only request runs one step, whose token is dropped."""
         if self.max_tokens == 0 and not self.echo:
             raise TierserveError("max_tokens 0 generates nothing: it needs echo", "max_tokens")
+        if self.top_logprobs is not None:
+            message = "top_logprobs is chat's: completions take logprobs: N alternatives"
+            raise TierserveError(message, "top_logprobs")
         body = (
             self.model_copy(update={"max_tokens": 1, "min_tokens": 0}) if self.prompt_only else self
         )
@@ -291,6 +332,9 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     # Unset: "auto" when tools are given, "none" when not (OpenAI's).
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: StrictBool = True
+    refused_here: ClassVar[dict[str, str]] = {
+        "echo": "echo is not supported in chat completions (completions echo their prompt)",
+    }
 
     def sampling_params(self) -> SamplingParams:
         # OpenAI's newer name wins when both are given, as in vLLM (speculators'
@@ -301,7 +345,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
 
     def logprobs_count(self) -> int | None:
         """Chat: `logprobs: true` asks for them, `top_logprobs` for how many alternatives."""
-        if self.logprobs not in (None, False, True):
+        if self.logprobs is not None and not isinstance(self.logprobs, bool):  # 1 == True
             raise TierserveError("logprobs must be a boolean in chat completions", "logprobs")
         if not self.logprobs:
             if self.top_logprobs:
