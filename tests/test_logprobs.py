@@ -145,6 +145,22 @@ def test_echo_returns_the_prompt_and_its_logprobs_streamed_and_not(llama_dir, of
         assert got[0] is None and got[1:] == pytest.approx(want[1:], abs=1e-5)
     text = client.completions.create(model=llama_dir.name, prompt="Hello", echo=True, max_tokens=2)
     assert text.choices[0].text.startswith("Hello") and text.choices[0].logprobs is None
+    # n choices of a prompt share its echoed logprobs, built once for the response.
+    alone = sorted(whole.choices, key=lambda c: c.index)
+    many = client.completions.create(logprobs=1, n=3, **kw)
+    assert len(many.choices) == 6
+    for choice in many.choices:
+        one = alone[choice.index // 3].logprobs
+        assert choice.logprobs.tokens == one.tokens
+        assert choice.logprobs.text_offset == one.text_offset
+        assert choice.logprobs.token_logprobs[1:] == pytest.approx(one.token_logprobs[1:], abs=1e-5)
+    scored.clear()
+    for chunk in client.completions.create(logprobs=1, n=3, stream=True, **kw):
+        for choice in chunk.choices:
+            scored.setdefault(choice.index, []).extend(choice.logprobs.token_logprobs)
+    assert sorted(scored) == list(range(6))
+    for index, got in scored.items():
+        assert got[0] is None and got[1:] == pytest.approx(wanted[index // 3][1:], abs=1e-5)
 
 
 def test_echo_with_max_tokens_zero_scores_the_prompt_only(llama_dir, offline, client):

@@ -16,12 +16,13 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from tierserve.errors import TierserveError
 from tierserve.outputs import RequestOutput
 from tierserve.sampling_params import SamplingParams
 from tierserve.server.async_engine import EngineDeadError
+from tierserve.server.completion import off_the_loop
 from tierserve.server.disconnect import unless_disconnected
 from tierserve.server.protocol import SSE_DONE, error_body, sse, usage, user_error_body
 
@@ -45,6 +46,10 @@ def jobs(prompts: list[str | list[int]], params: SamplingParams, n: int) -> list
             # client never sent.
             seed = None if params.seed is None else (params.seed + i) % 2**63
             seeded = params if seed is None else dataclasses.replace(params, seed=seed)
+            if i > 0 and params.prompt_logprobs is not None:
+                # The prompt's first choice scores it for all (Completion._echoed): the others
+                # start from its cached prefix instead of each prefilling it whole again.
+                seeded = dataclasses.replace(seeded, prompt_logprobs=None)
             out.append(Job(j * n + i, prompt, seeded, None if i == 0 else j * n))
     return out
 
@@ -102,8 +107,12 @@ async def respond(
     finals = await _collect(first, outputs, request)
     if finals is None:
         return Response(status_code=499)  # the client went away: every choice aborted
-    choices = [c.whole_choice(i, finals[i]) for i in sorted(finals)]
-    return JSONResponse(c.envelope(c.kind, choices, usage=total_usage(finals, n)))
+
+    def body() -> dict[str, Any]:
+        choices = [c.whole_choice(i, finals[i]) for i in sorted(finals)]
+        return c.envelope(c.kind, choices, usage=total_usage(finals, n))
+
+    return await off_the_loop(body)
 
 
 async def _collect(

@@ -3,13 +3,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 
 from tierserve.errors import TierserveError
 from tierserve.outputs import RequestOutput, TokenLogprob
@@ -61,6 +63,7 @@ class Completion:
         self._text, self._ids = "", []  # a /generate stream's output so far
         self.logprobs = params is not None and params.logprobs is not None
         self._offsets: dict[int, int] = {}  # per choice: characters streamed so far
+        self._echoes: dict[tuple[int, ...], dict[str, Any]] = {}  # a prompt's echo logprobs
         self.make_reply = make_reply
         self._replies: dict[int, Reply] = {}  # per streamed choice
 
@@ -82,7 +85,7 @@ class Completion:
         last = await _until_done(first, outputs, request)
         if last is None:
             return Response(status_code=499)  # the client went away
-        return JSONResponse(self._whole(last))
+        return await off_the_loop(lambda: self._whole(last))
 
     async def tracked(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
@@ -158,7 +161,13 @@ class Completion:
         text = out.prompt if out.prompt is not None else tokenizer.decode(ids)
         if not self.logprobs:
             return text, None
-        body = completion_logprobs(tokenizer, out.prompt_logprobs or [], 0, lead=ids[0])
+        # A prompt's n choices share one body, never changed (join copies), made from its
+        # first choice's scores, which come first (choices.jobs asks that one alone for them).
+        key = tuple(ids)
+        if out.prompt_logprobs is not None or key not in self._echoes:
+            lps = out.prompt_logprobs or []
+            self._echoes[key] = completion_logprobs(tokenizer, lps, 0, lead=ids[0])
+        body = self._echoes[key]
         self._offsets[index] = sum(map(len, body["tokens"]))
         return text, body
 
@@ -240,6 +249,17 @@ class Completion:
 
     def chunk_object(self) -> str:
         return "chat.completion.chunk" if self.kind == "chat.completion" else self.kind
+
+
+async def off_the_loop(body: Callable[[], dict[str, Any]]) -> Response:
+    """A whole response, built and encoded in a thread: a large one (logprobs of an echoed
+    prompt, n choices) once held the event loop, and /health and every stream with it, for
+    15 s. msgspec encodes it (json.dumps held the GIL 2.4 s for 81 MB, msgspec 0.2 s)."""
+
+    def encoded() -> Response:
+        return Response(msgspec.json.encode(body()), media_type="application/json")
+
+    return await asyncio.to_thread(encoded)
 
 
 def _without_output(out: RequestOutput) -> RequestOutput:
