@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import Server, eventually, hold_steps, http, random_prompts, running
 from tierserve import SamplingParams
@@ -238,7 +239,12 @@ def test_metrics_parse_and_move(server, client):
         after["tierserve_time_to_first_token_seconds_count"]
         > before["tierserve_time_to_first_token_seconds_count"]
     )
-    assert after["tierserve_kv_pages_total{tier=device}"] == 4096 // 16
+    assert after["tierserve_kv_pages_capacity{tier=device}"] == 4096 // 16
+    # Prometheus' conventions: `_total` names counters only; no `_created` series beside them.
+    text = http.get(f"{server.url}/metrics").text
+    families = list(text_string_to_metric_families(text))
+    assert not [f.name for f in families if f.type == "gauge" and f.name.endswith("_total")]
+    assert not [s.name for f in families for s in f.samples if s.name.endswith("_created")]
     rank, node = (after[f"tierserve_kv_bytes{{scope={s},tier=device}}"] for s in ("rank", "node"))
     assert node == rank * after["tierserve_local_ranks"] and rank > 0  # each rank's own pool
 
@@ -322,7 +328,7 @@ def test_server_with_hierarchical_cache_reports_host_tier(llama_dir):
                 c.completions.create(model="llama", prompt=p, max_tokens=2, temperature=0)
         m = s.metrics()
         assert m["tierserve_cached_tokens_total{tier=host}"] > 0
-        assert m["tierserve_kv_pages_total{tier=host}"] > 0
+        assert m["tierserve_kv_pages_capacity{tier=host}"] > 0
         assert m["tierserve_load_back_tokens_total"] > 0
         assert m["tierserve_backup_bytes_total"] > 0 and m["tierserve_load_back_bytes_total"] > 0
         assert m["tierserve_copies_in_flight"] == 0  # the CPU copy path lands what it issues
@@ -389,6 +395,28 @@ def test_without_max_tokens_a_request_runs_to_the_context_end(client):
     assert got.choices[0].finish_reason == "length"
     with pytest.raises(openai.BadRequestError, match="leaves no room"):
         client.completions.create(model="llama", prompt=[5] * 2048)
+
+
+NULLABLE = ("top_p", "n", "presence_penalty", "frequency_penalty", "stream", "top_k", "min_p",
+            "repetition_penalty", "min_tokens", "ignore_eos", "skip_special_tokens", "seed",
+            "stop", "logit_bias", "logprobs")  # fmt: skip
+
+
+def test_a_field_sent_as_null_takes_its_default(server):
+    """Clients send parameters they leave unset as null (OpenAI's spec and vLLM allow it):
+    each was a 400, "Input should be a valid number"."""
+    base = {"max_tokens": 6, "temperature": 0}
+    for route, extra in (
+        ("/v1/completions", {"prompt": "The server", "echo": None}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
+                                  "parallel_tool_calls": None, "top_logprobs": None}),
+    ):  # fmt: skip
+        plain = http.post(f"{server.url}{route}", json={**base, **extra}, timeout=60)
+        nulls = {**base, **extra, **dict.fromkeys(NULLABLE)}
+        reply = http.post(f"{server.url}{route}", json=nulls, timeout=60)
+        assert plain.status_code == reply.status_code == 200, reply.text
+        text = [c.get("text", c.get("message")) for c in reply.json()["choices"]]
+        assert text == [c.get("text", c.get("message")) for c in plain.json()["choices"]]
 
 
 @pytest.mark.parametrize(

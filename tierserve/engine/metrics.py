@@ -171,7 +171,7 @@ def _tiers(engine: Engine) -> list[MetricFamily]:
         hits = {"device": host.stats.device_hit_tokens, "host": host.stats.host_hit_tokens}
     families = [
         _labelled("tierserve_kv_pages_used", "gauge", "pages in use", "tier", used),
-        _labelled("tierserve_kv_pages_total", "gauge", "pages in the pool", "tier", total),
+        _labelled("tierserve_kv_pages_capacity", "gauge", "pages in the pool", "tier", total),
         _labelled(
             "tierserve_radix_cached_pages", "gauge", "pages the radix cache holds", "tier", cached
         ),

@@ -5,12 +5,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from tierserve.messages import MetricFamily
 from tierserve.server.grammar_pool import GrammarCompilePool
+
+# A `*_created` gauge beside every counter and histogram is prometheus_client's default, not
+# Prometheus' convention; vLLM turns them off too.
+disable_created_metrics()
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 

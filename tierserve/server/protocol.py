@@ -106,6 +106,17 @@ class StreamOptions(BaseModel):
 class SamplingKnobs(TextBody):
     """The sampling fields the OpenAI routes and the native /generate share."""
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """OpenAI's spec makes these nullable and vLLM and SGLang declare them Optional:
+        clients send a parameter they leave unset as null, which takes its default here too
+        (it was a 400, "temperature: Input should be a valid number")."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields}
+
     max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
