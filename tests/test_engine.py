@@ -184,6 +184,7 @@ def small_llm(llama_dir) -> LLM:
         ([], SamplingParams(), "prompt", "empty"),
         ([1, 99999], SamplingParams(), "prompt", "[0, 320)"),
         ([1] * 500, SamplingParams(max_tokens=20), "max_tokens", "context length 512"),
+        ([True, False], SamplingParams(), "prompt", "[0, 320)"),  # ran as ids 1 and 0
     ],
 )
 def test_bad_prompts_raise_one_typed_error(small_llm, prompt, params, field, words):
@@ -280,6 +281,11 @@ def test_an_interrupted_generate_leaves_nothing_running(small_llm, monkeypatch):
     assert small_llm.generate([[5, 6, 7]], params)[0].token_ids == want[0].token_ids
 
 
+def test_a_model_that_is_no_path_is_refused_by_name():
+    with pytest.raises(TierserveError, match="model must be a checkpoint directory's path"):
+        LLM(123)  # a TypeError from pathlib
+
+
 def test_a_closed_llm_says_so(llama_dir):
     llm = LLM(str(llama_dir), max_total_tokens=1024)
     llm.close()
@@ -314,6 +320,13 @@ def test_request_larger_than_the_pool_is_refused(llama_dir):
         ({"top_k": 2**31}, "top_k", "[0, 2**31)"),
         ({"ignore_eos": "yes"}, "ignore_eos", "true or false"),
         ({"skip_special_tokens": None}, "skip_special_tokens", "true or false"),
+        # Each was accepted as something else: True as id 1, 5.7 as 5, "1_0" as 10, and of
+        # two spellings of one id the last silently won; a list of ints was a TypeError.
+        ({"stop_token_ids": [True]}, "stop_token_ids", "integers"),
+        ({"logit_bias": {5.7: 1}}, "logit_bias", "token ids, got 5.7"),
+        ({"logit_bias": {"1_0": 1}}, "logit_bias", "token ids, got '1_0'"),
+        ({"logit_bias": {"100": 1, "0100": 2}}, "logit_bias", "a token id twice"),
+        ({"logit_bias": [1]}, "logit_bias", "[-100, 100]"),
     ],
 )
 def test_bad_sampling_params_name_field_and_limit(kwargs, field, limit):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -590,7 +591,11 @@ class EngineArgs:
         return self.speculative_num_steps or 0 if self.speculative_algorithm else 0
 
     @classmethod
-    def from_kwargs(cls, model: str | None, **kwargs: Any) -> EngineArgs:
+    def from_kwargs(cls, model: str | os.PathLike[str] | None, **kwargs: Any) -> EngineArgs:
+        if model is not None and not isinstance(model, str | os.PathLike):
+            message = f"model must be a checkpoint directory's path, got {model!r}"
+            raise TierserveError(message, "model")
+        model = None if model is None else os.fspath(model)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(kwargs) - known)
         if unknown:

@@ -91,10 +91,7 @@ class SamplingParams:
             if not isinstance(value, list | tuple):
                 raise TierserveError(f"{name} must be a list, got {value!r}", name)
             object.__setattr__(self, name, tuple(value))
-        bias = self.logit_bias
-        if isinstance(bias, dict):  # OpenAI's form: {"token id": bias}
-            bias = tuple(sorted((_token_id(k), v) for k, v in bias.items()))
-        object.__setattr__(self, "logit_bias", tuple(tuple(pair) for pair in bias))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self._validate()
         self._validate_penalties()
 
@@ -118,6 +115,8 @@ class SamplingParams:
                 f"at most {MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters",
                 "stop",
             )
+        if any(isinstance(t, bool) or not isinstance(t, int) for t in self.stop_token_ids):
+            raise TierserveError("stop_token_ids must be integers", "stop_token_ids")
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise TierserveError(
                 f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}",
@@ -213,11 +212,24 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
+def _bias_pairs(bias: object) -> tuple[tuple[Any, ...], ...]:
+    """(token id, bias) pairs from OpenAI's form, {"token id": bias}, or pairs already."""
+    if isinstance(bias, dict):
+        pairs = sorted((_token_id(k), v) for k, v in bias.items())
+        ids = [t for t, _ in pairs]
+        if len(set(ids)) < len(ids):  # "100" and "0100": one would silently win
+            raise TierserveError("logit_bias names a token id twice", "logit_bias")
+        return tuple(pairs)
+    if not isinstance(bias, list | tuple) or not all(isinstance(p, list | tuple) for p in bias):
+        raise TierserveError("logit_bias maps token ids to numbers in [-100, 100]", "logit_bias")
+    return tuple(tuple(pair) for pair in bias)
+
+
 def _token_id(key: object) -> int:
-    """A logit_bias key: OpenAI sends token ids as JSON object keys, so as strings."""
-    try:
-        return int(key)  # type: ignore[call-overload]
-    except (TypeError, ValueError):
-        raise TierserveError(
-            f"logit_bias keys must be token ids, got {key!r}", "logit_bias"
-        ) from None
+    """A logit_bias key: OpenAI sends token ids as JSON object keys, so as strings of digits
+    (int() also read "1_0" as 10, " 7 " as 7 and 5.7 as 5)."""
+    if isinstance(key, int) and not isinstance(key, bool):
+        return key
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        return int(key)
+    raise TierserveError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")

@@ -88,7 +88,7 @@ class RequestPreparer:
         vocab = self.info.vocab_size
         if not ids:
             raise TierserveError("prompt is empty", field="prompt")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+        if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise TierserveError(f"prompt token ids must be ints in [0, {vocab})", field="prompt")
         return ids
 
