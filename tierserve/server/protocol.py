@@ -25,46 +25,9 @@ from pydantic import (
 from tierserve.errors import StorageFull, TierserveError
 from tierserve.sampling_params import SamplingParams, StructuredOutput
 from tierserve.server.chat_messages import ChatMessage, NamedToolChoice, ToolDefinition
+from tierserve.server.unsupported import UNSUPPORTED_FIELDS
 
 MAX_CHOICES = 128  # prompts × n in one request: bounded work per request
-
-# Fields of OpenAI's, vLLM's and SGLang's requests that tierserve does not implement, each of
-# which changes what comes back: refused when set, never silently ignored. Other unknown fields
-# (metadata, store, extras) are ignored, as OpenAI-compatible servers do.
-UNSUPPORTED_FIELDS = frozenset(
-    {
-        "best_of",
-        "suffix",
-        "functions",  # OpenAI's deprecated form of tools
-        "function_call",
-        "audio",
-        "modalities",
-        "prediction",
-        # vLLM's sampling extensions
-        "use_beam_search",
-        "length_penalty",
-        "include_stop_str_in_output",
-        "allowed_token_ids",
-        "bad_words",
-        "prompt_logprobs",
-        "truncate_prompt_tokens",
-        "logits_processors",
-        "return_tokens_as_token_ids",
-        "prompt_embeds",
-        "cache_salt",  # a prefix cache kept apart per salt: ignored, it would be shared
-        "vllm_xargs",
-        "thinking_token_budget",
-        # vLLM's guided decoding (tierserve's is response_format, and SGLang's regex and ebnf)
-        "guided_json",
-        "guided_regex",
-        "guided_choice",
-        "guided_grammar",
-        "guided_decoding_backend",
-        "guided_whitespace_pattern",
-        "structural_tag",
-        "structured_outputs",
-    }
-)
 
 
 def _lone_surrogate(value: Any) -> bool:
