@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import json
 import os
 import signal
@@ -138,6 +139,37 @@ def test_unknown_model_is_404_and_bad_json_400(client, server):
         headers={"content-type": "application/json"},
     )
     assert huge.status_code == 413
+
+
+def test_tokenize_detokenize_version_and_one_model_as_vllm(client, server):
+    """vLLM's routes: /tokenize gives the ids the completion and chat routes run on,
+    /detokenize reads them back, /version, and the openai client's models.retrieve."""
+    assert client.models.retrieve("llama").id == "llama"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    version = http.get(f"{server.url}/version").json()["version"]
+    assert version == importlib.metadata.version("tierserve")
+
+    def post(route: str, body: dict) -> httpx.Response:
+        return http.post(f"{server.url}{route}", json=body, timeout=60)
+
+    prompt = "The server counts"
+    got = post("/tokenize", {"prompt": prompt, "return_token_strs": True}).json()
+    ran = post("/v1/completions", {"prompt": prompt, "max_tokens": 1, "return_token_ids": True})
+    assert got["tokens"] == ran.json()["choices"][0]["prompt_token_ids"]
+    assert got["count"] == len(got["tokens"]) == len(got["token_strs"])
+    assert got["max_model_len"] == 2048
+    bare = post("/tokenize", {"prompt": prompt, "add_special_tokens": False}).json()["tokens"]
+    assert post("/detokenize", {"tokens": bare}).json() == {"prompt": prompt}
+    messages = [{"role": "user", "content": "hi there"}]
+    chat = post("/tokenize", {"messages": messages}).json()["tokens"]
+    ran = post("/v1/chat/completions", {"messages": messages, "max_tokens": 1,
+                                        "return_token_ids": True})  # fmt: skip
+    assert chat == ran.json()["prompt_token_ids"]
+    assert chat == post("/v1/chat/completions/render", {"messages": messages}).json()["token_ids"]
+    assert post("/detokenize", {"tokens": [-1]}).status_code == 400
+    assert post("/tokenize", {"model": "nope", "prompt": "x"}).status_code == 404
+    assert post("/tokenize", {}).status_code == 400
 
 
 def test_context_length_error_states_the_limit(client):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -33,6 +34,14 @@ from tierserve.server.protocol import (
     error_body,
     now,
     user_error_body,
+)
+from tierserve.server.tokenize import (
+    Detokenize,
+    TokenizeChat,
+    TokenizeText,
+    detokenize_reply,
+    text_ids,
+    tokenize_reply,
 )
 from tierserve.server.tools import ChatParsers
 from tierserve.server.worker_info import loads, model_info, server_info
@@ -209,11 +218,38 @@ def _add_routes(
     async def get_model_info() -> dict[str, Any]:
         return model_info(engine.info)
 
+    def card() -> dict[str, Any]:
+        return {"id": model, "object": "model", "created": now(), "owned_by": "tierserve",
+                "max_model_len": engine.info.context_length}  # fmt: skip
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
-        card = {"id": model, "object": "model", "created": now(), "owned_by": "tierserve"}
-        card["max_model_len"] = engine.info.context_length
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{name:path}")  # the openai client's models.retrieve
+    async def one_model(name: str) -> dict[str, Any]:
+        check_model(name)
+        return card()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": importlib.metadata.version("tierserve")}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeText | TokenizeChat) -> dict[str, Any]:
+        check_model(body.model)
+        if isinstance(body, TokenizeChat):
+            trusted = limits.trust_request_chat_template
+            ids = body.truncated((await asyncio.to_thread(_render, engine, body, trusted))[0])
+        else:
+            engine.preparer.check_text_length(len(body.prompt), "prompt")
+            ids = await asyncio.to_thread(text_ids, engine.tokenizer, body)
+        return tokenize_reply(engine.tokenizer, ids, body, engine.info.context_length)
+
+    @app.post("/detokenize")
+    async def detokenize(body: Detokenize) -> dict[str, str]:
+        check_model(body.model)
+        return detokenize_reply(engine.tokenizer, body, engine.info.vocab_size)
 
     @app.get("/metrics")
     async def prometheus() -> Response:

@@ -1,0 +1,45 @@
+"""vLLM's /tokenize and /detokenize: a prompt's token ids as the server reads it (plain text,
+or chat messages as the template renders them), and token ids back to text, so that a client
+can count and cut prompts the way the server will."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import StrictBool, StrictInt
+
+from tierserve.errors import TierserveError
+from tierserve.server.protocol import ChatRenderRequest, TextBody
+
+
+class TokenizeText(TextBody):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: StrictBool = True  # vLLM's default for a plain prompt, as completions
+    return_token_strs: StrictBool = False
+
+
+class TokenizeChat(ChatRenderRequest):
+    return_token_strs: StrictBool = False
+
+
+class Detokenize(TextBody):
+    model: str | None = None
+    tokens: list[StrictInt]
+
+
+def tokenize_reply(tokenizer: Any, ids: list[int], body: TokenizeText | TokenizeChat,
+                   context_length: int) -> dict[str, Any]:  # fmt: skip
+    strs = tokenizer.convert_ids_to_tokens(ids) if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": context_length, "tokens": ids, "token_strs": strs}
+
+
+def text_ids(tokenizer: Any, body: TokenizeText) -> list[int]:
+    """The ids a completion would run on (with the tokenizer's BOS unless told otherwise)."""
+    return tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+
+
+def detokenize_reply(tokenizer: Any, body: Detokenize, vocab_size: int) -> dict[str, str]:
+    if any(not 0 <= t < vocab_size for t in body.tokens):
+        raise TierserveError(f"tokens must be ids in [0, {vocab_size})", "tokens")
+    return {"prompt": tokenizer.decode(body.tokens)}
