@@ -175,6 +175,12 @@ def test_tokenize_detokenize_version_and_one_model_as_vllm(client, server):
 def test_context_length_error_states_the_limit(client):
     with pytest.raises(openai.BadRequestError, match="context length 2048"):
         client.completions.create(model="llama", prompt=[5] * 2040, max_tokens=20)
+    # Each named a field the client never sent ("min_tokens must be in [0, max_tokens]").
+    with pytest.raises(openai.BadRequestError, match="min_tokens 20 > the 8 tokens"):
+        client.completions.create(model="llama", prompt=[5] * 2040, extra_body={"min_tokens": 20})
+    messages = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.BadRequestError, match="max_completion_tokens must be >= 1"):
+        client.chat.completions.create(model="llama", messages=messages, max_completion_tokens=0)
 
 
 def test_native_generate_takes_token_ids(server):

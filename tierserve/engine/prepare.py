@@ -52,7 +52,15 @@ class RequestPreparer:
         compiled here unless the server's compile pool already has (`grammar`)."""
         prompt_ids = self._encode(prompt)
         if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=self._room_after(prompt_ids))
+            room = self._room_after(prompt_ids)
+            if params.min_tokens > room:  # named as sent, not as the max_tokens filled in
+                message = (
+                    f"min_tokens {params.min_tokens} > the {room} tokens the prompt "
+                    f"({len(prompt_ids)} tokens) leaves within the context length "
+                    f"{self.context_length} (KV pool {self._pool_tokens} tokens)"
+                )
+                raise TierserveError(message, field="min_tokens")
+            params = dataclasses.replace(params, max_tokens=room)
         self._validate(prompt_ids, params)
         if params.return_hidden_states is not False:  # a request that writes no file needs no room
             self._check_hidden_states_room(len(prompt_ids))

@@ -314,6 +314,9 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
         # OpenAI's newer name wins when both are given, as in vLLM (speculators'
         # regenerate-responses sends max_tokens as a context budget beside it).
         if self.max_completion_tokens is not None:
+            if self.max_completion_tokens < 1:  # named as sent (its check is max_tokens')
+                message = f"max_completion_tokens must be >= 1, got {self.max_completion_tokens}"
+                raise TierserveError(message, "max_completion_tokens")
             self.max_tokens = self.max_completion_tokens
         return super().sampling_params()
 
