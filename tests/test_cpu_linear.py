@@ -7,6 +7,9 @@ dense where oneDNN has no bf16 GEMM (AVX2-only CPUs)."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +27,13 @@ from tierserve.layers import (
     cpu_linear,
     pack_for_cpu,
 )
-from tierserve.layers.cpu_linear import cpu_vendor, onednn_dtypes, packed_dtypes, packs_linears
+from tierserve.layers.cpu_linear import (
+    PRIMITIVE_CACHE_VARS,
+    cpu_vendor,
+    onednn_dtypes,
+    packed_dtypes,
+    packs_linears,
+)
 from tierserve.model_config import ModelConfig
 
 DEMO = Path(__file__).resolve().parent.parent / "tierserve" / "demo_model"
@@ -150,3 +159,23 @@ def test_mla_keeps_kv_b_proj_dense_for_its_absorbed_decode(checkpoints):
     attn = llm.engine.runner.model.model.layers[0].self_attn
     assert not attn.kv_b_proj.weight.is_mkldnn  # folded into queries and outputs as a tensor
     assert attn.o_proj.weight.is_mkldnn and attn.fused_qkv_a_proj_with_mqa.weight.is_mkldnn
+
+
+BOUNDS = """
+import os
+from tierserve import LLM
+LLM(max_total_tokens=512)
+print(os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], os.environ["LRU_CACHE_CAPACITY"])
+"""
+
+
+def test_an_engine_bounds_onednns_primitive_caches_and_a_users_bound_wins():
+    """Unbounded (1,024 primitives each, one per row count and shape) they grew an engine by
+    1.9 GB on the demo model (benchmarks/primitive_cache.py); each reads its variable at its
+    first primitive, which the loader's reorders make, after the bound is set."""
+    env = {k: v for k, v in os.environ.items() if k not in PRIMITIVE_CACHE_VARS}
+    for given, want in (({}, "256 256"), ({"LRU_CACHE_CAPACITY": "64"}, "256 64")):
+        done = subprocess.run([sys.executable, "-c", BOUNDS], env={**env, **given},
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.split("\n")[-2] == want

@@ -42,6 +42,7 @@ EXPORTS = {
     "pack_for_cpu": "parallel",
     "packed_by_name": "parallel",
     "page_table": "batch",
+    "bound_primitive_caches": "cpu_linear",
     "onednn_dtypes": "cpu_linear",
     "packs_linears": "cpu_linear",
     "packed_head_bytes": "cpu_linear",

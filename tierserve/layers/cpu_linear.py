@@ -25,6 +25,8 @@ and bf16 linears stay dense.
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -32,6 +34,22 @@ from torch import nn
 from tierserve.cpuinfo import cpu_field
 
 INTEL = "GenuineIntel"
+
+
+# oneDNN's primitive cache and ideep's each keep 1,024 GEMM primitives by default, one per row
+# count and weight shape: the demo model's five linear shapes, met at 1,024 row counts, grew a
+# process by 1.9 GB, which no plan counts; at 256 each, by 0.47 GB, and no further
+# (benchmarks/primitive_cache.py). A serving engine meets a new row count with each prefill
+# chunk and decode batch size; a mixed workload ran as fast either way.
+PRIMITIVE_CACHE_CAPACITY = 256
+PRIMITIVE_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_primitive_caches() -> None:
+    """Bound oneDNN's and ideep's primitive caches, unless the user set them. Both read their
+    variable at their first primitive (a weight's reorder, a GEMM): call before the first."""
+    for name in PRIMITIVE_CACHE_VARS:
+        os.environ.setdefault(name, str(PRIMITIVE_CACHE_CAPACITY))
 
 
 def cpu_vendor() -> str:

@@ -27,7 +27,13 @@ from torch import nn
 from tqdm import tqdm
 
 from tierserve.errors import TierserveError
-from tierserve.layers import pack_for_cpu, packed_by_name, rotary_for, shards_by_name
+from tierserve.layers import (
+    bound_primitive_caches,
+    pack_for_cpu,
+    packed_by_name,
+    rotary_for,
+    shards_by_name,
+)
 from tierserve.model_config import ModelConfig, read_hf_config, text_config
 from tierserve.models.registry import model_class
 
@@ -155,6 +161,7 @@ def checkpoint_tensors(path: Path, layout: CheckpointLayout) -> Iterator[tuple[s
 def load_model(
     path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
 ) -> nn.Module:
+    bound_primitive_caches()  # before this process's first oneDNN primitive: the reorders
     path = Path(path)
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg)
