@@ -326,6 +326,7 @@ def test_request_larger_than_the_pool_is_refused(llama_dir):
         ({"logit_bias": {5.7: 1}}, "logit_bias", "token ids, got 5.7"),
         ({"logit_bias": {"1_0": 1}}, "logit_bias", "token ids, got '1_0'"),
         ({"logit_bias": {"100": 1, "0100": 2}}, "logit_bias", "a token id twice"),
+        ({"logit_bias": {"5": "a", "05": 1}}, "logit_bias", "a token id twice"),  # no sort error
         ({"logit_bias": [1]}, "logit_bias", "[-100, 100]"),
     ],
 )

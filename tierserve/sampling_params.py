@@ -215,7 +215,7 @@ class SamplingParams:
 def _bias_pairs(bias: object) -> tuple[tuple[Any, ...], ...]:
     """(token id, bias) pairs from OpenAI's form, {"token id": bias}, or pairs already."""
     if isinstance(bias, dict):
-        pairs = sorted((_token_id(k), v) for k, v in bias.items())
+        pairs = sorted(((_token_id(k), v) for k, v in bias.items()), key=lambda p: p[0])
         ids = [t for t, _ in pairs]
         if len(set(ids)) < len(ids):  # "100" and "0100": one would silently win
             raise TierserveError("logit_bias names a token id twice", "logit_bias")
