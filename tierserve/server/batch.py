@@ -236,6 +236,8 @@ def run(ns: argparse.Namespace) -> int:
         raise TierserveError("--max-retries must be >= 0", "max_retries")
     if ns.url is not None:
         check_url(ns.url)
+    if ns.regenerate:  # checked before the lock: a refused run leaves no OUT.lock behind
+        _check_regenerate_args(ns)
     with output_lock(Path(ns.output)):
         return _regenerate(ns) if ns.regenerate else _batch(ns)
 
@@ -279,13 +281,16 @@ def _batch(ns: argparse.Namespace) -> int:
     return 0 if runner.totals.failed == 0 and kept_failed == 0 else 1
 
 
-def _regenerate(ns: argparse.Namespace) -> int:
-    from tierserve.server.regenerate import Regenerator, prefix_order, read_done, read_rows
-
+def _check_regenerate_args(ns: argparse.Namespace) -> None:
     if ns.max_tokens is not None and ns.max_tokens <= 0:
         raise TierserveError("--max-tokens must be > 0", "max_tokens")
     if not 0 <= ns.temperature < 1e6:  # NaN and inf too: the run died encoding its first row
         raise TierserveError(f"--temperature must be >= 0, got {ns.temperature}", "temperature")
+
+
+def _regenerate(ns: argparse.Namespace) -> int:
+    from tierserve.server.regenerate import Regenerator, prefix_order, read_done, read_rows
+
     rows = read_rows(Path(ns.input))
     out = writable_output(Path(ns.output))
     done = read_done(out)
