@@ -5,6 +5,7 @@ rows and rerun, each row is written exactly once and equals a run without crashe
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 import tierserve
+import tierserve.server.batch as batch_module
 from tests.conftest import eventually
 from tierserve import TierserveError
 from tierserve.server.batch import output_lock
@@ -240,7 +242,9 @@ def test_a_second_run_on_one_output_is_refused_while_the_first_holds_it(tmp_path
            "--regenerate", "--url", "http://127.0.0.1:9"]  # fmt: skip
     with output_lock(out):  # the first run, holding the output
         done = subprocess.run(cmd, text=True, capture_output=True, timeout=120)
+        assert (tmp_path / "out.jsonl.lock").exists()
     assert done.returncode == 2 and "is being written by another run" in done.stderr
+    assert not (tmp_path / "out.jsonl.lock").exists()  # removed by the run that held it
     assert not out.exists() or out.read_text() == ""
     for bad in ("nan", "inf", "-1"):
         done = subprocess.run([*cmd, "--temperature", bad], text=True, capture_output=True,
@@ -303,3 +307,28 @@ def test_without_max_tokens_a_turn_runs_to_the_context_and_is_counted_cut(tmp_pa
         (row,) = rows_in(out)
         assert row["status"] == "success" and row["truncated_turns"] == cut
         assert ("1 rows (1 with a turn cut short)" in done.stderr) == bool(cut)
+
+
+def test_a_run_that_opened_a_lock_file_its_holder_then_removed_opens_it_again(
+    tmp_path, monkeypatch
+):
+    """A run ending removes its OUT.lock while it holds it. A run that had opened the file just
+    before would lock a file no one else sees, and a third run would take a lock of its own."""
+    out, lock = tmp_path / "out.jsonl", tmp_path / "out.jsonl.lock"
+    opened = []
+    real_open = os.open
+
+    def open_then_lose_the_race(path, *args):
+        fd = real_open(path, *args)
+        opened.append(os.fstat(fd).st_ino)
+        if len(opened) == 1:
+            os.unlink(path)  # what the holder does as it ends, between this open and the flock
+        return fd
+
+    monkeypatch.setattr(batch_module.os, "open", open_then_lose_the_race)
+    with output_lock(out):
+        monkeypatch.undo()
+        assert len(opened) == 2 and lock.stat().st_ino == opened[1]  # the file others see
+        with pytest.raises(TierserveError, match="being written by another run"), output_lock(out):
+            pass
+    assert not lock.exists()

@@ -236,7 +236,7 @@ def run(ns: argparse.Namespace) -> int:
         raise TierserveError("--max-retries must be >= 0", "max_retries")
     if ns.url is not None:
         check_url(ns.url)
-    if ns.regenerate:  # checked before the lock: a refused run leaves no OUT.lock behind
+    if ns.regenerate:  # checked before the lock: a refused run takes no lock
         _check_regenerate_args(ns)
     with output_lock(Path(ns.output)):
         return _regenerate(ns) if ns.regenerate else _batch(ns)
@@ -245,20 +245,37 @@ def run(ns: argparse.Namespace) -> int:
 @contextlib.contextmanager
 def output_lock(out: Path) -> Iterator[None]:
     """One run at a time per output file, held beside it in `OUT.lock` (the file itself is
-    rewritten to drop failed lines): two runs on one output lost rows, or wrote them twice."""
+    rewritten to drop failed lines): two runs on one output lost rows, or wrote them twice.
+    The run removes its lock file as it ends, while it still holds it."""
     lock_path = out.with_name(out.name + ".lock")
+    fd = _held_lock(out, lock_path)
     try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as err:
-        raise TierserveError(f"cannot write --output {out}: {err.strerror}", "output") from None
-    try:
+        yield
+    finally:
+        lock_path.unlink(missing_ok=True)
+        os.close(fd)
+
+
+def _held_lock(out: Path, lock_path: Path) -> int:
+    """A descriptor of `lock_path`, flocked. A run that opened the file just before its holder
+    removed it would lock a file no one else can see: it opens the path again."""
+    while True:
+        try:
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as err:
+            message = f"cannot write --output {out}: {err.strerror}"
+            raise TierserveError(message, "output") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            os.close(fd)
             message = f"--output {out} is being written by another run (it holds {lock_path})"
             raise TierserveError(message, "output") from None
-        yield
-    finally:
+        try:
+            if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
         os.close(fd)
 
 
