@@ -243,3 +243,55 @@ def test_sglang_regex_ebnf_and_json_schema_in_generate(server):
 def test_bad_structured_requests_are_400s(llama_dir, client, extra):
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=llama_dir.name, prompt="x", max_tokens=4, extra_body=extra)
+
+
+def test_vllms_structured_outputs_give_the_grammar_their_twins_give(llama_dir, client):
+    """vLLM's `structured_outputs` names the same grammars as response_format, regex and
+    ebnf: the same sampled text for the same seed; `choice` is one of its strings, exactly."""
+    kw = dict(model=llama_dir.name, prompt="x:", max_tokens=200, temperature=1.0)
+    ebnf = 'root ::= "(" item (", " item)* ")"\nitem ::= [0-9] | "x"'
+    twins = [
+        ({"json": PERSON}, {"response_format": {"type": "json_schema",
+                                                "json_schema": {"name": "p", "schema": PERSON}}}),
+        ({"json": json.dumps(PERSON)}, {"response_format": {
+            "type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}}),
+        ({"regex": CODE}, {"regex": CODE}),
+        ({"grammar": ebnf}, {"ebnf": ebnf}),
+        ({"json_object": True}, {"response_format": {"type": "json_object"}}),
+    ]  # fmt: skip
+    for seed, (vllm, twin) in enumerate(twins):
+        ours = client.completions.create(seed=seed, extra_body={"structured_outputs": vllm}, **kw)
+        theirs = client.completions.create(seed=seed, extra_body=twin, **kw)
+        assert ours.choices[0].text == theirs.choices[0].text, vllm
+        assert ours.choices[0].finish_reason == "stop"
+    choices = ["red", "green", 'say "blue"\n']
+    texts = set()
+    for seed in range(12):
+        got = client.chat.completions.create(
+            model=llama_dir.name, messages=[{"role": "user", "content": "a colour"}],
+            max_tokens=20, temperature=1.0, seed=seed,
+            extra_body={"structured_outputs": {"choice": choices}},
+        ).choices[0]  # fmt: skip
+        assert got.message.content in choices and got.finish_reason == "stop"
+        texts.add(got.message.content)
+    assert len(texts) > 1  # sampled among them, not one forced string
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ({"structured_outputs": {}}, "exactly one of"),
+        ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "exactly one of"),
+        ({"structured_outputs": {"choice": []}}, "structured_outputs"),
+        ({"structured_outputs": {"choice": ["a", 1]}}, "structured_outputs"),
+        ({"structured_outputs": {"regex": "a+", "whitespace_pattern": " *"}}, "whitespace"),
+        ({"structured_outputs": {"regexp": "a+"}}, "regexp"),
+        ({"structured_outputs": {"json_object": False}}, "json_object must be true"),
+        ({"structured_outputs": {"regex": "a+"}, "regex": "b+"}, "not regex and structured"),
+        ({"structured_outputs": {"grammar": "root ::= "}}, "does not compile"),
+    ],
+)
+def test_bad_structured_outputs_are_400s_that_say_why(llama_dir, client, extra, says):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model=llama_dir.name, prompt="x", max_tokens=4, extra_body=extra)
+    assert says in str(err.value), err.value

@@ -25,6 +25,7 @@ from pydantic import (
 from tierserve.errors import StorageFull, TierserveError
 from tierserve.sampling_params import SamplingParams, StructuredOutput
 from tierserve.server.chat_messages import ChatMessage, NamedToolChoice, ToolDefinition
+from tierserve.server.structured_fields import ResponseFormat, StructuredOutputs
 from tierserve.server.unsupported import UNSUPPORTED_FIELDS
 
 MAX_CHOICES = 128  # prompts × n in one request: bounded work per request
@@ -99,17 +100,21 @@ class SamplingKnobs(TextBody):
     return_hidden_states: StrictBool | None = None
     regex: str | None = None  # SGLang's structured output beside OpenAI's response_format
     ebnf: str | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM's
     skip_special_tokens: StrictBool = True  # vLLM's
 
     def _structured(self, given: StructuredOutput | None) -> StructuredOutput | None:
-        """At most one grammar: `given` (the route's own field) or SGLang's regex or ebnf."""
+        """At most one grammar: `given` (the route's own field), SGLang's regex or ebnf, or
+        vLLM's structured_outputs."""
         named = {"regex": self.regex, "ebnf": self.ebnf}
-        grammars = [given] if given is not None else []
-        grammars += [StructuredOutput(kind, src) for kind, src in named.items() if src is not None]
+        grammars = [(given.kind, given)] if given is not None else []
+        grammars += [(k, StructuredOutput(k, src)) for k, src in named.items() if src is not None]
+        if self.structured_outputs is not None:
+            grammars.append(("structured_outputs", self.structured_outputs.structured()))
         if len(grammars) > 1:
-            kinds = " and ".join(g.kind for g in grammars)
-            raise TierserveError(f"give one structured output, not {kinds}", grammars[1].kind)
-        return grammars[0] if grammars else None
+            fields = " and ".join(name for name, _ in grammars)
+            raise TierserveError(f"give one structured output, not {fields}", grammars[1][0])
+        return grammars[0][1] if grammars else None
 
     def _params(
         self, max_tokens: int | None, structured: StructuredOutput | None = None
@@ -133,31 +138,6 @@ class SamplingKnobs(TextBody):
             return_hidden_states=self.return_hidden_states,
             skip_special_tokens=self.skip_special_tokens,
         )
-
-
-class JsonSchema(BaseModel):
-    """OpenAI's `response_format.json_schema`: the schema and its name (strict is implied:
-    the output always follows the schema)."""
-
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
-
-    name: str | None = None
-    schema_: dict[str, Any] = Field(alias="schema")
-    strict: StrictBool | None = None
-
-
-class ResponseFormat(BaseModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchema | None = None
-
-    def structured(self) -> StructuredOutput | None:
-        if self.type == "json_object":
-            return StructuredOutput("json_object")
-        if self.type == "json_schema":
-            if self.json_schema is None:
-                raise TierserveError("json_schema needs its schema", "response_format")
-            return StructuredOutput.json(self.json_schema.schema_)
-        return None
 
 
 class SamplingFields(SamplingKnobs):

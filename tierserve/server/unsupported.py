@@ -37,6 +37,5 @@ UNSUPPORTED_FIELDS = frozenset(
         "guided_decoding_backend",
         "guided_whitespace_pattern",
         "structural_tag",
-        "structured_outputs",
     }
 )
