@@ -207,15 +207,17 @@ def _steps(ids: list[int]) -> list[StepOutput]:
     absent=st.lists(st.text(alphabet="xyz", min_size=1, max_size=8), max_size=3),
 )
 def test_output_builder_matches_cutting_the_whole_text(tokenizer, text, picks, absent):
-    """Deltas joined are the whole text cut before its earliest stop string; no delta shows
-    text a later stop removes; the output ends at the token that completed the stop."""
+    """Deltas joined are the whole text cut before the stop string that ends first (the
+    first listed of those that end together: vLLM's rule, what reading one character at a time
+    gives); no delta shows text a later stop removes; the output ends at the token that
+    completed the stop."""
     ids = tokenizer(text, add_special_tokens=False).input_ids
     full = tokenizer.decode(ids, skip_special_tokens=True)
     stops = [full[i : i + n] for i, n in picks if full[i : i + n]] + absent
     builder = OutputBuilder(_request(SamplingParams(stop=stops)), tokenizer)
     outs = [o for o in map(builder.add, _steps(ids)) if o is not None]
-    hits = [i for i in (full.find(s) for s in stops) if i >= 0]
-    expected = full[: min(hits)] if hits else full
+    hits = [(i + len(s), k, i) for k, s in enumerate(stops) if (i := full.find(s)) >= 0]
+    expected = full[: min(hits)[2]] if hits else full
     shown = ""
     for out in outs:
         shown += out.text_delta
@@ -232,16 +234,45 @@ def test_output_builder_matches_cutting_the_whole_text(tokenizer, text, picks, a
 
 
 @pytest.mark.parametrize("min_tokens", [0, 3, 6])
-def test_a_stop_string_in_the_first_min_tokens_does_not_end_the_request(tokenizer, min_tokens):
+@pytest.mark.parametrize("stops", [["e"], ["e", "z" * 20]])
+def test_a_stop_string_in_the_first_min_tokens_does_not_end_the_request(
+    tokenizer, min_tokens, stops
+):
     """vLLM's rule (its test_min_tokens_with_stop): a stop string counts only in text made
-    after the first min_tokens tokens; here every one ended the request at its first "e"."""
+    after the first min_tokens tokens; here every one ended the request at its first "e". A
+    long stop string holds text back: the "e" the first min_tokens made, still held when the
+    checks began, cut the output inside that text."""
     ids = tokenizer(" is Lee, and I'm a student in the college", add_special_tokens=False)
     ids = ids.input_ids
-    builder = OutputBuilder(_request(SamplingParams(stop=["e"], min_tokens=min_tokens)), tokenizer)
+    builder = OutputBuilder(_request(SamplingParams(stop=stops, min_tokens=min_tokens)), tokenizer)
     outs = [o for o in map(builder.add, _steps(ids)) if o is not None]
     full, made = tokenizer.decode(ids), tokenizer.decode(ids[:min_tokens])
     assert outs[-1].finish_reason == "stop" and len(outs) > min_tokens
     assert outs[-1].text == full[: full.index("e", len(made))]
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_the_stop_token_that_ends_a_request_is_not_in_its_text(tokenizer, skip_special_tokens):
+    """As in vLLM: a stop_token_ids token (here a plain newline) and EOS end the request
+    without their text; a special token's text is otherwise kept only when asked for."""
+    ids = tokenizer("one two\nthree", add_special_tokens=False).input_ids
+    newline = tokenizer.convert_tokens_to_ids("Ċ")
+    cut = ids.index(newline) + 1
+    params = SamplingParams(stop_token_ids=(newline,), skip_special_tokens=skip_special_tokens)
+    builder = OutputBuilder(_request(params), tokenizer)
+    steps = [StepOutput("r", t, None, 3, 0, 0) for t in ids[: cut - 1]]
+    outs = [builder.add(st) for st in [*steps, StepOutput("r", newline, "stop", 3, 0, 0)]]
+    assert outs[-1].text == "one two" and outs[-1].token_ids == ids[:cut]
+    eos = tokenizer.eos_token_id
+    for keep, ended_by in ((False, True), (True, False)):
+        builder = OutputBuilder(_request(SamplingParams(skip_special_tokens=not keep)), tokenizer)
+        special = StepOutput("r", eos, "stop" if ended_by else None, 3, 0, 0)
+        steps = [StepOutput("r", ids[0], None, 3, 0, 0), special]
+        if not ended_by:
+            steps.append(StepOutput("r", ids[1], "length", 3, 0, 0))
+        text = [builder.add(st) for st in steps][-1].text
+        shown = tokenizer.decode([eos]) in text
+        assert shown == (keep and not ended_by), text
 
 
 def _request(params: SamplingParams) -> Request:

@@ -34,14 +34,16 @@ class OutputBuilder:
         self.min_tokens = req.params.min_tokens
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._detokenizer = IncrementalDetokenizer(tokenizer, req.params.skip_special_tokens)
-        # Text of special tokens kept: the stop token that ends the request is left out.
-        self._special = (
+        # The token that ends the request, EOS or one of stop_token_ids, is left out of the
+        # text, as in vLLM: a special token's text is kept otherwise only when asked for.
+        self._stop_tokens = frozenset(req.params.stop_token_ids) | (
             frozenset() if req.params.skip_special_tokens else frozenset(tokenizer.all_special_ids)
         )
         self._ids: list[int] = []
         self._logprobs: list[TokenLogprob] = []
         self._parts: list[str] = []  # text already released
         self._held = ""  # settled text not released yet: it may begin a stop string
+        self._unchecked = 0  # chars the held text starts with that the first min_tokens made
         self.finished = False
         self.stopped_here = False  # a stop string ended it: the engine still has to be told
 
@@ -58,19 +60,23 @@ class OutputBuilder:
             self.hidden_states_path = step.hidden_states_path
         new_logprobs = [step.logprob] if step.logprob is not None else []
         self._logprobs += new_logprobs
-        ends = step.finish_reason == "stop" and step.token_id in self._special
+        ends = step.finish_reason == "stop" and step.token_id in self._stop_tokens
         text = "" if ends else self._detokenizer.add(step.token_id)
         if step.finished:
             text += self._detokenizer.flush()
         reason = step.finish_reason
         window = self._held + text
-        checks = text and self.stops and len(self._ids) > self.min_tokens
-        cut = self._first_stop(window) if checks else None
+        checks = bool(text and self.stops) and len(self._ids) > self.min_tokens
+        cut = self._first_stop(window, self._unchecked) if checks else None
         if cut is not None:
             window, reason = window[:cut], "stop"
             self.stopped_here = not step.finished
         split = len(window) if reason else max(0, len(window) - self._hold)
         delta, self._held = window[:split], window[split:]
+        if len(self._ids) <= self.min_tokens:
+            self._unchecked = len(self._held)
+        else:
+            self._unchecked = max(0, self._unchecked - split)
         self._parts.append(delta)
         self.finished = reason is not None
         carries_prompt = first or self.finished
@@ -95,8 +101,14 @@ class OutputBuilder:
             spec_verify_ct=step.spec_verify_ct,
         )
 
-    def _first_stop(self, window: str) -> int | None:
-        """Where the earliest stop string starts in the window. The window is the held text
-        plus the new text, so this is bounded by the stop list, not by the output's length."""
-        hits = [i for i in (window.find(s) for s in self.stops) if i >= 0]
-        return min(hits) if hits else None
+    def _first_stop(self, window: str, unchecked: int) -> int | None:
+        """Where the stop string that ends first in the window starts (the first listed of
+        those that end together), of those that end past its first `unchecked` chars: text the
+        first min_tokens tokens made ends no request. The window is the held text plus the new
+        text, so this is bounded by the stop list, not by the output's length."""
+        best: tuple[int, int] | None = None  # (end, start)
+        for stop in self.stops:
+            start = window.find(stop, max(0, unchecked - len(stop) + 1))
+            if start >= 0 and (best is None or start + len(stop) < best[0]):
+                best = (start + len(stop), start)
+        return best[1] if best else None
