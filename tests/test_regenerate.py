@@ -246,10 +246,10 @@ def test_a_second_run_on_one_output_is_refused_while_the_first_holds_it(tmp_path
     assert done.returncode == 2 and "is being written by another run" in done.stderr
     assert not (tmp_path / "out.jsonl.lock").exists()  # removed by the run that held it
     assert not out.exists() or out.read_text() == ""
-    for bad in ("nan", "inf", "-1"):
+    for bad in ("nan", "inf", "-1", "1e6"):
         done = subprocess.run([*cmd, "--temperature", bad], text=True, capture_output=True,
                               timeout=120)  # fmt: skip
-        assert done.returncode == 2 and "--temperature must be >= 0" in done.stderr, done.stderr
+        assert done.returncode == 2 and "must be in [0, 1e6)" in done.stderr, done.stderr
 
 
 def test_ids_are_written_back_as_they_came_and_a_clash_names_the_row_that_repeats(tmp_path):
@@ -332,3 +332,20 @@ def test_a_run_that_opened_a_lock_file_its_holder_then_removed_opens_it_again(
         with pytest.raises(TierserveError, match="being written by another run"), output_lock(out):
             pass
     assert not lock.exists()
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--temperature", "0"], ["--max-tokens", "3"], ["--model-name", "x"], ["--no-prefix-order"]],
+)
+def test_a_plain_batch_refuses_the_flags_only_regenerate_reads(tmp_path, flags):
+    """A plain batch's lines carry their own request bodies: these flags did nothing there
+    (a sampled answer for --temperature 0, an unchecked --model-name)."""
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x"}}\n')
+    out = tmp_path / "out.jsonl"
+    cmd = [sys.executable, "-m", "tierserve.cli", "batch", str(src), "-o", str(out),
+           "--url", "http://127.0.0.1:9", *flags]  # fmt: skip
+    done = subprocess.run(cmd, text=True, capture_output=True, timeout=120)
+    assert done.returncode == 2 and "is --regenerate's" in done.stderr, done.stderr
+    assert flags[0] in done.stderr and not out.exists()

@@ -170,6 +170,49 @@ def test_tokenize_detokenize_version_and_one_model_as_vllm(client, server):
     assert post("/detokenize", {"tokens": [-1]}).status_code == 400
     assert post("/tokenize", {"model": "nope", "prompt": "x"}).status_code == 404
     assert post("/tokenize", {}).status_code == 400
+    # Counted however long, as vLLM does: count > max_model_len says it does not fit.
+    long = post("/tokenize", {"prompt": "word " * 30_000}).json()
+    assert long["count"] > long["max_model_len"]
+
+
+def test_tokenize_adds_special_tokens_to_chat_only_when_asked(demo_server):
+    """vLLM's chat default adds none (the template writes them); asked, the tokenizer's are
+    added to the rendered text, as a plain prompt gets them (the demo tokenizer's BOS)."""
+
+    def tokens(body: dict) -> list[int]:
+        return http.post(f"{demo_server.url}/tokenize", json=body, timeout=60).json()["tokens"]
+
+    messages = [{"role": "user", "content": "Good morrow."}]
+    chat = tokens({"messages": messages})
+    text = http.post(f"{demo_server.url}/detokenize", json={"tokens": chat}, timeout=60)
+    plain = tokens({"prompt": text.json()["prompt"]})
+    assert tokens({"messages": messages, "add_special_tokens": True}) == plain != chat
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        ({"messages": [{"role": "user", "content": "\ud800"}]}, "valid Unicode"),  # was a 500
+        ({"messages": []}, "messages"),  # each was "TokenizeText.prompt: Field required"
+        ({"messages": "hi"}, "messages"),
+        ({"messages": [{"role": "bogus", "content": "x"}]}, "messages.0"),
+        ({"messages": [{"role": "user", "content": "x"}], "return_token_strs": "yes"},
+         "return_token_strs"),
+        ({"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "not both"),
+        ({"prompt": 5}, "prompt"),
+    ],
+)  # fmt: skip
+def test_a_malformed_tokenize_body_is_a_400_naming_its_field(server, body, says):
+    def post(route: str) -> httpx.Response:  # JSON escapes carry the lone surrogate
+        head = {"content-type": "application/json"}
+        return http.post(f"{server.url}{route}", content=json.dumps(body), headers=head, timeout=60)
+
+    got = post("/tokenize")
+    assert got.status_code == 400 and says in got.json()["error"]["message"], got.text
+    if says.startswith(("messages", "valid Unicode")):  # the chat routes read messages alike
+        for route in ("/v1/chat/completions/render", "/v1/chat/completions"):
+            got = post(route)
+            assert got.status_code == 400, got.text
 
 
 def test_context_length_error_states_the_limit(client):

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Body, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -38,15 +38,21 @@ from tierserve.server.protocol import (
 from tierserve.server.tokenize import (
     Detokenize,
     TokenizeChat,
-    TokenizeText,
     detokenize_reply,
     text_ids,
+    tokenize_body,
     tokenize_reply,
 )
 from tierserve.server.tools import ChatParsers
 from tierserve.server.worker_info import loads, model_info, server_info
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
+# /tokenize's body, read in its own form (server/tokenize.py's tokenize_body).
+TOKENIZE_BODY = Body(
+    description="vLLM's: {prompt, add_special_tokens, return_token_strs} or {messages, "
+    "add_generation_prompt, continue_final_message, tools, chat_template_kwargs, "
+    "add_special_tokens, return_token_strs}",
+)
 # On /get_load, when the core did not answer in time: the seconds since its values were read.
 STALE_HEADER = "x-tierserve-stale-seconds"
 
@@ -236,20 +242,25 @@ def _add_routes(
         return {"version": importlib.metadata.version("tierserve")}
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeText | TokenizeChat) -> dict[str, Any]:
+    async def tokenize(raw: dict[str, Any] = TOKENIZE_BODY) -> dict[str, Any]:
+        """A prompt of any length is counted, as vLLM does (`count` > `max_model_len` says it
+        does not fit): the body limit bounds the work, done off the event loop."""
+        body = tokenize_body(raw)
         check_model(body.model)
         if isinstance(body, TokenizeChat):
             trusted = limits.trust_request_chat_template
-            ids = body.truncated((await asyncio.to_thread(_render, engine, body, trusted))[0])
+            special = body.add_special_tokens
+            rendered = await asyncio.to_thread(_render, engine, body, trusted, special, False)
+            ids = body.truncated(rendered[0])
         else:
-            engine.preparer.check_text_length(len(body.prompt), "prompt")
             ids = await asyncio.to_thread(text_ids, engine.tokenizer, body)
         return tokenize_reply(engine.tokenizer, ids, body, engine.info.context_length)
 
     @app.post("/detokenize")
     async def detokenize(body: Detokenize) -> dict[str, str]:
         check_model(body.model)
-        return detokenize_reply(engine.tokenizer, body, engine.info.vocab_size)
+        vocab = engine.info.vocab_size
+        return await asyncio.to_thread(detokenize_reply, engine.tokenizer, body, vocab)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -306,13 +317,22 @@ def _add_routes(
         return await stream.respond(body.prompt(), body.params(), request, stream=body.stream)
 
 
-def _render(engine: AsyncEngine, body: ChatTemplateFields, trusted: bool) -> tuple[list[int], str]:
-    """The request's prompt as token ids, and as the text they came from."""
+def _render(
+    engine: AsyncEngine,
+    body: ChatTemplateFields,
+    trusted: bool,
+    add_special_tokens: bool = False,
+    bounded: bool = True,
+) -> tuple[list[int], str]:
+    """The request's prompt as token ids, and as the text they came from. `bounded`: text
+    that cannot fit the context is refused before it is rendered and tokenized."""
     preparer = engine.preparer
-    preparer.check_text_length(sum(len(m.text()) for m in body.messages), "messages")
+    if bounded:
+        preparer.check_text_length(sum(len(m.text()) for m in body.messages), "messages")
     text = chat_template.render(engine.tokenizer, body, trusted)
-    preparer.check_text_length(len(text), "messages")  # as rendered, before tokenizing it
-    ids = engine.tokenizer(text, add_special_tokens=False).input_ids
+    if bounded:
+        preparer.check_text_length(len(text), "messages")  # as rendered, before tokenizing it
+    ids = engine.tokenizer(text, add_special_tokens=add_special_tokens).input_ids
     if not ids:
         raise TierserveError("messages are empty", "messages")
     return ids, text

@@ -62,7 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="per regenerated turn (default: what the server's context leaves, as OpenAI)",
     )
-    regen.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    regen.add_argument("--temperature", type=float, default=None, help="0: greedy (default)")
     regen.add_argument("--model-name", default=None, help="the model a server is asked for")
     regen.add_argument(
         "--no-prefix-order",
@@ -238,6 +238,8 @@ def run(ns: argparse.Namespace) -> int:
         check_url(ns.url)
     if ns.regenerate:  # checked before the lock: a refused run takes no lock
         _check_regenerate_args(ns)
+    else:
+        _refuse_regenerate_flags(ns)
     with output_lock(Path(ns.output)):
         return _regenerate(ns) if ns.regenerate else _batch(ns)
 
@@ -298,11 +300,29 @@ def _batch(ns: argparse.Namespace) -> int:
     return 0 if runner.totals.failed == 0 and kept_failed == 0 else 1
 
 
+# The flags only --regenerate reads (a plain batch's requests carry their own settings), and
+# what each is when not given.
+REGENERATE_FLAGS = {"max_tokens": None, "temperature": None, "model_name": None,
+                    "no_prefix_order": False}  # fmt: skip
+
+
+def _refuse_regenerate_flags(ns: argparse.Namespace) -> None:
+    """A plain batch ran as if they were not given: a sampled answer for --temperature 0."""
+    for name, unset in REGENERATE_FLAGS.items():
+        if getattr(ns, name) != unset:
+            flag = "--" + name.replace("_", "-")
+            message = f"{flag} is --regenerate's: a batch line's body sets its own request"
+            raise TierserveError(message, name)
+
+
 def _check_regenerate_args(ns: argparse.Namespace) -> None:
     if ns.max_tokens is not None and ns.max_tokens <= 0:
         raise TierserveError("--max-tokens must be > 0", "max_tokens")
+    if ns.temperature is None:
+        ns.temperature = 0.0  # greedy
     if not 0 <= ns.temperature < 1e6:  # NaN and inf too: the run died encoding its first row
-        raise TierserveError(f"--temperature must be >= 0, got {ns.temperature}", "temperature")
+        message = f"--temperature must be in [0, 1e6), got {ns.temperature}"
+        raise TierserveError(message, "temperature")
 
 
 def _regenerate(ns: argparse.Namespace) -> int:

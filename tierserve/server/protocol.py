@@ -231,7 +231,7 @@ class CompletionRequest(SamplingFields):
         return batch  # type: ignore[return-value]
 
 
-class ChatTemplateFields(BaseModel):
+class ChatTemplateFields(TextBody):
     """What a chat template renders: the messages, the tools and documents it may show, and
     vLLM's switches (server/chat_template.py renders them)."""
 

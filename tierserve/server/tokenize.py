@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import StrictBool, StrictInt
+from fastapi.exceptions import RequestValidationError
+from pydantic import StrictBool, StrictInt, ValidationError
 
 from tierserve.errors import TierserveError
 from tierserve.server.protocol import ChatRenderRequest, TextBody
@@ -21,6 +22,20 @@ class TokenizeText(TextBody):
 
 class TokenizeChat(ChatRenderRequest):
     return_token_strs: StrictBool = False
+    # vLLM's default for chat: the template writes the special tokens it wants.
+    add_special_tokens: StrictBool = False
+
+
+def tokenize_body(data: dict[str, Any]) -> TokenizeText | TokenizeChat:
+    """The body in its form, chat messages or a plain prompt, read as that form alone: as a
+    union every malformed chat body was reported as the plain form's missing `prompt`."""
+    if "messages" in data and "prompt" in data:
+        raise TierserveError("give prompt or messages, not both", "messages")
+    form = TokenizeChat if "messages" in data else TokenizeText
+    try:
+        return form.model_validate(data)
+    except ValidationError as err:
+        raise RequestValidationError(err.errors()) from None
 
 
 class Detokenize(TextBody):
@@ -40,6 +55,7 @@ def text_ids(tokenizer: Any, body: TokenizeText) -> list[int]:
 
 
 def detokenize_reply(tokenizer: Any, body: Detokenize, vocab_size: int) -> dict[str, str]:
+    """Off the event loop: a body's millions of ids take seconds to decode."""
     if any(not 0 <= t < vocab_size for t in body.tokens):
         raise TierserveError(f"tokens must be ids in [0, {vocab_size})", "tokens")
     return {"prompt": tokenizer.decode(body.tokens)}
