@@ -412,3 +412,26 @@ def test_waiting_requests_go_in_arrival_order_not_submission_order(llm):
     while engine.has_unfinished():
         engine.step()
     llm.engine.check_accounting()
+
+
+def test_include_stop_str_in_output_keeps_what_ended_the_request(tokenizer):
+    """vLLM's switch: the stop string, or the stop token's text, stays in the output; either
+    way `stop_reason` names it (a string, or the stop_token_ids id; None for EOS)."""
+    ids = tokenizer("one two\nthree four", add_special_tokens=False).input_ids
+    for include in (False, True):
+        params = SamplingParams(stop=["two"], include_stop_str_in_output=include)
+        outs = [o for o in map(OutputBuilder(_request(params), tokenizer).add, _steps(ids)) if o]
+        assert outs[-1].text == ("one two" if include else "one ")
+        assert outs[-1].stop_reason == "two" and outs[-1].outputs[0].stop_reason == "two"
+        newline = tokenizer.convert_tokens_to_ids("Ċ")
+        cut = ids.index(newline)
+        params = SamplingParams(stop_token_ids=(newline,), include_stop_str_in_output=include)
+        builder = OutputBuilder(_request(params), tokenizer)
+        steps = [StepOutput("r", t, None, 3, 0, 0) for t in ids[:cut]]
+        outs = [builder.add(s) for s in [*steps, StepOutput("r", newline, "stop", 3, 0, 0)]]
+        assert outs[-1].text == ("one two\n" if include else "one two")
+        assert outs[-1].stop_reason == newline
+    eos = StepOutput("r", tokenizer.eos_token_id, "stop", 3, 0, 0)
+    builder = OutputBuilder(_request(SamplingParams(stop=["zz"])), tokenizer)
+    done = [builder.add(StepOutput("r", ids[0], None, 3, 0, 0)), builder.add(eos)][-1]
+    assert done.finish_reason == "stop" and done.stop_reason is None

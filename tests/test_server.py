@@ -504,10 +504,8 @@ def test_a_field_sent_as_null_takes_its_default(server):
     ("route", "field", "value"),
     [
         ("/v1/completions", "guided_choice", ["yes", "no"]),
-        ("/v1/completions", "structured_outputs", {"choice": ["yes", "no"]}),
         ("/v1/completions", "allowed_token_ids", [5]),
         ("/v1/completions", "bad_words", ["the"]),
-        ("/v1/completions", "include_stop_str_in_output", True),
         ("/v1/completions", "prompt_logprobs", 5),
         ("/v1/completions", "use_beam_search", True),
         ("/v1/completions", "cache_salt", "tenant-a"),
@@ -943,3 +941,36 @@ def test_batch_input_lines_of_the_wrong_shape_are_named(tmp_path, line, message)
     with pytest.raises(TierserveError) as err:
         read_input(src)
     assert message in err.value.message
+
+
+def test_stop_reason_and_include_stop_str_in_output_as_vllm(client):
+    """Each choice says what stopped it (vLLM's `stop_reason`: the stop string or the
+    stop_token_ids id, None for EOS and length); include_stop_str_in_output keeps it in the
+    text, streamed and not, in completions and chat."""
+    kw = dict(model="llama", prompt="The server", max_tokens=12, temperature=0)
+    plain = client.completions.create(**kw).choices[0]
+    assert plain.finish_reason == "length" and plain.stop_reason is None
+    ids = client.completions.create(**kw, extra_body={"return_token_ids": True}).choices[0]
+    stop = plain.text[3:7]  # greedy: the same text again, cut inside it
+    for include in (False, True):
+        extra = {"include_stop_str_in_output": include}
+        got = client.completions.create(**kw, stop=[stop], extra_body=extra).choices[0]
+        kept = plain.text[: plain.text.index(stop) + (len(stop) if include else 0)]
+        assert (got.text, got.finish_reason, got.stop_reason) == (kept, "stop", stop)
+        streamed = list(client.completions.create(**kw, stop=[stop], stream=True, extra_body=extra))
+        assert "".join(c.choices[0].text for c in streamed) == kept
+        assert streamed[-1].choices[0].stop_reason == stop
+        first = next(i for i, t in enumerate(ids.token_ids) if i and t not in ids.token_ids[:i])
+        token = ids.token_ids[first]  # the first token of the output that is new there
+        got = client.completions.create(
+            **kw, extra_body={**extra, "stop_token_ids": [token], "return_token_ids": True}
+        ).choices[0]
+        assert (got.finish_reason, got.stop_reason) == ("stop", token)
+        assert got.token_ids == ids.token_ids[: first + 1]
+        shown = client.completions.create(**{**kw, "max_tokens": first + include}).choices[0]
+        assert got.text == shown.text  # the stop token's text only when included
+    chat = dict(model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=12,
+                temperature=0)  # fmt: skip
+    said = client.chat.completions.create(**chat).choices[0].message.content
+    got = client.chat.completions.create(**chat, stop=[said[2:5]]).choices[0]
+    assert (got.message.content, got.stop_reason) == (said[: said.index(said[2:5])], said[2:5])

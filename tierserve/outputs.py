@@ -57,6 +57,7 @@ class CompletionOutput:
     finish_reason: str | None
     logprobs: list[TokenLogprob] | None  # None where the request asked for none
     cumulative_logprob: float | None  # the sampled tokens' logprobs summed, where asked
+    stop_reason: int | str | None = None  # RequestOutput's
 
 
 @dataclass
@@ -74,6 +75,9 @@ class RequestOutput:
     prompt_tokens: int
     cached_tokens: int
     num_preemptions: int = 0
+    # vLLM's: the stop string or the stop_token_ids id that ended the request; None for EOS,
+    # a grammar's end, a length.
+    stop_reason: int | str | None = None
     token_ids: list[int] = field(default_factory=list)  # the final output only
     text: str = ""  # the final output only
     new_logprobs: list[TokenLogprob] = field(default_factory=list)  # for new_token_ids
@@ -94,8 +98,9 @@ class RequestOutput:
         asked = bool(self.logprobs)
         total = sum(t.logprob for t in self.logprobs) if asked else None
         sample = CompletionOutput(
-            0, self.text, self.token_ids, self.finish_reason, self.logprobs or None, total
-        )
+            0, self.text, self.token_ids, self.finish_reason, self.logprobs or None, total,
+            self.stop_reason,
+        )  # fmt: skip
         return [sample]
 
     def then(self, later: RequestOutput) -> RequestOutput:

@@ -81,6 +81,8 @@ class SamplingParams:
     # in special tokens (Kimi's, DeepSeek's) turns it off for its requests; the stop token
     # that ends a request is never text.
     skip_special_tokens: bool = True
+    # vLLM's: the stop string, or the stop token's text, that ended the request kept in it.
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         # Accept lists and a single string the way OpenAI clients send them.
@@ -140,7 +142,11 @@ class SamplingParams:
                 raise TierserveError(f"{name} must be a number, got {value!r}", name)
             if not math.isfinite(value):
                 raise TierserveError(f"{name} must be finite, got {value}", name)
-        switches = {"ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens}
+        switches = {
+            "ignore_eos": self.ignore_eos,
+            "skip_special_tokens": self.skip_special_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+        }
         if self.return_hidden_states is not None:
             switches["return_hidden_states"] = self.return_hidden_states
         for name, value in switches.items():

@@ -30,13 +30,15 @@ class OutputBuilder:
         self.prompt_logprobs: list[TokenLogprob] | None = None
         self.hidden_states_path: str | None = None
         self.stops = req.params.stop
+        self._stop_ids = frozenset(req.params.stop_token_ids)
+        self._include_stop = req.params.include_stop_str_in_output
         # As vLLM: a stop string ends a request only in text its first min_tokens did not make.
         self.min_tokens = req.params.min_tokens
         self._hold = max((len(s) for s in self.stops), default=1) - 1
         self._detokenizer = IncrementalDetokenizer(tokenizer, req.params.skip_special_tokens)
         # The token that ends the request, EOS or one of stop_token_ids, is left out of the
         # text, as in vLLM: a special token's text is kept otherwise only when asked for.
-        self._stop_tokens = frozenset(req.params.stop_token_ids) | (
+        self._stop_tokens = self._stop_ids | (
             frozenset() if req.params.skip_special_tokens else frozenset(tokenizer.all_special_ids)
         )
         self._ids: list[int] = []
@@ -60,16 +62,22 @@ class OutputBuilder:
             self.hidden_states_path = step.hidden_states_path
         new_logprobs = [step.logprob] if step.logprob is not None else []
         self._logprobs += new_logprobs
-        ends = step.finish_reason == "stop" and step.token_id in self._stop_tokens
+        stopped = step.finish_reason == "stop"
+        ends = stopped and step.token_id in self._stop_tokens and not self._include_stop
         text = "" if ends else self._detokenizer.add(step.token_id)
         if step.finished:
             text += self._detokenizer.flush()
         reason = step.finish_reason
+        stop_reason: int | str | None = (
+            step.token_id if stopped and step.token_id in self._stop_ids else None
+        )
         window = self._held + text
         checks = bool(text and self.stops) and len(self._ids) > self.min_tokens
-        cut = self._first_stop(window, self._unchecked) if checks else None
-        if cut is not None:
-            window, reason = window[:cut], "stop"
+        hit = self._first_stop(window, self._unchecked) if checks else None
+        if hit is not None:
+            start, stop_reason = hit
+            window = window[: start + len(stop_reason) if self._include_stop else start]
+            reason = "stop"
             self.stopped_here = not step.finished
         split = len(window) if reason else max(0, len(window) - self._hold)
         delta, self._held = window[:split], window[split:]
@@ -87,6 +95,7 @@ class OutputBuilder:
             num_output_tokens=len(self._ids),
             finished=self.finished,
             finish_reason=reason,
+            stop_reason=stop_reason if reason == "stop" else None,
             prompt_tokens=step.prompt_tokens,
             cached_tokens=step.cached_tokens,
             num_preemptions=step.num_preemptions,
@@ -101,14 +110,14 @@ class OutputBuilder:
             spec_verify_ct=step.spec_verify_ct,
         )
 
-    def _first_stop(self, window: str, unchecked: int) -> int | None:
+    def _first_stop(self, window: str, unchecked: int) -> tuple[int, str] | None:
         """Where the stop string that ends first in the window starts (the first listed of
-        those that end together), of those that end past its first `unchecked` chars: text the
-        first min_tokens tokens made ends no request. The window is the held text plus the new
-        text, so this is bounded by the stop list, not by the output's length."""
-        best: tuple[int, int] | None = None  # (end, start)
+        those that end together), and it, of those that end past its first `unchecked` chars:
+        text the first min_tokens tokens made ends no request. The window is the held text plus
+        the new text, so this is bounded by the stop list, not by the output's length."""
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
         for stop in self.stops:
             start = window.find(stop, max(0, unchecked - len(stop) + 1))
             if start >= 0 and (best is None or start + len(stop) < best[0]):
-                best = (start + len(stop), start)
-        return best[1] if best else None
+                best = (start + len(stop), start, stop)
+        return (best[1], best[2]) if best else None

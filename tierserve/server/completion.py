@@ -145,6 +145,7 @@ class Completion:
             choice = {"index": index, "text": echo_text + out.text}
         choice["logprobs"] = join(echo_logprobs, self._logprobs(out.logprobs, index))
         choice["finish_reason"] = reason
+        choice["stop_reason"] = out.stop_reason  # vLLM's: the stop string or token id
         if self.return_token_ids:  # vLLM's: the output's ids; a completion's prompt's too
             choice["token_ids"] = out.token_ids
             if self.kind != "chat.completion":
@@ -213,6 +214,7 @@ class Completion:
             choice = {"index": index, "text": echo_text + out.text_delta}
         choice["logprobs"] = join(echo_logprobs, self._logprobs(out.new_logprobs, index))
         choice["finish_reason"] = reason
+        choice["stop_reason"] = out.stop_reason
         extra = {"usage": None} if self.include_usage else {}
         return self.envelope(self.chunk_object(), [choice], **extra)
 
@@ -267,8 +269,9 @@ def _without_output(out: RequestOutput) -> RequestOutput:
     empty: dict[str, Any] = dict(new_token_ids=[], token_ids=[], new_logprobs=[], logprobs=[])
     reason = "length" if out.finished else None
     return dataclasses.replace(
-        out, **empty, text_delta="", text="", num_output_tokens=0, finish_reason=reason
-    )
+        out, **empty, text_delta="", text="", num_output_tokens=0, finish_reason=reason,
+        stop_reason=None,
+    )  # fmt: skip
 
 
 def _native(out: RequestOutput, text: str, ids: list[int]) -> dict[str, Any]:

@@ -102,6 +102,7 @@ class SamplingKnobs(TextBody):
     ebnf: str | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM's
     skip_special_tokens: StrictBool = True  # vLLM's
+    include_stop_str_in_output: StrictBool = False  # vLLM's
 
     def _structured(self, given: StructuredOutput | None) -> StructuredOutput | None:
         """At most one grammar: `given` (the route's own field), SGLang's regex or ebnf, or
@@ -137,6 +138,7 @@ class SamplingKnobs(TextBody):
             structured_output=self._structured(structured),
             return_hidden_states=self.return_hidden_states,
             skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
 

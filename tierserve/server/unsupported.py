@@ -18,7 +18,6 @@ UNSUPPORTED_FIELDS = frozenset(
         # vLLM's sampling extensions
         "use_beam_search",
         "length_penalty",
-        "include_stop_str_in_output",
         "allowed_token_ids",
         "bad_words",
         "prompt_logprobs",
