@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import tierserve
+from tests.conftest import http
 
 DEMO_DIR = Path(tierserve.__file__).parent / "demo_model"
 DATA_DIR = Path(__file__).parent / "data"
@@ -207,6 +208,34 @@ def test_chat_renders_the_template_once_and_answers_as_transformers(tok, hf_mode
     for bad in ([], [[]], "hi", [{"content": "no role"}]):
         with pytest.raises(TierserveError, match="messages must be a conversation"):
             llm.chat(bad, greedy)
-    with pytest.raises(TierserveError, match="the chat template rejected the messages"):
-        kwargs = {"tokenize": True}  # a keyword chat() sets itself: a TypeError, named
+    with pytest.raises(TierserveError, match="may not set 'tokenize'"):
+        kwargs = {"tokenize": True}  # a keyword chat() sets itself: the server's refusal
         llm.chat([{"role": "user", "content": "a"}], greedy, chat_template_kwargs=kwargs)
+
+
+def test_offline_chat_reads_messages_as_the_chat_route_does(demo_server):
+    """OpenAI content parts and null content (each a template error offline), vLLM's
+    continue_final_message (a TypeError), strict switches ("no" was read as true): the same
+    prompt ids as the server's /v1/chat/completions/render, the same refusals."""
+    from tierserve import LLM, SamplingParams, TierserveError
+
+    llm = LLM(str(DEMO_DIR))
+    one = SamplingParams(max_tokens=1, temperature=0)
+    parts = [{"type": "text", "text": "Good "}, {"type": "text", "text": "morrow."}]
+    cases = [
+        ([{"role": "user", "content": parts}], {}),
+        ([{"role": "system", "content": None}, {"role": "user", "content": "hi"}], {}),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Good"}],
+         {"add_generation_prompt": False, "continue_final_message": True}),
+    ]  # fmt: skip
+    for messages, switches in cases:
+        served = http.post(f"{demo_server.url}/v1/chat/completions/render",
+                           json={"messages": messages, **switches}, timeout=60)  # fmt: skip
+        out = llm.chat(messages, one, **switches)[0]
+        assert out.prompt_token_ids == served.json()["token_ids"], messages
+    with pytest.raises(TierserveError, match="add_generation_prompt"):
+        llm.chat([{"role": "user", "content": "hi"}], one, add_generation_prompt="no")
+    with pytest.raises(TierserveError, match=r"messages\.0\.role"):
+        llm.chat([{"role": "bogus", "content": "hi"}], one)
+    with pytest.raises(TierserveError, match="continue_final_message"):
+        llm.chat([{"role": "user", "content": "hi"}], one, continue_final_message=True)

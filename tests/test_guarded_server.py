@@ -172,7 +172,7 @@ def test_template_parameters_in_chat_template_kwargs_are_400s_naming_them(
     message = reply.json()["error"]["message"]
     (key,) = kwargs
     assert repr(key) in message
-    assert (f"top-level field {field!r}" in message) if field else "the server sets it" in message
+    assert (f"top-level field {field!r}" in message) if field else "tierserve sets it" in message
 
 
 def test_keys_the_template_never_reads_are_dropped_and_a_client_template_is_refused(guarded):

@@ -20,7 +20,7 @@ ROOT = Path(tierserve.__file__).parent
 # groups; models above distributed because their loader reads the rank's shard.
 LAYERS: list[tuple[str, ...]] = [
     ("errors", "units", "net", "paths", "dtypes", "console", "lazy", "cpuinfo"),
-    ("args", "model_config", "sampling_params", "outputs", "messages", "parsers"),
+    ("args", "model_config", "sampling_params", "outputs", "messages", "parsers", "chat"),
     ("sizing",),
     ("storage",),
     ("cache",),

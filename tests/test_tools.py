@@ -17,8 +17,8 @@ from transformers import AutoTokenizer
 
 import tierserve
 from tests.conftest import Server, maps_library
-from tierserve.server.chat_template import render
-from tierserve.server.protocol import ChatTemplateFields
+from tierserve.chat.fields import ChatTemplateFields
+from tierserve.chat.template import render
 
 DEMO = Path(tierserve.__file__).parent / "demo_model"
 # Bounded arguments: the demo model writes no tool format of its own, and a grammar it follows

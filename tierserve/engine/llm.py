@@ -9,7 +9,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
+from pydantic import ValidationError
+
 from tierserve.args import EngineArgs
+from tierserve.chat import ChatTemplateFields, first_problem, render
 from tierserve.engine.engine import Engine
 from tierserve.engine.output import OutputBuilder
 from tierserve.engine.startup import resolve_device
@@ -123,38 +126,34 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
         """vLLM's `LLM.chat`: one conversation (a list of {"role", "content"} messages) or a
-        list of them, rendered by the model's chat template, then run as `generate` runs."""
-        conversations = _conversations(messages)
-        prompts: list[Prompt] = [
-            self._render(c, add_generation_prompt, tools, chat_template_kwargs or {})
-            for c in conversations
-        ]
+        list of them, read as the server's chat route reads them (content parts, tool calls,
+        the same checks) and rendered by the model's chat template or `chat_template`, then
+        run as `generate` runs."""
+        switches = {
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "tools": tools,
+            "chat_template": chat_template,
+            "chat_template_kwargs": chat_template_kwargs,
+        }
+        prompts: list[Prompt] = [self._render(c, switches) for c in _conversations(messages)]
         return self.generate(prompts, params)
 
-    def _render(
-        self,
-        conversation: Conversation,
-        add_generation_prompt: bool,
-        tools: list[dict[str, Any]] | None,
-        kwargs: dict[str, Any],
-    ) -> list[int]:
+    def _render(self, conversation: Conversation, switches: dict[str, Any]) -> list[int]:
         """The conversation's prompt ids: its text as the template renders it, tokenized
         without special tokens, which the template has written (a second BOS otherwise)."""
         try:
-            text = self.tokenizer.apply_chat_template(
-                list(conversation),
-                tokenize=False,
-                add_generation_prompt=add_generation_prompt,
-                tools=tools,
-                **kwargs,
-            )
-        except Exception as err:  # a template is code: it fails in any way
-            message = f"the chat template rejected the messages: {type(err).__name__}: {err}"
-            raise TierserveError(message, "messages") from None
+            fields = ChatTemplateFields.model_validate({"messages": conversation, **switches})
+        except ValidationError as err:
+            where, said = first_problem(err)
+            raise TierserveError(f"{where}: {said}", where.split(".")[0]) from None
+        text = render(self.tokenizer, fields, trust_request_template=True)  # the caller's own
         return self.tokenizer(text, add_special_tokens=False).input_ids
 
     def generate_stream(

@@ -17,9 +17,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierserve.args import EngineArgs
+from tierserve.chat import ChatTemplateFields, render
 from tierserve.errors import TierserveError
 from tierserve.sampling_params import SamplingParams
-from tierserve.server import chat_template, choices, tools
+from tierserve.server import choices, tools
 from tierserve.server.async_engine import AsyncEngine, EngineDeadError
 from tierserve.server.completion import Completion
 from tierserve.server.generate_protocol import GenerateRequest
@@ -29,7 +30,6 @@ from tierserve.server.metrics import ServerMetrics
 from tierserve.server.protocol import (
     ChatCompletionRequest,
     ChatRenderRequest,
-    ChatTemplateFields,
     CompletionRequest,
     error_body,
     now,
@@ -329,7 +329,7 @@ def _render(
     preparer = engine.preparer
     if bounded:
         preparer.check_text_length(sum(len(m.text()) for m in body.messages), "messages")
-    text = chat_template.render(engine.tokenizer, body, trusted)
+    text = render(engine.tokenizer, body, trusted)
     if bounded:
         preparer.check_text_length(len(text), "messages")  # as rendered, before tokenizing it
     ids = engine.tokenizer(text, add_special_tokens=add_special_tokens).input_ids

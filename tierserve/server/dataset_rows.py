@@ -22,8 +22,8 @@ from typing import Any, get_args
 
 from pydantic import ValidationError
 
+from tierserve.chat import ChatMessage, ChatRole, first_problem
 from tierserve.errors import TierserveError
-from tierserve.server.chat_messages import ChatMessage, ChatRole
 from tierserve.server.jsonl import read_json_lines
 
 SHAREGPT_ROLES = {
@@ -194,9 +194,7 @@ def _check_turn(row: Row, turn: dict[str, Any], where: str) -> None:
     try:
         ChatMessage.model_validate(turn)
     except ValidationError as err:
-        first = err.errors()[0]
-        field = ".".join(str(part) for part in first["loc"])
-        said = first["msg"].removeprefix("Value error, ")
+        field, said = first_problem(err)
         raise TierserveError(f"{where}: {field + ': ' if field else ''}{said}", "input") from None
 
 

@@ -8,9 +8,10 @@ import dataclasses
 
 from pydantic import ConfigDict, Field, StrictBool, StrictInt
 
+from tierserve.chat import TextBody
 from tierserve.errors import TierserveError
 from tierserve.sampling_params import SamplingParams, StructuredOutput
-from tierserve.server.protocol import SamplingKnobs, TextBody
+from tierserve.server.protocol import SamplingKnobs
 
 
 class NativeSamplingParams(SamplingKnobs):

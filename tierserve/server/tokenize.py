@@ -9,8 +9,9 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import StrictBool, StrictInt, ValidationError
 
+from tierserve.chat import TextBody
 from tierserve.errors import TierserveError
-from tierserve.server.protocol import ChatRenderRequest, TextBody
+from tierserve.server.protocol import ChatRenderRequest
 
 
 class TokenizeText(TextBody):

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tierserve.chat import NamedToolChoice, ToolDefinition
 from tierserve.errors import TierserveError
 from tierserve.parsers import (
     REASONING_PARSERS,
@@ -34,7 +35,6 @@ from tierserve.parsers import (
     ToolParser,
 )
 from tierserve.sampling_params import SamplingParams, StructuredOutput
-from tierserve.server.chat_messages import NamedToolChoice, ToolDefinition
 from tierserve.server.protocol import ChatCompletionRequest
 
 # The formats whose markers xgrammar can match as tokens (its `token_markers`), and the markers.

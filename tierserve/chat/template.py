@@ -19,8 +19,8 @@ from typing import Any
 import jinja2
 from jinja2 import TemplateError, meta
 
+from tierserve.chat.fields import ChatTemplateFields
 from tierserve.errors import TierserveError
-from tierserve.server.protocol import ChatTemplateFields
 
 # apply_chat_template's own parameters, and what a request sets instead (None: the server
 # decides it, no request does).
@@ -48,7 +48,7 @@ def template_kwargs(kwargs: dict[str, Any] | None, template: str) -> dict[str, A
     for key in kwargs or {}:
         if key in TEMPLATE_PARAMETERS:
             instead = TEMPLATE_PARAMETERS[key]
-            use = f"use the top-level field {instead!r}" if instead else "the server sets it"
+            use = f"use the top-level field {instead!r}" if instead else "tierserve sets it"
             message = f"chat_template_kwargs may not set {key!r}: {use}"
             raise TierserveError(message, "chat_template_kwargs")
     read = variables_read(template)
