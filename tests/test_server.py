@@ -504,7 +504,6 @@ def test_a_field_sent_as_null_takes_its_default(server):
     ("route", "field", "value"),
     [
         ("/v1/completions", "guided_choice", ["yes", "no"]),
-        ("/v1/completions", "allowed_token_ids", [5]),
         ("/v1/completions", "bad_words", ["the"]),
         ("/v1/completions", "prompt_logprobs", 5),
         ("/v1/completions", "use_beam_search", True),
@@ -974,3 +973,38 @@ def test_stop_reason_and_include_stop_str_in_output_as_vllm(client):
     said = client.chat.completions.create(**chat).choices[0].message.content
     got = client.chat.completions.create(**chat, stop=[said[2:5]]).choices[0]
     assert (got.message.content, got.stop_reason) == (said[: said.index(said[2:5])], said[2:5])
+
+
+def test_allowed_token_ids_and_truncate_prompt_tokens_as_vllm(client):
+    """allowed_token_ids: every sampled token is one of them, greedy and sampled;
+    truncate_prompt_tokens: the request runs on the prompt's last k tokens, as that tail sent
+    as ids does (both were refused)."""
+    allowed = [7, 11, 13]
+    for temperature, seed in ((0, None), (1.0, 3)):
+        got = client.completions.create(
+            model="llama", prompt="The server", max_tokens=16, temperature=temperature,
+            seed=seed, extra_body={"allowed_token_ids": allowed, "return_token_ids": True},
+        ).choices[0]  # fmt: skip
+        assert len(got.token_ids) == 16 and set(got.token_ids) <= set(allowed)
+    prompt = [5, 9, 200, 31, 77, 140, 3, 18]
+    whole = dict(model="llama", max_tokens=8, temperature=0, extra_body={"return_token_ids": True})
+    tail = client.completions.create(prompt=prompt[-3:], **whole).choices[0]
+    cut = client.completions.create(
+        prompt=prompt, **{**whole, "extra_body": {"return_token_ids": True,
+                                                   "truncate_prompt_tokens": 3}}
+    ).choices[0]  # fmt: skip
+    assert cut.prompt_token_ids == prompt[-3:] and cut.token_ids == tail.token_ids
+    long = client.completions.create(
+        model="llama", prompt="word " * 20_000, max_tokens=1,
+        extra_body={"truncate_prompt_tokens": 100},
+    )  # a text past the context, cut to its last 100 tokens  # fmt: skip
+    assert long.usage.prompt_tokens == 100
+    for extra, says in (
+        ({"allowed_token_ids": []}, "allowed_token_ids"),
+        ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
+        ({"allowed_token_ids": [5], "response_format": {"type": "json_object"}}, "structured"),
+        ({"allowed_token_ids": [1], "stop_token_ids": [1], "min_tokens": 2}, "never be met"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ):
+        with pytest.raises(openai.BadRequestError, match=says):
+            client.completions.create(model="llama", prompt="x", max_tokens=4, extra_body=extra)

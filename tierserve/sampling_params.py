@@ -16,6 +16,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
+MAX_ALLOWED_TOKEN_IDS = 1 << 20  # past any vocabulary: a bound on the request's size
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 
 
@@ -83,11 +84,17 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # vLLM's: the stop string, or the stop token's text, that ended the request kept in it.
     include_stop_str_in_output: bool = False
+    # vLLM's: only these tokens may be sampled (None: any).
+    allowed_token_ids: tuple[int, ...] | None = None
+    # vLLM's: the prompt's last k tokens only (-1: as many as the context holds); None: all.
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         # Accept lists and a single string the way OpenAI clients send them.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
+        if isinstance(self.allowed_token_ids, list):
+            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name) or ()
             if not isinstance(value, list | tuple):
@@ -127,8 +134,31 @@ class SamplingParams:
         structured = self.structured_output
         if structured is not None and not isinstance(structured, StructuredOutput):
             raise TierserveError("structured_output must be a StructuredOutput", "kind")
+        self._validate_vllm_extras()
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise TierserveError(f"seed must be in [0, 2**63), got {self.seed}", "seed")
+
+    def _validate_vllm_extras(self) -> None:
+        allowed = self.allowed_token_ids
+        if allowed is not None:
+            if not isinstance(allowed, tuple) or not allowed:
+                raise TierserveError(
+                    "allowed_token_ids must be a non-empty list", "allowed_token_ids"
+                )
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in allowed):
+                raise TierserveError("allowed_token_ids must be token ids", "allowed_token_ids")
+            if len(allowed) > MAX_ALLOWED_TOKEN_IDS:
+                message = f"at most {MAX_ALLOWED_TOKEN_IDS} allowed_token_ids"
+                raise TierserveError(message, "allowed_token_ids")
+            if self.structured_output is not None:  # the two masks could leave no token
+                message = "allowed_token_ids with a structured output is not supported"
+                raise TierserveError(message, "allowed_token_ids")
+        k = self.truncate_prompt_tokens
+        if k is not None and (
+            isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)
+        ):
+            message = f"truncate_prompt_tokens must be >= 1 or -1, got {k!r}"
+            raise TierserveError(message, "truncate_prompt_tokens")
 
     def _check_types(self) -> None:
         """Wrong types and NaN fail here, with the field's name, not deep inside a batch."""
@@ -210,6 +240,7 @@ class SamplingParams:
             or self.min_tokens
             or self.logit_bias
             or self.structured_output
+            or self.allowed_token_ids is not None
         )
 
     @property

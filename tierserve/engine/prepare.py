@@ -50,7 +50,7 @@ class RequestPreparer:
     ) -> AddRequest:
         """Tokenize and validate into the message that adds a request. A structured output is
         compiled here unless the server's compile pool already has (`grammar`)."""
-        prompt_ids = self._encode(prompt)
+        prompt_ids = self._encode(prompt, params.truncate_prompt_tokens)
         if params.max_tokens is None:
             room = self._room_after(prompt_ids)
             if params.min_tokens > room:  # named as sent, not as the max_tokens filled in
@@ -67,8 +67,22 @@ class RequestPreparer:
         if params.structured_output is not None and grammar is None:
             grammar = self.grammars.compile(params.structured_output)
         rid = request_id or f"req-{next(self._ids)}"
-        text = prompt if isinstance(prompt, str) else None
+        # A truncated prompt is no longer its text: an echo decodes the ids it ran on.
+        text = prompt if isinstance(prompt, str) and params.truncate_prompt_tokens is None else None
         return AddRequest(rid, arrival, prompt_ids, params, text, grammar)
+
+    def _check_allowed(self, params: SamplingParams) -> None:
+        allowed = params.allowed_token_ids
+        if allowed is None:
+            return
+        vocab = self.info.vocab_size
+        if any(t >= vocab for t in allowed):
+            message = f"allowed_token_ids must be token ids in [0, {vocab})"
+            raise TierserveError(message, "allowed_token_ids")
+        stops = {*params.stop_token_ids, *(() if params.ignore_eos else self.info.eos_token_ids)}
+        if params.min_tokens and stops.issuperset(allowed):  # min_tokens bans each of them
+            message = "min_tokens can never be met: allowed_token_ids holds only stop tokens"
+            raise TierserveError(message, "allowed_token_ids")
 
     def check_text_length(self, chars: int, field: str) -> None:
         """Refuse text no context could hold before tokenizing it."""
@@ -80,11 +94,21 @@ class RequestPreparer:
                 field=field,
             )
 
-    def _encode(self, prompt: str | list[int]) -> list[int]:
+    def _encode(self, prompt: str | list[int], truncate: int | None = None) -> list[int]:
+        """The prompt's ids; with `truncate` (vLLM's truncate_prompt_tokens), its last ones."""
+        ids = self._ids_of(prompt, bounded=truncate is None)
+        if truncate is not None:
+            return ids[-(self.context_length if truncate == -1 else truncate) :]
+        return ids
+
+    def _ids_of(self, prompt: str | list[int], bounded: bool) -> list[int]:
+        """`bounded`: text no context could hold is refused before it is tokenized (a prompt
+        to truncate is cut after; the body's size bounds it)."""
         if isinstance(prompt, str):
             if not prompt:
                 raise TierserveError("prompt is empty", field="prompt")
-            self.check_text_length(len(prompt), "prompt")
+            if bounded:
+                self.check_text_length(len(prompt), "prompt")
             try:
                 return self._tokenizer()(prompt).input_ids
             except TypeError:  # what tokenizers says of a lone UTF-16 surrogate ("\ud800")
@@ -150,6 +174,7 @@ class RequestPreparer:
             # An id past the logits can never stop a request, and min_tokens bans each by index.
             message = f"stop_token_ids must be token ids in [0, {vocab})"
             raise TierserveError(message, "stop_token_ids")
+        self._check_allowed(params)
         total = len(prompt_ids) + params.max_tokens
         if total > self.context_length:
             raise TierserveError(

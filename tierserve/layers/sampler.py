@@ -89,8 +89,14 @@ def sample(
 
 
 def adjust_logits(row: torch.Tensor, p: SamplingParams, h: History) -> None:
-    """In place, in vLLM's order: min_tokens, logit_bias, the penalties, then the grammar."""
+    """In place, in vLLM's order: allowed_token_ids, min_tokens, logit_bias, the penalties,
+    then the grammar."""
     device = row.device
+    if p.allowed_token_ids is not None:
+        allowed = torch.tensor(p.allowed_token_ids, device=device)
+        kept = row[allowed]
+        row.fill_(float("-inf"))
+        row[allowed] = kept
     banned_stops = p.min_tokens and len(h.output_ids) < p.min_tokens and h.stop_ids
     if banned_stops:
         stops = torch.tensor(sorted(h.stop_ids), device=device)

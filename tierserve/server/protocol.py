@@ -72,6 +72,8 @@ class SamplingKnobs(TextBody):
     structured_outputs: StructuredOutputs | None = None  # vLLM's
     skip_special_tokens: StrictBool = True  # vLLM's
     include_stop_str_in_output: StrictBool = False  # vLLM's
+    allowed_token_ids: list[StrictInt] | None = None  # vLLM's
+    truncate_prompt_tokens: StrictInt | None = None  # vLLM's
 
     def _structured(self, given: StructuredOutput | None) -> StructuredOutput | None:
         """At most one grammar: `given` (the route's own field), SGLang's regex or ebnf, or
@@ -108,6 +110,8 @@ class SamplingKnobs(TextBody):
             return_hidden_states=self.return_hidden_states,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            allowed_token_ids=self.allowed_token_ids,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
         )
 
 

@@ -18,10 +18,8 @@ UNSUPPORTED_FIELDS = frozenset(
         # vLLM's sampling extensions
         "use_beam_search",
         "length_penalty",
-        "allowed_token_ids",
         "bad_words",
         "prompt_logprobs",
-        "truncate_prompt_tokens",
         "logits_processors",
         "return_tokens_as_token_ids",
         "prompt_embeds",
