@@ -185,3 +185,48 @@ def test_echo_with_max_tokens_zero_scores_the_prompt_only(llama_dir, offline, cl
     assert "".join(ch.text for c in chunks for ch in c.choices) == choice.text
     with pytest.raises(openai.BadRequestError, match="needs echo"):
         client.completions.create(model=llama_dir.name, prompt=prompt, max_tokens=0)
+
+
+def test_vllms_prompt_logprobs_on_the_openai_routes_equal_transformers(llama_dir, client):
+    """vLLM's `prompt_logprobs` (it was refused): per prompt token after the first, its own
+    and the k likeliest tokens' logprob, rank and text, as transformers scores them; every
+    choice of a prompt carries them; chat puts them at the top; no stream carries them."""
+    prompt, k = PROMPTS[1], 3
+    ref = hf_logprobs(llama_dir, prompt, [], start=1)
+    got = client.completions.create(
+        model=llama_dir.name, prompt=prompt, max_tokens=2, n=2, temperature=0,
+        extra_body={"prompt_logprobs": k},
+    )  # fmt: skip
+    scores = got.choices[0].prompt_logprobs
+    assert got.choices[1].prompt_logprobs == scores and len(scores) == len(prompt)
+    assert scores[0] is None
+    for step, (token, entry) in enumerate(zip(prompt[1:], scores[1:], strict=True)):
+        row = ref[step]
+        mine = entry[str(token)]
+        assert mine["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
+        lowest = int((row > row[token] + 1e-4).sum()) + 1  # within float32 noise
+        highest = int((row > row[token] - 1e-4).sum()) + 1
+        assert lowest <= mine["rank"] <= highest
+        likeliest = row.topk(k)[1].tolist()
+        assert [entry[str(t)]["rank"] for t in likeliest] == list(range(1, k + 1))
+        assert len(entry) == k + (token not in likeliest)
+    both = client.completions.create(
+        model=llama_dir.name, prompt=prompt, max_tokens=1, temperature=0, echo=True,
+        logprobs=1, extra_body={"prompt_logprobs": k},
+    ).choices[0]  # fmt: skip
+    assert both.prompt_logprobs == scores  # the echo's logprobs shows the one it asked for
+    assert all(len(top) == 1 for top in both.logprobs.top_logprobs[1:])
+    chat = client.chat.completions.create(
+        model=llama_dir.name, messages=[{"role": "user", "content": "hi"}], max_tokens=1,
+        extra_body={"prompt_logprobs": 0, "return_token_ids": True},
+    )  # fmt: skip
+    top_level = chat.model_extra
+    assert len(top_level["prompt_logprobs"]) == len(top_level["prompt_token_ids"])
+    assert all(len(e) == 1 for e in top_level["prompt_logprobs"][1:])  # the token's own
+    for extra in ({"prompt_logprobs": 21}, {"prompt_logprobs": -1}, {"prompt_logprobs": True}):
+        with pytest.raises(openai.BadRequestError, match="prompt_logprobs"):
+            client.completions.create(model=llama_dir.name, prompt="x", max_tokens=1,
+                                      extra_body=extra)  # fmt: skip
+    with pytest.raises(openai.BadRequestError, match="not streamed"):
+        client.completions.create(model=llama_dir.name, prompt="x", max_tokens=1, stream=True,
+                                  extra_body={"prompt_logprobs": 1})  # fmt: skip

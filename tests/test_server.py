@@ -505,7 +505,6 @@ def test_a_field_sent_as_null_takes_its_default(server):
     [
         ("/v1/completions", "guided_choice", ["yes", "no"]),
         ("/v1/completions", "bad_words", ["the"]),
-        ("/v1/completions", "prompt_logprobs", 5),
         ("/v1/completions", "use_beam_search", True),
         ("/v1/completions", "cache_salt", "tenant-a"),
         ("/v1/completions", "top_logprobs", 3),

@@ -16,6 +16,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()
+    rank: int | None = None  # 1 + the tokens more likely than it (vLLM's rank)
 
 
 class StepOutput(msgspec.Struct, frozen=True, array_like=True):

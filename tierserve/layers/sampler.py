@@ -15,14 +15,16 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> li
     """Each row's sampled token and top `ks[i]` under log_softmax of the raw logits."""
     logprobs = logits.float().log_softmax(dim=-1)
     rows = torch.arange(len(tokens), device=logits.device)
-    chosen = logprobs[rows, torch.tensor(tokens, device=logits.device)].tolist()
+    chosen_values = logprobs[rows, torch.tensor(tokens, device=logits.device)]
+    ranks = ((logprobs > chosen_values[:, None]).sum(dim=-1) + 1).tolist()
+    chosen = chosen_values.tolist()
     top_values, top_ids = logprobs.topk(max(ks), dim=-1) if max(ks) else (None, None)
     out = []
     for i, (token, lp, k) in enumerate(zip(tokens, chosen, ks, strict=True)):
         top = ()
         if k and top_ids is not None and top_values is not None:
             top = tuple(zip(top_ids[i, :k].tolist(), top_values[i, :k].tolist(), strict=True))
-        out.append(TokenLogprob(token, lp, top))
+        out.append(TokenLogprob(token, lp, top, ranks[i]))
     return out
 
 

@@ -110,7 +110,8 @@ async def respond(
 
     def body() -> dict[str, Any]:
         choices = [c.whole_choice(i, finals[i]) for i in sorted(finals)]
-        return c.envelope(c.kind, choices, usage=total_usage(finals, n))
+        body = c.envelope(c.kind, choices, usage=total_usage(finals, n))
+        return body | c.chat_prompt_fields(finals[min(finals)])
 
     return await off_the_loop(body)
 

@@ -19,7 +19,13 @@ from tierserve.sampling_params import SamplingParams
 from tierserve.server import tools
 from tierserve.server.async_engine import AsyncEngine, EngineDeadError
 from tierserve.server.disconnect import unless_disconnected
-from tierserve.server.logprobs import chat_logprobs, completion_logprobs, join
+from tierserve.server.logprobs import (
+    chat_logprobs,
+    completion_logprobs,
+    fewer_alternatives,
+    join,
+    prompt_logprobs,
+)
 from tierserve.server.metrics import ServerMetrics
 from tierserve.server.protocol import (
     SSE_DONE,
@@ -62,8 +68,11 @@ class Completion:
         self.created = now()
         self._text, self._ids = "", []  # a /generate stream's output so far
         self.logprobs = params is not None and params.logprobs is not None
+        self._echo_k = params.logprobs if params is not None else None
         self._offsets: dict[int, int] = {}  # per choice: characters streamed so far
         self._echoes: dict[tuple[int, ...], dict[str, Any]] = {}  # a prompt's echo logprobs
+        self.prompt_logprobs: int | None = getattr(body, "prompt_logprobs", None)  # vLLM's
+        self._prompt_scores: dict[tuple[int, ...], list[Any]] = {}  # a prompt's, formatted
         self.make_reply = make_reply
         self._replies: dict[int, Reply] = {}  # per streamed choice
 
@@ -124,11 +133,31 @@ class Completion:
         if self.kind == "generate":
             return _native(out, out.text, out.token_ids)
         body = self.envelope(self.kind, [self.whole_choice(0, out)], usage=self._usage(out))
-        if self.return_token_ids and self.kind == "chat.completion":  # vLLM: at the top
-            body["prompt_token_ids"] = out.prompt_token_ids
+        body |= self.chat_prompt_fields(out)
         if out.hidden_states_path is not None:  # vLLM's extract_hidden_states reply
             body["kv_transfer_params"] = {"hidden_states_path": out.hidden_states_path}
         return body
+
+    def chat_prompt_fields(self, out: RequestOutput) -> dict[str, Any]:
+        """What vLLM puts at a chat reply's top, its prompt's: the ids, the scores."""
+        if self.kind != "chat.completion":
+            return {}
+        fields: dict[str, Any] = {}
+        if self.return_token_ids:
+            fields["prompt_token_ids"] = out.prompt_token_ids
+        if self.prompt_logprobs is not None:
+            fields["prompt_logprobs"] = self._scored_prompt(out)
+        return fields
+
+    def _scored_prompt(self, out: RequestOutput) -> list[Any]:
+        """vLLM's prompt_logprobs of the output's prompt: its first choice's scores, shared by
+        the prompt's other choices (choices.jobs asks that one alone for them)."""
+        key = tuple(out.prompt_token_ids)
+        if out.prompt_logprobs is not None or key not in self._prompt_scores:
+            k = self.prompt_logprobs or 0
+            lps = out.prompt_logprobs or []
+            self._prompt_scores[key] = prompt_logprobs(self.engine.tokenizer, list(key), lps, k)
+        return self._prompt_scores[key]
 
     def whole_choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
         echo_text, echo_logprobs = self._echoed(out, index)
@@ -146,6 +175,8 @@ class Completion:
         choice["logprobs"] = join(echo_logprobs, self._logprobs(out.logprobs, index))
         choice["finish_reason"] = reason
         choice["stop_reason"] = out.stop_reason  # vLLM's: the stop string or token id
+        if self.prompt_logprobs is not None and self.kind == "text_completion":
+            choice["prompt_logprobs"] = self._scored_prompt(out)
         if self.return_token_ids:  # vLLM's: the output's ids; a completion's prompt's too
             choice["token_ids"] = out.token_ids
             if self.kind != "chat.completion":
@@ -166,7 +197,7 @@ class Completion:
         # first choice's scores, which come first (choices.jobs asks that one alone for them).
         key = tuple(ids)
         if out.prompt_logprobs is not None or key not in self._echoes:
-            lps = out.prompt_logprobs or []
+            lps = fewer_alternatives(out.prompt_logprobs or [], self._echo_k or 0)
             self._echoes[key] = completion_logprobs(tokenizer, lps, 0, lead=ids[0])
         body = self._echoes[key]
         self._offsets[index] = sum(map(len, body["tokens"]))

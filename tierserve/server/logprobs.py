@@ -5,6 +5,7 @@ the UTF-8 of a piece that is only part of a character."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -44,6 +45,30 @@ def completion_logprobs(
         "top_logprobs": top,
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs(
+    tokenizer: Any, prompt_ids: list[int], lps: list[TokenLogprob], k: int
+) -> list[dict[int, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: None for the first token (nothing predicts it), then for each
+    token its own and the `k` most likely tokens', by id: logprob, rank, decoded_token."""
+
+    def entry(token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": _piece(tokenizer, token_id)}
+
+    out: list[dict[int, dict[str, Any]] | None] = [None]
+    for lp in lps[: len(prompt_ids) - 1]:
+        scores = {t: entry(t, v, r) for r, (t, v) in enumerate(lp.top[:k], 1)}
+        scores.setdefault(lp.token_id, entry(lp.token_id, lp.logprob, lp.rank))
+        out.append(scores)
+    return out
+
+
+def fewer_alternatives(lps: list[TokenLogprob], k: int) -> list[TokenLogprob]:
+    """`lps` with at most `k` alternatives each (an echo asked for fewer than were scored)."""
+    if all(len(lp.top) <= k for lp in lps):
+        return lps
+    return [dataclasses.replace(lp, top=lp.top[:k]) for lp in lps]
 
 
 def join(first: dict[str, Any] | None, second: dict[str, Any] | None) -> dict[str, Any] | None:

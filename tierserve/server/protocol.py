@@ -124,6 +124,7 @@ class SamplingFields(SamplingKnobs):
     stream_options: StreamOptions | None = None
     logprobs: Any = None
     top_logprobs: int | None = None
+    prompt_logprobs: StrictInt | None = None  # vLLM's: not streamed
     user: str | None = None
     response_format: ResponseFormat | None = None
 
@@ -132,7 +133,12 @@ class SamplingFields(SamplingKnobs):
         self._refuse_unsupported()
         structured = self.response_format.structured() if self.response_format else None
         params = self._params(self.max_tokens, structured)
-        return dataclasses.replace(params, logprobs=self.logprobs_count())
+        params = dataclasses.replace(params, logprobs=self.logprobs_count())
+        if self.prompt_logprobs is not None:
+            if self.stream:  # as vLLM: a prompt's scores come with the whole reply only
+                raise TierserveError("prompt_logprobs are not streamed", "prompt_logprobs")
+            params = dataclasses.replace(params, prompt_logprobs=self.prompt_logprobs)
+        return params
 
     def logprobs_count(self) -> int | None:
         """Completions: `logprobs` is how many alternatives (0: the sampled token's only)."""
@@ -190,8 +196,9 @@ class CompletionRequest(SamplingFields):
             self.model_copy(update={"max_tokens": 1, "min_tokens": 0}) if self.prompt_only else self
         )
         params = SamplingFields.sampling_params(body)
-        if self.echo and params.logprobs is not None:
-            params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
+        if self.echo and params.logprobs is not None:  # the echo's: as many as asked, at least
+            k = max(params.logprobs, params.prompt_logprobs or 0)
+            params = dataclasses.replace(params, prompt_logprobs=k)
         return params
 
     def prompts(self) -> list[str | list[int]]:

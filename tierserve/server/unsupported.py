@@ -19,7 +19,6 @@ UNSUPPORTED_FIELDS = frozenset(
         "use_beam_search",
         "length_penalty",
         "bad_words",
-        "prompt_logprobs",
         "logits_processors",
         "return_tokens_as_token_ids",
         "prompt_embeds",
