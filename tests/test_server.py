@@ -330,6 +330,33 @@ def test_metrics_parse_and_move(server, client):
     assert node == rank * after["tierserve_local_ranks"] and rank > 0  # each rank's own pool
 
 
+def test_vllms_metric_names_show_the_same_values(server, client):
+    """A dashboard built for vLLM reads `vllm:*` series labelled model_name and engine; each
+    is the same scrape's tierserve value."""
+    client.completions.create(model="llama", prompt="count me too", max_tokens=3, temperature=0,
+                              extra_body={"ignore_eos": True})  # fmt: skip
+    m = server.metrics()
+    at = "{engine=0,model_name=llama}"
+    same = {
+        "vllm:num_requests_running": "tierserve_num_requests_running",
+        "vllm:num_requests_waiting": "tierserve_num_requests_waiting",
+        "vllm:prompt_tokens_total": "tierserve_prompt_tokens_total",
+        "vllm:generation_tokens_total": "tierserve_generation_tokens_total",
+        "vllm:prefix_cache_queries_total": "tierserve_prompt_tokens_total",
+        "vllm:time_to_first_token_seconds_count": "tierserve_time_to_first_token_seconds_count",
+        "vllm:e2e_request_latency_seconds_sum": "tierserve_e2e_request_latency_seconds_sum",
+    }
+    for theirs, ours in same.items():
+        assert m[theirs + at] == m[ours], theirs
+    assert m["vllm:generation_tokens_total" + at] >= 3
+    hits = sum(v for k, v in m.items() if k.startswith("tierserve_cached_tokens_total"))
+    assert m["vllm:prefix_cache_hits_total" + at] == hits
+    length = "vllm:request_success_total{engine=0,finished_reason=length,model_name=llama}"
+    assert m[length] == m["tierserve_requests_total{status=length}"] >= 1
+    used, pages = (m[f"tierserve_kv_pages_{k}{{tier=device}}"] for k in ("used", "capacity"))
+    assert m["vllm:kv_cache_usage_perc" + at] == used / pages
+
+
 def test_sigterm_drains_in_flight_requests(llama_dir):
     s = Server(llama_dir, "--max-total-tokens", "2048")
     try:

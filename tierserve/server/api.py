@@ -83,7 +83,7 @@ def create_app(
     limits: ServerLimits = ServerLimits(),
     parsers: ChatParsers | None = None,
 ) -> FastAPI:
-    metrics = ServerMetrics(engine.grammar_pool)
+    metrics = ServerMetrics(engine.grammar_pool, model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -17,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from tierserve.messages import MetricFamily
 from tierserve.server.grammar_pool import GrammarCompilePool
+from tierserve.server.vllm_metrics import VllmNames
 
 # A `*_created` gauge beside every counter and histogram is prometheus_client's default, not
 # Prometheus' convention; vLLM turns them off too.
@@ -83,7 +84,10 @@ class GrammarCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, grammar_pool: GrammarCompilePool | None = None) -> None:
+    def __init__(
+        self, grammar_pool: GrammarCompilePool | None = None, model_name: str | None = None
+    ) -> None:
+        """`model_name`: the served model's, for vLLM's names of the metrics (none without)."""
         self.registry = CollectorRegistry()
         self._engine = EngineCollector()
         self.registry.register(self._engine)
@@ -95,6 +99,10 @@ class ServerMetrics:
         self.ttft = self._histogram("tierserve_time_to_first_token_seconds", "time to first token")
         self.tpot = self._histogram("tierserve_time_per_output_token_seconds", "per output token")
         self.e2e = self._histogram("tierserve_e2e_request_latency_seconds", "end-to-end latency")
+        if model_name is not None:
+            histograms = {"ttft": self.ttft, "tpot": self.tpot, "e2e": self.e2e}
+            families = lambda: self._engine.families  # noqa: E731
+            self.registry.register(VllmNames(model_name, families, histograms, self.requests))
 
     def _histogram(self, name: str, doc: str) -> Histogram:
         return Histogram(name, doc, buckets=LATENCY_BUCKETS, registry=self.registry)
