@@ -404,3 +404,31 @@ def test_a_step_carries_draft_tokens_and_samples_each_as_one_by_one_decoding(
         plain, drafted = engine.runner.step(chunks)
         assert plain.tokens == (ref[1][1],)
         assert drafted.tokens == tuple(expect)
+
+
+def test_n_samples_offline_as_vllm_each_a_single_request_with_its_seed(small_llm):
+    """vLLM's offline `n`: one output per prompt, `outputs` its n samples; sample i equals a
+    request of its own with seed + i; the samples after the first start from its prefix in
+    the radix cache; only the first scores the prompt."""
+    prompt = list(range(3, 99))  # six 16-token pages
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=5, n=3, prompt_logprobs=1)
+    stats = small_llm.engine.scheduler.stats
+    small_llm.engine.flush_cache()
+    cached = stats.num_cached_tokens
+    (out,) = small_llm.generate([prompt], sampled)
+    assert stats.num_cached_tokens - cached >= 2 * 80  # the two later samples' prefix hits
+    assert [s.index for s in out.outputs] == [0, 1, 2]
+    for i, sample in enumerate(out.outputs):
+        alone = small_llm.generate([prompt], SamplingParams(max_tokens=8, temperature=1.0,
+                                                            seed=5 + i))[0]  # fmt: skip
+        assert sample.token_ids == alone.token_ids and sample.text == alone.text
+    assert len({tuple(s.token_ids) for s in out.outputs}) > 1  # sampled apart
+    assert out.token_ids == out.outputs[0].token_ids and len(out.prompt_logprobs) == 95
+    greedy = small_llm.generate([prompt, [5, 6]], SamplingParams(max_tokens=6, temperature=0, n=2))
+    for one in greedy:
+        assert one.outputs[0].token_ids == one.outputs[1].token_ids
+    for bad in (0, 129, True, 1.5):
+        with pytest.raises(TierserveError, match="n must be"):
+            SamplingParams(n=bad)
+    with pytest.raises(TierserveError, match="one sample"):
+        next(small_llm.generate_stream([5, 6], SamplingParams(n=2)))

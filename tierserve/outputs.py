@@ -92,17 +92,22 @@ class RequestOutput:
     # file, in the first and the final output (engine/hidden_states.py).
     hidden_states_path: str | None = None
     spec_verify_ct: int = 0  # with speculative decoding: steps that emitted tokens, so far
+    # With SamplingParams.n > 1 offline: every sample (the fields above are the first's).
+    samples: list[CompletionOutput] | None = None
 
     @property
     def outputs(self) -> list[CompletionOutput]:
-        """vLLM's shape: a list of samples, here the one (`n` is the server's)."""
+        """vLLM's shape: a list of samples, `n` of them (one unless SamplingParams.n says)."""
+        return self.samples if self.samples is not None else [self.as_sample(0)]
+
+    def as_sample(self, index: int) -> CompletionOutput:
+        """This output as sample `index` of its prompt's."""
         asked = bool(self.logprobs)
         total = sum(t.logprob for t in self.logprobs) if asked else None
-        sample = CompletionOutput(
-            0, self.text, self.token_ids, self.finish_reason, self.logprobs or None, total,
+        return CompletionOutput(
+            index, self.text, self.token_ids, self.finish_reason, self.logprobs or None, total,
             self.stop_reason,
         )  # fmt: skip
-        return [sample]
 
     def then(self, later: RequestOutput) -> RequestOutput:
         """This output and the next as one, as if they were one step's: what a stream that

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 MAX_ALLOWED_TOKEN_IDS = 1 << 20  # past any vocabulary: a bound on the request's size
+MAX_SAMPLES = 128  # n: bounded work per prompt (the server's bound on a request's choices)
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 
 
@@ -88,6 +90,9 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     # vLLM's: the prompt's last k tokens only (-1: as many as the context holds); None: all.
     truncate_prompt_tokens: int | None = None
+    # Samples of the prompt (vLLM's offline `n`: LLM.generate runs each as a request of its
+    # own, `sample(i)`; the server's `n` is the request body's).
+    n: int = 1
 
     def __post_init__(self) -> None:
         # Accept lists and a single string the way OpenAI clients send them.
@@ -153,6 +158,8 @@ class SamplingParams:
             if self.structured_output is not None:  # the two masks could leave no token
                 message = "allowed_token_ids with a structured output is not supported"
                 raise TierserveError(message, "allowed_token_ids")
+        if not 1 <= self.n <= MAX_SAMPLES:
+            raise TierserveError(f"n must be in [1, {MAX_SAMPLES}], got {self.n}", "n")
         k = self.truncate_prompt_tokens
         if k is not None and (
             isinstance(k, bool) or not isinstance(k, int) or not (k >= 1 or k == -1)
@@ -162,7 +169,7 @@ class SamplingParams:
 
     def _check_types(self) -> None:
         """Wrong types and NaN fail here, with the field's name, not deep inside a batch."""
-        ints = {"top_k": self.top_k, "max_tokens": self.max_tokens, "seed": self.seed}
+        ints = {"top_k": self.top_k, "max_tokens": self.max_tokens, "seed": self.seed, "n": self.n}
         for name, value in ints.items():
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise TierserveError(f"{name} must be an integer, got {value!r}", name)
@@ -242,6 +249,14 @@ class SamplingParams:
             or self.structured_output
             or self.allowed_token_ids is not None
         )
+
+    def sample(self, i: int) -> SamplingParams:
+        """Sample `i` of the n these params ask for, as a request of its own: with a seed, seed
+        + i (within [0, 2**63): a seed near its top was refused as one the caller never
+        sent); only the first scores the prompt (the others start from its cached prefix)."""
+        seed = None if self.seed is None else (self.seed + i) % 2**63
+        logprobs = self.prompt_logprobs if i == 0 else None
+        return dataclasses.replace(self, n=1, seed=seed, prompt_logprobs=logprobs)
 
     @property
     def greedy(self) -> bool:

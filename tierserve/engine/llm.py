@@ -105,16 +105,30 @@ class LLM:
         self, prompts: list[Prompt], params_list: list[SamplingParams]
     ) -> list[RequestOutput]:
         rids: list[str] = []
+        samples: list[list[str]] = []  # each prompt's requests, its first sample's first
+        # A first sample's prompt and the other samples' params: they start once it has its
+        # first token, from its prefix in the radix cache (as the server's `n` choices do).
+        later: dict[str, tuple[int, Prompt, list[SamplingParams]]] = {}
         try:
-            for prompt, p in zip(prompts, params_list, strict=True):
-                rids.append(self._submit(prompt, p))  # a bad one: those before it are aborted
+            for i, (prompt, p) in enumerate(zip(prompts, params_list, strict=True)):
+                rid = self._submit(prompt, p.sample(0))  # a bad one: those before it abort
+                rids.append(rid)
+                samples.append([rid])
+                if p.n > 1:
+                    later[rid] = (i, prompt, [p.sample(j) for j in range(1, p.n)])
             mine, finished = set(rids), dict[str, RequestOutput]()
             touched = rids  # outputs another call's steps kept for these may be waiting
             while True:
                 for rid in mine.intersection(touched):
-                    finished.update((o.request_id, o) for o in self._take(rid) if o.finished)
-                if len(finished) == len(rids):
-                    return [finished[rid] for rid in rids]
+                    outs = self._take(rid)
+                    if outs and rid in later:
+                        i, prompt, rest = later.pop(rid)
+                        samples[i] += [self._submit(prompt, q) for q in rest]
+                        rids += samples[i][1:]
+                        mine.update(samples[i][1:])
+                    finished.update((o.request_id, o) for o in outs if o.finished)
+                if len(finished) == len(rids) and not later:
+                    return [_merged([finished[r] for r in rs]) for rs in samples]
                 touched = self._step()
         finally:  # an error or a Ctrl-C mid-run: nothing of this call keeps running
             for rid in rids:
@@ -166,6 +180,8 @@ class LLM:
         if len(prompts) != 1:
             raise TierserveError("generate_stream takes one prompt", "prompt")
         (params,) = _broadcast(params, 1)
+        if params.n != 1:
+            raise TierserveError("generate_stream streams one sample: use generate for n > 1", "n")
         with self._lock:
             self._check_open()
             rid = self._submit(prompts[0], params)
@@ -223,6 +239,13 @@ CONVERSATIONS = (
     "messages must be a conversation (a non-empty list of {'role', 'content'} dicts) "
     "or a list of those"
 )
+
+
+def _merged(outs: list[RequestOutput]) -> RequestOutput:
+    """A prompt's samples as one output (vLLM's): the first's, with all of them listed."""
+    if len(outs) == 1:
+        return outs[0]
+    return replace(outs[0], samples=[out.as_sample(j) for j, out in enumerate(outs)])
 
 
 def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

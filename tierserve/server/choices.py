@@ -10,7 +10,6 @@ equal single requests with those seeds. Usage counts each prompt once.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -42,15 +41,9 @@ def jobs(prompts: list[str | list[int]], params: SamplingParams, n: int) -> list
     out = []
     for j, prompt in enumerate(prompts):
         for i in range(n):
-            # Within [0, 2**63): a seed near its top with n > 1 was refused as a seed the
-            # client never sent.
-            seed = None if params.seed is None else (params.seed + i) % 2**63
-            seeded = params if seed is None else dataclasses.replace(params, seed=seed)
-            if i > 0 and params.prompt_logprobs is not None:
-                # The prompt's first choice scores it for all (Completion._echoed): the others
-                # start from its cached prefix instead of each prefilling it whole again.
-                seeded = dataclasses.replace(seeded, prompt_logprobs=None)
-            out.append(Job(j * n + i, prompt, seeded, None if i == 0 else j * n))
+            # The prompt's first choice scores it for all (Completion._echoed): the others
+            # start from its cached prefix instead of each prefilling it whole again.
+            out.append(Job(j * n + i, prompt, params.sample(i), None if i == 0 else j * n))
     return out
 
 
