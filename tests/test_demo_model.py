@@ -205,6 +205,9 @@ def test_chat_renders_the_template_once_and_answers_as_transformers(tok, hf_mode
         assert (sample.text, sample.token_ids) == (out.text, out.token_ids)
         assert sample.finish_reason == out.finish_reason == "stop"
         assert sample.cumulative_logprob == pytest.approx(sum(t.logprob for t in out.logprobs))
+        assert sample.logprobs is not None  # vLLM's shape: by position, then token id
+        for token, lp, entry in zip(out.token_ids, out.logprobs, sample.logprobs, strict=True):
+            assert entry[token].logprob == lp.logprob and entry[token].rank == lp.rank >= 1
     for bad in ([], [[]], "hi", [{"content": "no role"}]):
         with pytest.raises(TierserveError, match="messages must be a conversation"):
             llm.chat(bad, greedy)

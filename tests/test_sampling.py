@@ -431,7 +431,13 @@ def test_include_stop_str_in_output_keeps_what_ended_the_request(tokenizer):
         outs = [builder.add(s) for s in [*steps, StepOutput("r", newline, "stop", 3, 0, 0)]]
         assert outs[-1].text == ("one two\n" if include else "one two")
         assert outs[-1].stop_reason == newline
-    eos = StepOutput("r", tokenizer.eos_token_id, "stop", 3, 0, 0)
-    builder = OutputBuilder(_request(SamplingParams(stop=["zz"])), tokenizer)
-    done = [builder.add(StepOutput("r", ids[0], None, 3, 0, 0)), builder.add(eos)][-1]
-    assert done.finish_reason == "stop" and done.stop_reason is None
+    eos_id = tokenizer.eos_token_id
+    eos = StepOutput("r", eos_id, "stop", 3, 0, 0)
+    for params, reason in (
+        (SamplingParams(stop=["zz"]), None),
+        (SamplingParams(stop_token_ids=(eos_id,)), None),  # EOS first, as vLLM checks it
+        (SamplingParams(stop_token_ids=(eos_id,), ignore_eos=True), eos_id),
+    ):
+        builder = OutputBuilder(_request(params), tokenizer, frozenset({eos_id}))
+        done = [builder.add(StepOutput("r", ids[0], None, 3, 0, 0)), builder.add(eos)][-1]
+        assert done.finish_reason == "stop" and done.stop_reason == reason

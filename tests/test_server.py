@@ -200,6 +200,8 @@ def test_tokenize_adds_special_tokens_to_chat_only_when_asked(demo_server):
          "return_token_strs"),
         ({"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "not both"),
         ({"prompt": 5}, "prompt"),
+        ({"messages": [{"role": "user", "content": [{"type": "text", "text": "see"},
+          {"type": "image_url", "image_url": {"url": "data:,"}}]}]}, "messages.0"),
     ],
 )  # fmt: skip
 def test_a_malformed_tokenize_body_is_a_400_naming_its_field(server, body, says):
@@ -1020,14 +1022,25 @@ def test_allowed_token_ids_and_truncate_prompt_tokens_as_vllm(client):
                                                    "truncate_prompt_tokens": 3}}
     ).choices[0]  # fmt: skip
     assert cut.prompt_token_ids == prompt[-3:] and cut.token_ids == tail.token_ids
+    text = "word " * 20_000  # past the context: cut to its last 100 tokens
     long = client.completions.create(
-        model="llama", prompt="word " * 20_000, max_tokens=1,
-        extra_body={"truncate_prompt_tokens": 100},
-    )  # a text past the context, cut to its last 100 tokens  # fmt: skip
-    assert long.usage.prompt_tokens == 100
+        model="llama", prompt=text, max_tokens=1,
+        extra_body={"truncate_prompt_tokens": 100, "return_token_ids": True},
+    ).choices[0]  # fmt: skip
+    whole = http.post(f"{client.base_url}".removesuffix("/v1/") + "/tokenize",
+                      json={"prompt": text}, timeout=60).json()["tokens"]  # fmt: skip
+    assert long.prompt_token_ids == whole[-100:]
+    for max_tokens, kept in ((None, 2047), (5, 2043)):  # -1: the room to generate is kept
+        fits = client.completions.create(
+            model="llama", prompt=text, max_tokens=max_tokens,
+            extra_body={"truncate_prompt_tokens": -1, "ignore_eos": True},
+        )  # fmt: skip
+        assert fits.usage.prompt_tokens == kept and fits.usage.completion_tokens == 2048 - kept
+    assert SamplingParams(allowed_token_ids=[5, 5, 6, 5]).allowed_token_ids == (5, 6)
     for extra, says in (
         ({"allowed_token_ids": []}, "allowed_token_ids"),
         ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
+        ({"allowed_token_ids": list(range(5000))}, "allowed_token_ids"),  # past the vocabulary
         ({"allowed_token_ids": [5], "response_format": {"type": "json_object"}}, "structured"),
         ({"allowed_token_ids": [1], "stop_token_ids": [1], "min_tokens": 2}, "never be met"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),

@@ -48,15 +48,37 @@ class StepOutput(msgspec.Struct, frozen=True, array_like=True):
 
 
 @dataclass(frozen=True)
+class Logprob:
+    """vLLM's entry for one token at one position (vllm.logprobs.Logprob): its log-probability
+    and its rank (1: the likeliest). `decoded_token` is left None (the text is the output's)."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def vllm_logprobs(lps: list[TokenLogprob]) -> list[dict[int, Logprob]]:
+    """Per position, by token id: the sampled token's and the likeliest tokens' (vLLM's
+    SampleLogprobs)."""
+    out = []
+    for lp in lps:
+        entry = {t: Logprob(v, rank) for rank, (t, v) in enumerate(lp.top, 1)}
+        entry.setdefault(lp.token_id, Logprob(lp.logprob, lp.rank))
+        out.append(entry)
+    return out
+
+
+@dataclass(frozen=True)
 class CompletionOutput:
-    """A request's one sample as vLLM's offline API shapes it (`out.outputs[0].text`), for
-    code written against vLLM; the same fields are on RequestOutput itself."""
+    """A request's one sample as vLLM's offline API shapes it (`out.outputs[0].text`,
+    `.logprobs[i][token_id].logprob`), for code written against vLLM; RequestOutput itself
+    has the same in tierserve's shape."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str | None
-    logprobs: list[TokenLogprob] | None  # None where the request asked for none
+    logprobs: list[dict[int, Logprob]] | None  # None where the request asked for none
     cumulative_logprob: float | None  # the sampled tokens' logprobs summed, where asked
     stop_reason: int | str | None = None  # RequestOutput's
 
@@ -105,8 +127,8 @@ class RequestOutput:
         asked = bool(self.logprobs)
         total = sum(t.logprob for t in self.logprobs) if asked else None
         return CompletionOutput(
-            index, self.text, self.token_ids, self.finish_reason, self.logprobs or None, total,
-            self.stop_reason,
+            index, self.text, self.token_ids, self.finish_reason,
+            vllm_logprobs(self.logprobs) if asked else None, total, self.stop_reason,
         )  # fmt: skip
 
     def then(self, later: RequestOutput) -> RequestOutput:

@@ -17,7 +17,7 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
-MAX_ALLOWED_TOKEN_IDS = 1 << 20  # past any vocabulary: a bound on the request's size
+MAX_ALLOWED_TOKEN_IDS = 1 << 18  # past the largest vocabularies (~256K); prepare.py: ≤ vocab
 MAX_SAMPLES = 128  # n: bounded work per prompt (the server's bound on a request's choices)
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 
@@ -98,8 +98,10 @@ class SamplingParams:
         # Accept lists and a single string the way OpenAI clients send them.
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        if isinstance(self.allowed_token_ids, list):
-            object.__setattr__(self, "allowed_token_ids", tuple(self.allowed_token_ids))
+        if isinstance(self.allowed_token_ids, list | tuple):  # each once, in order
+            object.__setattr__(
+                self, "allowed_token_ids", tuple(dict.fromkeys(self.allowed_token_ids))
+            )
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name) or ()
             if not isinstance(value, list | tuple):

@@ -12,7 +12,8 @@ ChatRole = Literal["system", "user", "assistant", "tool", "developer"]
 
 
 class ContentPart(BaseModel):
-    """An OpenAI content part; only text parts reach the model, and their text is a string."""
+    """An OpenAI content part: text only (an image or audio part is refused, as vLLM refuses
+    one for a model without that modality), its text a string."""
 
     model_config = ConfigDict(extra="allow")
 
@@ -21,7 +22,10 @@ class ContentPart(BaseModel):
 
     @model_validator(mode="after")
     def _text_is_a_string(self) -> ContentPart:
-        if self.type == "text" and not isinstance(self.text, str):
+        if self.type != "text":  # an image or audio the model would never see
+            raise ValueError(f"content parts of type {self.type!r} are not supported: the "
+                             "models tierserve serves read text")  # fmt: skip
+        if not isinstance(self.text, str):
             raise ValueError("a text content part needs a string 'text'")
         return self
 

@@ -166,6 +166,7 @@ class LLM:
             fields = ChatTemplateFields.model_validate({"messages": conversation, **switches})
         except ValidationError as err:
             where, said = first_problem(err)
+            where = where or "messages"  # the whole conversation's (a lone surrogate)
             raise TierserveError(f"{where}: {said}", where.split(".")[0]) from None
         text = render(self.tokenizer, fields, trust_request_template=True)  # the caller's own
         return self.tokenizer(text, add_special_tokens=False).input_ids
@@ -201,7 +202,8 @@ class LLM:
     def _submit(self, prompt: Prompt, params: SamplingParams) -> str:
         req = self.engine.make_request(prompt, params, None, self.engine.next_arrival())
         self.engine.submit(req)
-        self._open[req.rid] = OutputBuilder(req, self.tokenizer)
+        eos = frozenset(self.engine.eos_token_ids)
+        self._open[req.rid] = OutputBuilder(req, self.tokenizer, eos)
         self._ready[req.rid] = []
         return req.rid
 

@@ -24,13 +24,18 @@ from tierserve.outputs import RequestOutput, StepOutput, TokenLogprob
 class OutputBuilder:
     """One request's outputs, built from the engine's StepOutputs as they arrive."""
 
-    def __init__(self, req: Request | AddRequest, tokenizer: Any) -> None:
+    def __init__(
+        self, req: Request | AddRequest, tokenizer: Any, eos_ids: frozenset[int] = frozenset()
+    ) -> None:
+        """`eos_ids`: the model's EOS tokens, which end a request without a stop_reason (as in
+        vLLM) unless it ignores EOS."""
         self.request_id = req.rid
         self.prompt, self.prompt_ids = req.prompt_text, req.prompt_ids
         self.prompt_logprobs: list[TokenLogprob] | None = None
         self.hidden_states_path: str | None = None
         self.stops = req.params.stop
         self._stop_ids = frozenset(req.params.stop_token_ids)
+        self._eos_ids = frozenset() if req.params.ignore_eos else eos_ids
         self._include_stop = req.params.include_stop_str_in_output
         # As vLLM: a stop string ends a request only in text its first min_tokens did not make.
         self.min_tokens = req.params.min_tokens
@@ -69,7 +74,9 @@ class OutputBuilder:
             text += self._detokenizer.flush()
         reason = step.finish_reason
         stop_reason: int | str | None = (
-            step.token_id if stopped and step.token_id in self._stop_ids else None
+            step.token_id
+            if stopped and step.token_id in self._stop_ids and step.token_id not in self._eos_ids
+            else None
         )
         window = self._held + text
         checks = bool(text and self.stops) and len(self._ids) > self.min_tokens

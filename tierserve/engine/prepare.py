@@ -50,7 +50,7 @@ class RequestPreparer:
     ) -> AddRequest:
         """Tokenize and validate into the message that adds a request. A structured output is
         compiled here unless the server's compile pool already has (`grammar`)."""
-        prompt_ids = self._encode(prompt, params.truncate_prompt_tokens)
+        prompt_ids = self._encode(prompt, self._kept_tokens(params))
         if params.max_tokens is None:
             room = self._room_after(prompt_ids)
             if params.min_tokens > room:  # named as sent, not as the max_tokens filled in
@@ -76,7 +76,7 @@ class RequestPreparer:
         if allowed is None:
             return
         vocab = self.info.vocab_size
-        if any(t >= vocab for t in allowed):
+        if len(allowed) > vocab or any(t >= vocab for t in allowed):
             message = f"allowed_token_ids must be token ids in [0, {vocab})"
             raise TierserveError(message, "allowed_token_ids")
         stops = {*params.stop_token_ids, *(() if params.ignore_eos else self.info.eos_token_ids)}
@@ -94,16 +94,25 @@ class RequestPreparer:
                 field=field,
             )
 
-    def _encode(self, prompt: str | list[int], truncate: int | None = None) -> list[int]:
-        """The prompt's ids; with `truncate` (vLLM's truncate_prompt_tokens), its last ones."""
-        ids = self._ids_of(prompt, bounded=truncate is None)
-        if truncate is not None:
-            return ids[-(self.context_length if truncate == -1 else truncate) :]
-        return ids
+    def _kept_tokens(self, params: SamplingParams) -> int | None:
+        """vLLM's truncate_prompt_tokens as a count: -1 keeps what the context holds beside the
+        tokens to generate (max_tokens, or one), so that the request always runs."""
+        keep = params.truncate_prompt_tokens
+        if keep != -1:
+            return keep
+        return max(1, self.context_length - (params.max_tokens or 1))
+
+    def _encode(self, prompt: str | list[int], keep: int | None = None) -> list[int]:
+        """The prompt's ids; with `keep` (vLLM's truncate_prompt_tokens), its last ones."""
+        if isinstance(prompt, str) and keep is not None:
+            # Only the text's end is read: past `keep` tokens' worth of characters (and a
+            # margin for the cut's effect on the first tokens) it could only be dropped.
+            prompt = prompt[-(keep + 64) * MAX_CHARS_PER_TOKEN :]
+        ids = self._ids_of(prompt, bounded=keep is None)
+        return ids if keep is None else ids[-keep:]
 
     def _ids_of(self, prompt: str | list[int], bounded: bool) -> list[int]:
-        """`bounded`: text no context could hold is refused before it is tokenized (a prompt
-        to truncate is cut after; the body's size bounds it)."""
+        """`bounded`: text no context could hold is refused before it is tokenized."""
         if isinstance(prompt, str):
             if not prompt:
                 raise TierserveError("prompt is empty", field="prompt")

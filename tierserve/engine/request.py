@@ -40,6 +40,8 @@ class Request:
     num_preemptions: int = 0
     prompt_text: str | None = None  # the prompt as sent, when it was text
     grammar: GrammarState | None = None  # with params.structured_output
+    # params.allowed_token_ids as a tensor, made at its first step (layers/sampler.py).
+    allowed_ids: torch.Tensor | None = None
     # The message it was made from: rank 0 forwards it to the other ranks as it came.
     message: AddRequest | None = None
     # Logprobs of prompt tokens 1.. as their positions are computed (prompt_logprobs asked).

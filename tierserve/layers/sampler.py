@@ -55,6 +55,7 @@ class History(Protocol):
     output_ids: list[int]
     stop_ids: frozenset[int]
     grammar: Constraint | None
+    allowed_ids: torch.Tensor | None  # SamplingParams.allowed_token_ids, once made
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -95,7 +96,9 @@ def adjust_logits(row: torch.Tensor, p: SamplingParams, h: History) -> None:
     then the grammar."""
     device = row.device
     if p.allowed_token_ids is not None:
-        allowed = torch.tensor(p.allowed_token_ids, device=device)
+        if h.allowed_ids is None:  # once per request: a long list took ms every step
+            h.allowed_ids = torch.tensor(p.allowed_token_ids, device=device)
+        allowed = h.allowed_ids
         kept = row[allowed]
         row.fill_(float("-inf"))
         row[allowed] = kept

@@ -191,7 +191,7 @@ class AsyncEngine:
         if req.rid in self._streams:
             raise TierserveError(f"request id {req.rid!r} is already in flight", "request_id")
         outputs = PendingOutputs(self.stream_interval)
-        builder = OutputBuilder(req, self.tokenizer)
+        builder = OutputBuilder(req, self.tokenizer, frozenset(self.info.eos_token_ids))
         self._streams[req.rid] = Stream(asyncio.get_running_loop(), outputs, builder)
         # The reader sets `error` before it fails every registered stream: checked after
         # registering, a request either is failed by the reader or sees the error here.

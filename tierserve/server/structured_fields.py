@@ -80,8 +80,11 @@ class StructuredOutputs(BaseModel):
 def _one(kind: str, value: Any) -> StructuredOutput:
     if kind == "json":
         return StructuredOutput.json(value)
-    if kind == "choice":  # one of the strings, exactly: an EBNF of their literals
-        return StructuredOutput("ebnf", "root ::= " + " | ".join(map(json.dumps, value)))
+    if kind == "choice":  # one of the strings, exactly: an EBNF of their literals, written
+        # as JSON writes them but for characters past the BMP, which a \u escape would write
+        # as a surrogate pair that xgrammar reads as two lone halves
+        literals = (json.dumps(s, ensure_ascii=False) for s in value)
+        return StructuredOutput("ebnf", "root ::= " + " | ".join(literals))
     if kind == "json_object":
         if not value:
             raise TierserveError("structured_outputs.json_object must be true", "json_object")
