@@ -247,7 +247,8 @@ def test_bad_structured_requests_are_400s(llama_dir, client, extra):
 
 def test_vllms_structured_outputs_give_the_grammar_their_twins_give(llama_dir, client):
     """vLLM's `structured_outputs` names the same grammars as response_format, regex and
-    ebnf: the same sampled text for the same seed; `choice` is one of its strings, exactly."""
+    ebnf (its `grammar` in Lark's syntax too, as vLLM's xgrammar backend takes it): the same
+    sampled text for the same seed; `choice` is one of its strings, exactly."""
     kw = dict(model=llama_dir.name, prompt="x:", max_tokens=200, temperature=1.0)
     ebnf = 'root ::= "(" item (", " item)* ")"\nitem ::= [0-9] | "x"'
     twins = [
@@ -257,6 +258,7 @@ def test_vllms_structured_outputs_give_the_grammar_their_twins_give(llama_dir, c
             "type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}}),
         ({"regex": CODE}, {"regex": CODE}),
         ({"grammar": ebnf}, {"ebnf": ebnf}),
+        ({"grammar": 'start: "(" item (", " item)* ")"\nitem: /[0-9]/ | "x"'}, {"ebnf": ebnf}),
         ({"json_object": True}, {"response_format": {"type": "json_object"}}),
     ]  # fmt: skip
     for seed, (vllm, twin) in enumerate(twins):

@@ -23,15 +23,17 @@ MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 
 
 STRUCTURED_KINDS = (
-    "json_schema", "json_object", "regex", "ebnf", "structural_tag", "builtin_structural_tag",
+    "json_schema", "json_object", "regex", "ebnf", "lark", "structural_tag",
+    "builtin_structural_tag",
 )  # fmt: skip
 
 
 @dataclass(frozen=True)
 class StructuredOutput:
     """A grammar the output must follow: OpenAI's json_schema and json_object, SGLang's regex
-    and ebnf, xgrammar's structural tags. `source` is the schema as JSON text, the regex, the
-    EBNF ("" for json_object), the structural tag as JSON, or for builtin_structural_tag the
+    and ebnf, a Lark grammar (vLLM's structured_outputs.grammar takes either), xgrammar's
+    structural tags. `source` is the schema as JSON text, the regex, the EBNF or Lark grammar
+    ("" for json_object), the structural tag as JSON, or for builtin_structural_tag the
     keyword arguments of xgrammar's `get_builtin_structural_tag` as a JSON object (a model
     family's tool-call format: server/tools.py), which the compile expands."""
 

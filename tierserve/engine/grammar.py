@@ -214,6 +214,7 @@ def compile_spec(compiler: Any, spec: StructuredOutput) -> Any:
         "json_object": lambda: compiler.compile_grammar(_json_object_ebnf()),
         "regex": lambda: compiler.compile_regex(spec.source),
         "ebnf": lambda: compiler.compile_grammar(spec.source),
+        "lark": lambda: compiler.compile_lark(spec.source),
         "structural_tag": lambda: compiler.compile_structural_tag(spec.source),
         "builtin_structural_tag": lambda: compiler.compile_structural_tag(_builtin(spec.source)),
     }

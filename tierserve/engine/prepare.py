@@ -100,7 +100,8 @@ class RequestPreparer:
         keep = params.truncate_prompt_tokens
         if keep != -1:
             return keep
-        return max(1, self.context_length - (params.max_tokens or 1))
+        room = min(self.context_length, self._pool_tokens)  # as _room_after counts it
+        return max(1, room - (params.max_tokens or 1))
 
     def _encode(self, prompt: str | list[int], keep: int | None = None) -> list[int]:
         """The prompt's ids; with `keep` (vLLM's truncate_prompt_tokens), its last ones."""

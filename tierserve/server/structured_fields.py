@@ -89,4 +89,6 @@ def _one(kind: str, value: Any) -> StructuredOutput:
         if not value:
             raise TierserveError("structured_outputs.json_object must be true", "json_object")
         return StructuredOutput("json_object")
-    return StructuredOutput({"grammar": "ebnf"}.get(kind, kind), value)
+    if kind == "grammar":  # GBNF's rules are `name ::= ...`, Lark's `name: ...`
+        return StructuredOutput("ebnf" if "::=" in value else "lark", value)
+    return StructuredOutput(kind, value)
