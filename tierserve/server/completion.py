@@ -67,12 +67,13 @@ class Completion:
         self.id = request_id or new_id(prefix)
         self.created = now()
         self._text, self._ids = "", []  # a /generate stream's output so far
-        self.logprobs = params is not None and params.logprobs is not None
-        self._echo_k = params.logprobs if params is not None else None
+        self._logprobs_k = params.logprobs if params is not None else None
+        self.logprobs = self._logprobs_k is not None
         self._offsets: dict[int, int] = {}  # per choice: characters streamed so far
-        self._echoes: dict[tuple[int, ...], dict[str, Any]] = {}  # a prompt's echo logprobs
         self.prompt_logprobs: int | None = getattr(body, "prompt_logprobs", None)  # vLLM's
-        self._prompt_scores: dict[tuple[int, ...], list[Any]] = {}  # a prompt's, formatted
+        # Per prompt, what its choices share: the echo's logprobs, vLLM's prompt_logprobs.
+        self._echoes: dict[tuple[int, ...], Any] = {}
+        self._prompt_scores: dict[tuple[int, ...], Any] = {}
         self.make_reply = make_reply
         self._replies: dict[int, Reply] = {}  # per streamed choice
 
@@ -150,14 +151,10 @@ class Completion:
         return fields
 
     def _scored_prompt(self, out: RequestOutput) -> list[Any]:
-        """vLLM's prompt_logprobs of the output's prompt: its first choice's scores, shared by
-        the prompt's other choices (choices.jobs asks that one alone for them)."""
-        key = tuple(out.prompt_token_ids)
-        if out.prompt_logprobs is not None or key not in self._prompt_scores:
-            k = self.prompt_logprobs or 0
-            lps = out.prompt_logprobs or []
-            self._prompt_scores[key] = prompt_logprobs(self.engine.tokenizer, list(key), lps, k)
-        return self._prompt_scores[key]
+        """vLLM's prompt_logprobs of the output's prompt."""
+        ids, k = out.prompt_token_ids, self.prompt_logprobs or 0
+        make = lambda lps: prompt_logprobs(self.engine.tokenizer, ids, lps, k)  # noqa: E731
+        return _per_prompt(self._prompt_scores, out, make)
 
     def whole_choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
         echo_text, echo_logprobs = self._echoed(out, index)
@@ -193,13 +190,12 @@ class Completion:
         text = out.prompt if out.prompt is not None else tokenizer.decode(ids)
         if not self.logprobs:
             return text, None
-        # A prompt's n choices share one body, never changed (join copies), made from its
-        # first choice's scores, which come first (choices.jobs asks that one alone for them).
-        key = tuple(ids)
-        if out.prompt_logprobs is not None or key not in self._echoes:
-            lps = fewer_alternatives(out.prompt_logprobs or [], self._echo_k or 0)
-            self._echoes[key] = completion_logprobs(tokenizer, lps, 0, lead=ids[0])
-        body = self._echoes[key]
+
+        def make(lps: list[TokenLogprob]) -> dict[str, Any]:
+            lps = fewer_alternatives(lps, self._logprobs_k or 0)
+            return completion_logprobs(tokenizer, lps, 0, lead=ids[0])
+
+        body = _per_prompt(self._echoes, out, make)  # never changed: join copies
         self._offsets[index] = sum(map(len, body["tokens"]))
         return text, body
 
@@ -282,6 +278,19 @@ class Completion:
 
     def chunk_object(self) -> str:
         return "chat.completion.chunk" if self.kind == "chat.completion" else self.kind
+
+
+def _per_prompt(
+    cache: dict[tuple[int, ...], Any],
+    out: RequestOutput,
+    make: Callable[[list[TokenLogprob]], Any],
+) -> Any:
+    """What a prompt's n choices share, made once from its first choice's scores, which come
+    first (choices.jobs asks that one alone for them)."""
+    key = tuple(out.prompt_token_ids)
+    if out.prompt_logprobs is not None or key not in cache:
+        cache[key] = make(out.prompt_logprobs or [])
+    return cache[key]
 
 
 async def off_the_loop(body: Callable[[], dict[str, Any]]) -> Response:

@@ -55,14 +55,10 @@ class VllmNames(Collector):
             if source in by_name:
                 yield self._one(name, kind, sum(v for _, v in by_name[source].samples))
         used, capacity = (
-            by_name.get(n) for n in ("tierserve_kv_pages_used", "tierserve_kv_pages_capacity")
+            _device(by_name.get(f"tierserve_kv_pages_{n}")) for n in ("used", "capacity")
         )
         if used is not None and capacity is not None:
-            device = [
-                dict((tuple(v), x) for v, x in f.samples).get(("device",), 0.0)
-                for f in (used, capacity)
-            ]
-            usage = device[0] / device[1] if device[1] else 0.0
+            usage = used / capacity if capacity else 0.0
             yield self._one(
                 "vllm:kv_cache_usage_perc",
                 "gauge",
@@ -101,3 +97,10 @@ class VllmNames(Collector):
                 labels = {**dict(zip(LABELS, self.labels, strict=True)), **sample.labels}
                 view.add_sample(name + suffix, labels, sample.value)
             yield view
+
+
+def _device(family: MetricFamily | None) -> float | None:
+    """A per-tier family's device sample (None: the family is not in this scrape)."""
+    if family is None:
+        return None
+    return next((value for labels, value in family.samples if list(labels) == ["device"]), 0.0)
