@@ -533,7 +533,7 @@ def test_a_field_sent_as_null_takes_its_default(server):
     ("route", "field", "value"),
     [
         ("/v1/completions", "guided_choice", ["yes", "no"]),
-        ("/v1/completions", "bad_words", ["the"]),
+        ("/v1/completions", "return_tokens_as_token_ids", True),
         ("/v1/completions", "use_beam_search", True),
         ("/v1/completions", "cache_salt", "tenant-a"),
         ("/v1/completions", "top_logprobs", 3),
@@ -1001,6 +1001,56 @@ def test_stop_reason_and_include_stop_str_in_output_as_vllm(client):
     said = client.chat.completions.create(**chat).choices[0].message.content
     got = client.chat.completions.create(**chat, stop=[said[2:5]]).choices[0]
     assert (got.message.content, got.stop_reason) == (said[: said.index(said[2:5])], said[2:5])
+
+
+def _holds(seq: list[int], part: list[int]) -> bool:
+    return any(seq[i : i + len(part)] == part for i in range(len(seq) - len(part) + 1))
+
+
+def test_bad_words_are_never_generated_as_vllm_bans_them(client, llama_dir):
+    """vLLM's bad_words (refused before): a word's last token is banned wherever the output
+    ends with its tokens before it, so greedy output keeps its first tokens and turns at its
+    last; a banned token stays banned against a +100 logit_bias, greedy or sampled."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(llama_dir)
+
+    def ids(text: str) -> list[int]:
+        return tok(text, add_special_tokens=False).input_ids
+
+    kw = dict(model="llama", prompt="The server", max_tokens=24, temperature=0)
+    plain = dict(extra_body={"return_token_ids": True, "ignore_eos": True})
+    base = client.completions.create(**kw, **plain).choices[0].token_ids
+    # a two-token word of the output whose text tokenizes to just those two tokens
+    i = next(i for i in range(len(base) - 1) if ids(tok.decode(base[i : i + 2])) == base[i : i + 2])
+    word = tok.decode(base[i : i + 2])
+    extra = {"return_token_ids": True, "ignore_eos": True, "bad_words": [word]}
+    got = client.completions.create(**kw, extra_body=extra).choices[0].token_ids
+    first = next(j for j in range(len(base) - 1) if base[j : j + 2] == base[i : i + 2])
+    assert got[: first + 1] == base[: first + 1] and got[first + 1] != base[first + 1]
+    assert not _holds(got, base[i : i + 2])
+    one = next(t for t in base if ids(tok.decode([t])) == [t])  # a word of one token
+    for temperature, seed in ((0, None), (1.0, 5), (1.0, 6)):
+        extra = {"return_token_ids": True, "bad_words": [tok.decode([one])],
+                 "logit_bias": {str(one): 100}}  # fmt: skip
+        got = client.completions.create(
+            **{**kw, "temperature": temperature}, seed=seed, extra_body=extra
+        ).choices[0]
+        assert got.finish_reason == "length" and one not in got.token_ids
+    chat = client.chat.completions.create(
+        model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+        extra_body={"bad_words": [word]},
+    )  # fmt: skip
+    assert chat.choices[0].finish_reason in ("stop", "length")
+    url = f"{client.base_url}completions"
+    for bad, says in (
+        ([""], "empty"), (["  "], "blank"), ("the", "bad_words"),
+        (["w"] * 3 + [f"w{k}" for k in range(200)], "at most 128"), (["\ud800"], "surrogate"),
+    ):  # fmt: skip
+        body = json.dumps({"prompt": "x", "max_tokens": 4, "bad_words": bad})  # ASCII: "\ud800"
+        reply = http.post(url, content=body, headers={"content-type": "application/json"})
+        assert reply.status_code == 400 and says in reply.json()["error"]["message"], reply.text
+    assert SamplingParams(bad_words=["a", "b", "a"]).bad_words == ("a", "b")
 
 
 def test_allowed_token_ids_and_truncate_prompt_tokens_as_vllm(client):

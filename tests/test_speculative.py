@@ -106,20 +106,28 @@ def test_greedy_outputs_are_token_identical_with_ngram_drafts(checkpoints, famil
 
 
 def test_penalised_and_biased_requests_are_drafted_for_with_each_rows_own_history():
-    """Presence, frequency and repetition penalties, logit_bias and min_tokens adjust every
-    draft row as plain decoding would have at that token: greedy outputs equal, and drafts
-    were verified and kept."""
+    """Presence, frequency and repetition penalties, logit_bias, min_tokens and bad words
+    adjust every draft row as plain decoding would have at that token: greedy outputs equal,
+    and drafts were verified and kept."""
     prompts = [p for p, _ in _workload(seed=4)[:3]]  # motifs the demo model continues
     # Penalties light enough that the output still repeats itself, so drafts get kept.
     kinds = [
         {"repetition_penalty": 1.02}, {"frequency_penalty": 0.02, "presence_penalty": 0.02},
         {"min_tokens": 12, "logit_bias": ((prompts[0][3], 0.5), (prompts[0][5], -0.5))},
     ]  # fmt: skip
+    reference = LLM(str(DEMO), max_total_tokens=2048)
+    greedy = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    unbanned = reference.generate([prompts[0]], greedy)[0].token_ids
+    banned = unbanned[1:3]  # a pair of its output's first tokens, banned
+    kinds.append({"bad_words_token_ids": (tuple(banned),)})
+    prompts.append(prompts[0])
     params = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, **k) for k in kinds]
-    plain = LLM(str(DEMO), max_total_tokens=2048).generate(prompts, params)
+    plain = reference.generate(prompts, params)
     llm = LLM(str(DEMO), max_total_tokens=2048, speculative_algorithm="NGRAM")
     spec = llm.generate(prompts, params)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert spec[3].token_ids[:2] == unbanned[:2] != spec[3].token_ids[1:3]
+    assert not any(spec[3].token_ids[i : i + 2] == banned for i in range(39))
     assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 

@@ -18,6 +18,10 @@ MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 300  # OpenAI's limit on logit_bias entries
 MAX_ALLOWED_TOKEN_IDS = 1 << 18  # past the largest vocabularies (~256K); prepare.py: ≤ vocab
+# vLLM's bounds on bad_words (VLLM_MAX_NUM_BAD_WORDS, VLLM_MAX_BAD_WORDS_TOTAL_TOKENS): token
+# sequences after tokenization, and their tokens in all; the words themselves as stop strings.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORDS_TOKENS = 1024
 MAX_SAMPLES = 128  # n: bounded work per prompt (the server's bound on a request's choices)
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 
@@ -92,6 +96,11 @@ class SamplingParams:
     allowed_token_ids: tuple[int, ...] | None = None
     # vLLM's: the prompt's last k tokens only (-1: as many as the context holds); None: all.
     truncate_prompt_tokens: int | None = None
+    # vLLM's: words never generated. The engine tokenizes each, as the text's start and after a
+    # space, into `bad_words_token_ids` (engine/prepare.py); the sampler bans a sequence's last
+    # token wherever the output ends with the tokens before it.
+    bad_words: tuple[str, ...] | None = None
+    bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None
     # Samples of the prompt (vLLM's offline `n`: LLM.generate runs each as a request of its
     # own, `sample(i)`; the server's `n` is the request body's).
     n: int = 1
@@ -103,6 +112,14 @@ class SamplingParams:
         if isinstance(self.allowed_token_ids, list | tuple):  # each once, in order
             object.__setattr__(
                 self, "allowed_token_ids", tuple(dict.fromkeys(self.allowed_token_ids))
+            )
+        if isinstance(self.bad_words, str):
+            object.__setattr__(self, "bad_words", (self.bad_words,))
+        if isinstance(self.bad_words, list | tuple):  # each once, in order (vLLM's)
+            object.__setattr__(self, "bad_words", tuple(dict.fromkeys(self.bad_words)))
+        if isinstance(self.bad_words_token_ids, list | tuple):
+            object.__setattr__(
+                self, "bad_words_token_ids", tuple(map(tuple, self.bad_words_token_ids))
             )
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name) or ()
@@ -162,6 +179,7 @@ class SamplingParams:
             if self.structured_output is not None:  # the two masks could leave no token
                 message = "allowed_token_ids with a structured output is not supported"
                 raise TierserveError(message, "allowed_token_ids")
+        self._validate_bad_words()
         if not 1 <= self.n <= MAX_SAMPLES:
             raise TierserveError(f"n must be in [1, {MAX_SAMPLES}], got {self.n}", "n")
         k = self.truncate_prompt_tokens
@@ -170,6 +188,36 @@ class SamplingParams:
         ):
             message = f"truncate_prompt_tokens must be >= 1 or -1, got {k!r}"
             raise TierserveError(message, "truncate_prompt_tokens")
+
+    def _validate_bad_words(self) -> None:
+        words = self.bad_words
+        if words is not None:
+            if not isinstance(words, tuple) or not all(isinstance(w, str) for w in words):
+                raise TierserveError("bad_words must be a list of strings", "bad_words")
+            if any(not w.strip() for w in words):
+                raise TierserveError("bad_words cannot hold an empty or blank word", "bad_words")
+            if not all(w.isascii() or encodes_utf8(w) for w in words):
+                message = "bad_words hold a lone UTF-16 surrogate, which UTF-8 cannot encode"
+                raise TierserveError(message, "bad_words")
+            if len(words) > MAX_BAD_WORDS or any(len(w) > MAX_STOP_CHARS for w in words):
+                message = f"at most {MAX_BAD_WORDS} bad_words of {MAX_STOP_CHARS} characters each"
+                raise TierserveError(message, "bad_words")
+        seqs = self.bad_words_token_ids
+        if seqs is None:
+            return
+        ok = isinstance(seqs, tuple) and all(
+            s and all(not isinstance(t, bool) and isinstance(t, int) and t >= 0 for t in s)
+            for s in seqs
+        )
+        if not ok:
+            message = "bad_words_token_ids must be non-empty lists of token ids"
+            raise TierserveError(message, "bad_words")
+        if len(seqs) > MAX_BAD_WORDS or sum(map(len, seqs)) > MAX_BAD_WORDS_TOKENS:
+            message = (
+                f"bad_words make {len(seqs)} token sequences of {sum(map(len, seqs))} tokens; "
+                f"at most {MAX_BAD_WORDS} of {MAX_BAD_WORDS_TOKENS} in all"
+            )
+            raise TierserveError(message, "bad_words")
 
     def _check_types(self) -> None:
         """Wrong types and NaN fail here, with the field's name, not deep inside a batch."""
@@ -252,6 +300,7 @@ class SamplingParams:
             or self.logit_bias
             or self.structured_output
             or self.allowed_token_ids is not None
+            or self.bad_words_token_ids
         )
 
     def sample(self, i: int) -> SamplingParams:
@@ -289,3 +338,13 @@ def _token_id(key: object) -> int:
     if isinstance(key, str) and key.isascii() and key.isdigit():
         return int(key)
     raise TierserveError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+
+
+def encodes_utf8(text: str) -> bool:
+    """Whether UTF-8 can encode `text`: not with a lone UTF-16 surrogate ("\\ud800"), which a
+    JSON body can carry and no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True

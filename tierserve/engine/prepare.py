@@ -16,7 +16,7 @@ from typing import Any
 from tierserve.engine.grammar import Grammars
 from tierserve.errors import StorageFull, TierserveError
 from tierserve.messages import AddRequest, CoreInfo
-from tierserve.sampling_params import SamplingParams
+from tierserve.sampling_params import SamplingParams, encodes_utf8
 from tierserve.sizing import pages_for
 from tierserve.units import format_bytes
 
@@ -61,6 +61,8 @@ class RequestPreparer:
                 )
                 raise TierserveError(message, field="min_tokens")
             params = dataclasses.replace(params, max_tokens=room)
+        if params.bad_words:
+            params = dataclasses.replace(params, bad_words_token_ids=self._bad_words_ids(params))
         self._validate(prompt_ids, params)
         if params.return_hidden_states is not False:  # a request that writes no file needs no room
             self._check_hidden_states_room(len(prompt_ids))
@@ -83,6 +85,23 @@ class RequestPreparer:
         if params.min_tokens and stops.issuperset(allowed):  # min_tokens bans each of them
             message = "min_tokens can never be met: allowed_token_ids holds only stop tokens"
             raise TierserveError(message, "allowed_token_ids")
+
+    def _bad_words_ids(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """vLLM's reading of bad_words: each word's tokens as the text's start, and after a
+        space where that form starts with another token and is as long (a word of its own
+        there, not a piece of the one before); a word without tokens is refused."""
+        tokenizer = self._tokenizer()
+        seqs: list[tuple[int, ...]] = []
+        for word in params.bad_words or ():
+            plain = tuple(tokenizer(word.lstrip(), add_special_tokens=False).input_ids)
+            if not plain:
+                message = f"bad word {word!r} is no token of this tokenizer"
+                raise TierserveError(message, "bad_words")
+            seqs.append(plain)
+            spaced = tuple(tokenizer(" " + word.lstrip(), add_special_tokens=False).input_ids)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                seqs.append(spaced)
+        return tuple(seqs)  # bounded by SamplingParams: replace() validates them again
 
     def check_text_length(self, chars: int, field: str) -> None:
         """Refuse text no context could hold before tokenizing it."""
@@ -122,7 +141,7 @@ class RequestPreparer:
             try:
                 return self._tokenizer()(prompt).input_ids
             except TypeError:  # what tokenizers says of a lone UTF-16 surrogate ("\ud800")
-                if not _encodes(prompt):
+                if not encodes_utf8(prompt):
                     message = "prompt holds a lone UTF-16 surrogate, which UTF-8 cannot encode"
                     raise TierserveError(message, field="prompt") from None
                 raise
@@ -185,6 +204,9 @@ class RequestPreparer:
             message = f"stop_token_ids must be token ids in [0, {vocab})"
             raise TierserveError(message, "stop_token_ids")
         self._check_allowed(params)
+        if any(t >= vocab for seq in params.bad_words_token_ids or () for t in seq):
+            message = f"bad_words must be tokens of this model's vocabulary of {vocab}"
+            raise TierserveError(message, "bad_words")
         total = len(prompt_ids) + params.max_tokens
         if total > self.context_length:
             raise TierserveError(
@@ -198,11 +220,3 @@ class RequestPreparer:
                 f" exceeds the KV pool of {self._pool_tokens} tokens",
                 field="max_tokens",
             )
-
-
-def _encodes(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True

@@ -92,8 +92,8 @@ def sample(
 
 
 def adjust_logits(row: torch.Tensor, p: SamplingParams, h: History) -> None:
-    """In place, in vLLM's order: allowed_token_ids, min_tokens, logit_bias, the penalties,
-    then the grammar."""
+    """In place, in vLLM's order: allowed_token_ids, bad_words, min_tokens, logit_bias, the
+    penalties, then the grammar."""
     device = row.device
     if p.allowed_token_ids is not None:
         if h.allowed_ids is None:  # once per request: a long list took ms every step
@@ -102,6 +102,10 @@ def adjust_logits(row: torch.Tensor, p: SamplingParams, h: History) -> None:
         kept = row[allowed]
         row.fill_(float("-inf"))
         row[allowed] = kept
+    if p.bad_words_token_ids:
+        banned = banned_by_words(p.bad_words_token_ids, h.output_ids)
+        if banned:
+            row[torch.tensor(banned, device=device)] = float("-inf")
     banned_stops = p.min_tokens and len(h.output_ids) < p.min_tokens and h.stop_ids
     if banned_stops:
         stops = torch.tensor(sorted(h.stop_ids), device=device)
@@ -126,6 +130,17 @@ def adjust_logits(row: torch.Tensor, p: SamplingParams, h: History) -> None:
             # and with it every request of the server.
             ends = h.stop_ids or h.grammar.stop_ids or (0,)
             row[torch.tensor(sorted(ends), device=device)] = 0.0
+
+
+def banned_by_words(words: Sequence[tuple[int, ...]], output_ids: Sequence[int]) -> list[int]:
+    """vLLM's bad_words: each token sequence's last token, where the output so far ends with
+    the tokens before it (a one-token word: always). The prompt is not looked at, as in vLLM."""
+    banned = []
+    for ids in words:
+        before = len(ids) - 1
+        if before == 0 or (before <= len(output_ids) and tuple(output_ids[-before:]) == ids[:-1]):
+            banned.append(ids[-1])
+    return banned
 
 
 def filtered_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:

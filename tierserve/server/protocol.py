@@ -19,6 +19,7 @@ from pydantic import (
     Field,
     StrictBool,
     StrictInt,
+    StrictStr,
     model_validator,
 )
 
@@ -74,6 +75,7 @@ class SamplingKnobs(TextBody):
     include_stop_str_in_output: StrictBool = False  # vLLM's
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's
     truncate_prompt_tokens: StrictInt | None = None  # vLLM's
+    bad_words: list[StrictStr] | None = None  # vLLM's
 
     def _structured(self, given: StructuredOutput | None) -> StructuredOutput | None:
         """At most one grammar: `given` (the route's own field), SGLang's regex or ebnf, or
@@ -112,6 +114,7 @@ class SamplingKnobs(TextBody):
             include_stop_str_in_output=self.include_stop_str_in_output,
             allowed_token_ids=self.allowed_token_ids,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            bad_words=self.bad_words,
         )
 
 

@@ -18,7 +18,6 @@ UNSUPPORTED_FIELDS = frozenset(
         # vLLM's sampling extensions
         "use_beam_search",
         "length_penalty",
-        "bad_words",
         "logits_processors",
         "return_tokens_as_token_ids",
         "prompt_embeds",
