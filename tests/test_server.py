@@ -1037,11 +1037,13 @@ def test_bad_words_are_never_generated_as_vllm_bans_them(client, llama_dir):
             **{**kw, "temperature": temperature}, seed=seed, extra_body=extra
         ).choices[0]
         assert got.finish_reason == "length" and one not in got.token_ids
-    chat = client.chat.completions.create(
-        model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
-        extra_body={"bad_words": [word]},
-    )  # fmt: skip
-    assert chat.choices[0].finish_reason in ("stop", "length")
+    chat = dict(model="llama", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    pushed = {"return_token_ids": True, "logit_bias": {str(one): 100}}
+    said = client.chat.completions.create(**chat, extra_body=pushed).choices[0]
+    assert said.token_ids == [one] * 4
+    banned = {**pushed, "bad_words": [tok.decode([one])]}
+    said = client.chat.completions.create(**chat, extra_body=banned).choices[0]
+    assert said.token_ids and one not in said.token_ids
     url = f"{client.base_url}completions"
     for bad, says in (
         ([""], "empty"), (["  "], "blank"), ("the", "bad_words"),

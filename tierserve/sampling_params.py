@@ -117,10 +117,9 @@ class SamplingParams:
             object.__setattr__(self, "bad_words", (self.bad_words,))
         if isinstance(self.bad_words, list | tuple):  # each once, in order (vLLM's)
             object.__setattr__(self, "bad_words", tuple(dict.fromkeys(self.bad_words)))
-        if isinstance(self.bad_words_token_ids, list | tuple):
-            object.__setattr__(
-                self, "bad_words_token_ids", tuple(map(tuple, self.bad_words_token_ids))
-            )
+        seqs = self.bad_words_token_ids
+        if isinstance(seqs, list | tuple) and all(isinstance(s, list | tuple) for s in seqs):
+            object.__setattr__(self, "bad_words_token_ids", tuple(map(tuple, seqs)))
         for name in ("stop", "stop_token_ids"):
             value = getattr(self, name) or ()
             if not isinstance(value, list | tuple):
@@ -206,7 +205,9 @@ class SamplingParams:
         if seqs is None:
             return
         ok = isinstance(seqs, tuple) and all(
-            s and all(not isinstance(t, bool) and isinstance(t, int) and t >= 0 for t in s)
+            isinstance(s, tuple)
+            and s
+            and all(not isinstance(t, bool) and isinstance(t, int) and t >= 0 for t in s)
             for s in seqs
         )
         if not ok:
