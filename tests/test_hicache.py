@@ -285,6 +285,8 @@ def test_a_pool_bigger_than_ram_is_refused_with_what_fits(llama_dir):
     [
         ["--enable-hierarchical-cache", "--hicache-ratio", "nan"],
         ["--enable-hierarchical-cache", "--hicache-size", "1e400"],
+        ["--enable-hierarchical-cache", "--hicache-size", "1e999999"],  # was exit 1, a traceback
+        ["--enable-hierarchical-cache", "--hicache-size", "1KB"],  # "too small", not "does not fit"
         ["--max-total-tokens", "10000000000"],
     ],
 )

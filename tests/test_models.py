@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -336,6 +337,89 @@ def test_a_config_of_no_size_or_past_any_model_is_refused(change, field):
     with pytest.raises(TierserveError) as err:
         ModelConfig.from_dict({**config, **change})
     assert err.value.field == field
+
+
+def _broken_copy(source: Path, into: Path, change: Callable[[dict], None]) -> Path:
+    """A copy of `source` whose tensors `change` edits in place (a dict of them)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, into)
+    state = load_file(str(into / "model.safetensors"))
+    change(state)
+    save_file(state, str(into / "model.safetensors"))
+    return into
+
+
+def test_checkpoints_that_served_garbage_or_failed_a_step_are_refused_by_name(
+    checkpoints, tmp_path
+):
+    """A NaN weight served until the first sampled token failed the engine step (503, the
+    server gone); an embedding longer than vocab_size was cut to fit and served garbage; a
+    tokenizer of more ids than the model's embedding failed the step that embedded one. A
+    sharded checkpoint's unreadable index was a JSONDecodeError or a KeyError."""
+    import json
+
+    from tierserve import TierserveError
+
+    llama = checkpoints["llama"]
+    name = "model.layers.1.self_attn.q_proj.weight"
+    nan = _broken_copy(llama, tmp_path / "nan", lambda s: s[name].view(-1)[7].fill_(math.nan))
+    with pytest.raises(TierserveError, match=f"{name} holds NaN or infinite values"):
+        LLM(str(nan), max_total_tokens=256)
+    embed = "model.embed_tokens.weight"
+
+    def longer(state: dict) -> None:
+        state[embed] = torch.cat([state[embed], state[embed][:8]])
+
+    wide = _broken_copy(llama, tmp_path / "wide", longer)
+    with pytest.raises(TierserveError, match="misshapen") as err:
+        LLM(str(wide), max_total_tokens=256)
+    assert embed in err.value.message
+    # A model of 300 tokens whose tokenizer (the suite's) has more: a text of merged words
+    # tokenizes past it, and is refused; ids within it still run.
+    vocab = 300
+
+    def smaller(state: dict) -> None:
+        for key in (embed, "lm_head.weight"):
+            if key in state:
+                state[key] = state[key][:vocab].clone()
+
+    small = _broken_copy(llama, tmp_path / "small", smaller)
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "vocab_size": vocab}))
+    llm = LLM(str(small), max_total_tokens=256)
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    with pytest.raises(TierserveError, match="past the model's vocab_size of 300") as err:
+        llm.generate(["the server answers the request"], greedy)
+    assert err.value.field == "prompt"
+    assert len(llm.generate([[5, 9, 200]], greedy)[0].token_ids) == 2
+    llm.close()
+    index = small / "model.safetensors.index.json"
+    for text, says in (("{not json", "JSONDecodeError"), ('{"metadata": {}}', "weight_map")):
+        index.write_text(text)
+        with pytest.raises(TierserveError, match=f"cannot read {index}.*{says}"):
+            LLM(str(small), max_total_tokens=256)
+
+
+def test_a_config_without_a_vocabulary_is_one_line_and_exit_2_even_in_a_dry_run(tmp_path):
+    """It was exit 1 with oneDNN's traceback from packing a head of no rows, and the dry run
+    said it would start."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    model = tmp_path / "novocab"
+    shutil.copytree(default_model(), model)
+    config = json.loads((model / "config.json").read_text())
+    del config["vocab_size"]
+    (model / "config.json").write_text(json.dumps(config))
+    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(model), "--dry-run"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "model config lacks 'vocab_size'" in done.stderr.strip().splitlines()[-1]
 
 
 def test_a_truncated_checkpoint_is_refused_before_and_at_load(tmp_path):

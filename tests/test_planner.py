@@ -399,7 +399,10 @@ def test_parse_size(text: str, expected: int) -> None:
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize(("text", "message"), [("-5GB", "negative"), ("abc", "cannot read")])
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("-5GB", "negative"), ("abc", "cannot read"), ("1e999999", "over 1 EB")],  # Decimal's Overflow
+)
 def test_parse_size_rejects(text: str, message: str) -> None:
     with pytest.raises(TierserveError, match=message):
         parse_size(text, field="host_mem")

@@ -8,7 +8,7 @@ binary units (GiB) must be written out.
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal, InvalidOperation, Overflow
 
 from tierserve.errors import TierserveError
 
@@ -52,6 +52,8 @@ def parse_size(text: str | int | float, field: str = "size") -> int:
         size = int(Decimal(match["number"]) * UNITS[unit.lower()])
     except InvalidOperation as err:
         raise TierserveError(f"cannot read {field} {text!r}: {_EXAMPLES}", field=field) from err
+    except (Overflow, OverflowError):  # past Decimal's exponents ("1e999999"): past 1 EB too
+        size = MAX_SIZE + 1
     if size > MAX_SIZE:  # past any machine; also keeps every later float division finite
         raise TierserveError(f"{field} {text!r} is over 1 EB: {_EXAMPLES}", field=field)
     return size

@@ -50,7 +50,8 @@ def size_host_tier(
     )
     requested = sizing.bytes_per_node
     if requested > budget.usable or sizing.tokens_per_rank < args.page_size:
-        raise TierserveError(refusal(sizing, budget, requested), field="hicache_size")
+        message = refusal(sizing, budget, requested, args.page_size)
+        raise TierserveError(message, field="hicache_size")
     if sharing > 1:
         check_shared_memory(requested)
     return sizing
@@ -113,8 +114,14 @@ def _of_ranks(local_ranks: int) -> str:
     return f", {local_ranks} local ranks" if local_ranks > 1 else ""
 
 
-def refusal(sizing: HostSizing, budget: HostBudget, requested: int) -> str:
+def refusal(sizing: HostSizing, budget: HostBudget, requested: int, page_size: int) -> str:
     ranks = budget.local_ranks
+    if requested <= budget.usable:  # it fits; it holds less than a page
+        return (
+            f"host cache too small: {format_gb(sizing.bytes_per_rank)} per rank holds "
+            f"{sizing.tokens_per_rank} tokens, less than one page of {page_size}: give a larger "
+            "--hicache-size or --hicache-ratio, or drop --enable-hierarchical-cache"
+        )
     most = budget.max_bytes_per_rank
     shared = f" (one copy per {sizing.sharing} ranks)" if sizing.sharing > 1 else ""
     if most <= 0:  # no host cache size helps: what the overhead counts must shrink

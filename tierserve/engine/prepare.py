@@ -139,18 +139,31 @@ class RequestPreparer:
             if bounded:
                 self.check_text_length(len(prompt), "prompt")
             try:
-                return self._tokenizer()(prompt).input_ids
+                ids = self._tokenizer()(prompt).input_ids
             except TypeError:  # what tokenizers says of a lone UTF-16 surrogate ("\ud800")
                 if not encodes_utf8(prompt):
                     message = "prompt holds a lone UTF-16 surrogate, which UTF-8 cannot encode"
                     raise TierserveError(message, field="prompt") from None
                 raise
+            return self._in_vocab(ids)
         ids = list(prompt)
         vocab = self.info.vocab_size
         if not ids:
             raise TierserveError("prompt is empty", field="prompt")
         if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in ids):
             raise TierserveError(f"prompt token ids must be ints in [0, {vocab})", field="prompt")
+        return ids
+
+    def _in_vocab(self, ids: list[int]) -> list[int]:
+        """A tokenizer's ids, refused where one is past the model's embedding (a tokenizer of
+        another model): the step that embedded it failed, and the server with it."""
+        vocab = self.info.vocab_size
+        if ids and max(ids) >= vocab:
+            message = (
+                f"the tokenizer gave token id {max(ids)}, past the model's vocab_size of {vocab}:"
+                " is --tokenizer this model's?"
+            )
+            raise TierserveError(message, field="prompt")
         return ids
 
     @property

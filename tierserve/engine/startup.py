@@ -27,6 +27,7 @@ from tierserve.models import (
     checkpoint_numels,
     draft_numel,
     draft_path_for,
+    model_class,
     nextn_layers,
 )
 from tierserve.sizing import DraftSize, KVSpec, device_pool_bytes
@@ -90,6 +91,11 @@ class Startup:
         if model_path is None or not Path(model_path).is_dir():
             raise TierserveError(f"model directory not found: {model_path}", field="model")
         cfg = ModelConfig.from_dir(model_path)
+        # Checked before anything is sized or started, and so by --dry-run too: without a
+        # vocabulary the engine failed in oneDNN after loading.
+        if cfg.vocab_size == 0:
+            raise TierserveError("model config lacks 'vocab_size'", field="vocab_size")
+        model_class(cfg.architecture)  # an architecture tierserve has no model for
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, cfg, device)
         model_dtype = str(dtype).removeprefix("torch.")

@@ -33,6 +33,10 @@ PLAIN_MODEL_TYPES = frozenset(
 
 def load_tokenizer(path: str) -> Any:  # a transformers PreTrainedTokenizerBase
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
+    # A path that is no directory: transformers would read it as a hub repo id and say so. A
+    # repo id ("org/name") is still tried, in the local Hugging Face cache only.
+    if str(path).startswith(("/", ".", "~")) and not Path(path).expanduser().is_dir():
+        raise TierserveError(f"tokenizer directory not found: {path}", field="tokenizer")
     try:
         if _plain_tokenizer(Path(path)):
             from transformers import PreTrainedTokenizerFast

@@ -12,10 +12,10 @@ Layers are built for the group that is current when the model is made (`tp_group
 unless `distributed/` set one up), and keep it: with data-parallel attention the attention
 layers, the embedding and the LM head are built for their attention group (`attention_group()`,
 made current by `building_attention`), the MLP and MoE layers for every rank. A module with
-sharded parameters lists them in `tp_shards` (parameter name → (dim, index)): the loader
-narrows the full checkpoint tensor along `dim` (counted from the end) to slice `index` of the
-parameter's size, so a checkpoint loads the same way at any TP size (kept on the module:
-parameters are remade when the model leaves `meta`).
+sharded parameters lists them in `tp_shards` (parameter name → (dim, index, count)): the
+loader narrows the full checkpoint tensor, `count` slices long along `dim` (counted from the
+end), to slice `index` of the parameter's size, so a checkpoint loads the same way at any TP
+size (kept on the module: parameters are remade when the model leaves `meta`).
 A KV head that more ranks need than the model has (tp > kv_heads) is `replicas` ranks' shared
 slice.
 
@@ -83,12 +83,13 @@ def shard_size(total: int, shards: int, what: str) -> int:
     return total // shards
 
 
-def mark_shard(module: nn.Module, name: str, dim: int, index: int) -> None:
+def mark_shard(module: nn.Module, name: str, dim: int, index: int, count: int) -> None:
+    """`name` is slice `index` of `count` along `dim` of the checkpoint's tensor."""
     shards = module.__dict__.setdefault("tp_shards", {})
-    shards[name] = (dim, index)
+    shards[name] = (dim, index, count)
 
 
-def shards_by_name(model: nn.Module) -> dict[str, tuple[int, int]]:
+def shards_by_name(model: nn.Module) -> dict[str, tuple[int, int, int]]:
     """Every sharded parameter of `model`, by its state-dict name."""
     return {
         f"{prefix}.{name}" if prefix else name: shard
@@ -113,9 +114,9 @@ class ColumnParallelLinear(nn.Linear):
         shards = max(1, tp.size // replicas)
         super().__init__(in_features, shard_size(out_features, shards, "output features"), bias)
         index = tp.rank // max(1, replicas) if shards > 1 else 0
-        mark_shard(self, "weight", -2, index)
+        mark_shard(self, "weight", -2, index, shards)
         if self.bias is not None:
-            mark_shard(self, "bias", -1, index)
+            mark_shard(self, "bias", -1, index, shards)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -159,9 +160,9 @@ class PackedColumnLinear(nn.Linear):
         self.parts = tuple(packed)
         self.sizes = [p.rows.stop - p.rows.start for p in packed]
         if any(p.shards > 1 for p in packed):  # a slice of the whole: listed as sharded
-            mark_shard(self, "weight", -2, tp.rank)
+            mark_shard(self, "weight", -2, tp.rank, tp.size)
             if self.bias is not None:
-                mark_shard(self, "bias", -1, tp.rank)
+                mark_shard(self, "bias", -1, tp.rank, tp.size)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         # split_with_sizes: Tensor.split's Python wrapper took 10 µs a call here, this 5.
@@ -212,7 +213,7 @@ class RowParallelLinear(nn.Linear):
         tp = tp_group()
         super().__init__(shard_size(in_features, tp.size, "input features"), out_features, bias)
         self.tp = tp
-        mark_shard(self, "weight", -1, tp.rank)
+        mark_shard(self, "weight", -1, tp.rank, tp.size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = all_reduce(linear(x, self.weight), self.tp)
@@ -225,7 +226,7 @@ class VocabParallelEmbedding(nn.Embedding):
         super().__init__(shard_size(vocab_size, tp.size, "vocab_size"), hidden_size)
         self.tp = tp
         self.start = tp.rank * self.num_embeddings
-        mark_shard(self, "weight", -2, tp.rank)
+        mark_shard(self, "weight", -2, tp.rank, tp.size)
 
     def reset_parameters(self) -> None:
         # The checkpoint fills the table. A random one would be thrown away, and on the meta
@@ -250,7 +251,7 @@ class ParallelLMHead(nn.Linear):
         tp = tp_group()
         super().__init__(hidden_size, shard_size(vocab_size, tp.size, "vocab_size"), bias=False)
         self.tp = tp
-        mark_shard(self, "weight", -2, tp.rank)
+        mark_shard(self, "weight", -2, tp.rank, tp.size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         local = linear(x, self.weight)

@@ -20,6 +20,7 @@ EXPORTS = {
     "mtp_numels": "mtp",
     "nextn_layers": "mtp",
     "load_model": "loader",
+    "model_class": "registry",
     "model_fingerprint": "loader",
 }
 __all__ = list(EXPORTS)

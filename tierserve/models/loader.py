@@ -44,7 +44,21 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 def weight_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.exists():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            shards = sorted(set(weight_map.values()))
+            if not all(isinstance(s, str) for s in shards):
+                raise TypeError("its weight_map must map tensor names to file names")
+        except (
+            OSError,
+            UnicodeDecodeError,
+            ValueError,
+            KeyError,
+            TypeError,
+            AttributeError,
+        ) as err:
+            message = f"cannot read {index}: {type(err).__name__}: {err}"
+            raise TierserveError(message, field="model") from None
         return [path / s for s in shards]
     single = path / "model.safetensors"
     if single.exists():
@@ -251,6 +265,13 @@ def fill(
                     unexpected.append(name)
                 continue
             view.copy_(tensor)  # converts to the model's dtype and device in place
+            # A NaN or inf weight served until the first sampled token failed the engine
+            # step, and the server with it: refused here, named. A sum is NaN or inf if any
+            # element is (weights never sum past float32's range), at 1/25 of isfinite's time.
+            finite = view.element_size() == 1 or view.sum(dtype=torch.float32).isfinite()
+            if view.is_floating_point() and not finite:
+                message = f"{what}: {name} holds NaN or infinite values"
+                raise TierserveError(message, field=field)
             filled[target_name] += tensor.numel()
     # A target is loaded when exactly its elements arrived (a stacked one: every expert once);
     # a packed one's missing parts are named as the checkpoint names them.
@@ -264,11 +285,15 @@ def fill(
         )
 
 
-def _rank_slice(tensor: torch.Tensor, shape: torch.Size, shard: tuple[int, int]) -> torch.Tensor:
+def _rank_slice(
+    tensor: torch.Tensor, shape: torch.Size, shard: tuple[int, int, int]
+) -> torch.Tensor:
     """This rank's slice of a full checkpoint tensor (layers/parallel.py marks the parameter
-    with the dimension and slice index); a tensor that cannot hold it is left to be refused."""
-    dim, index = shard
-    if tensor.dim() != len(shape) or tensor.shape[dim] < (index + 1) * shape[dim]:
+    with the dimension, slice index and slice count). A tensor of any other length along that
+    dimension is left whole, to be refused: one longer than the config says (an embedding of
+    5,000 rows for a vocab_size of 4,096) was cut to fit and served garbage."""
+    dim, index, count = shard
+    if tensor.dim() != len(shape) or tensor.shape[dim] != count * shape[dim]:
         return tensor
     return tensor.narrow(dim, index * shape[dim], shape[dim])
 
