@@ -403,23 +403,34 @@ def test_checkpoints_that_served_garbage_or_failed_a_step_are_refused_by_name(
             LLM(str(small), max_total_tokens=256)
 
 
-def test_a_config_without_a_vocabulary_is_one_line_and_exit_2_even_in_a_dry_run(tmp_path):
-    """It was exit 1 with oneDNN's traceback from packing a head of no rows, and the dry run
-    said it would start."""
+@pytest.mark.parametrize(
+    ("change", "flags", "says"),
+    [
+        ({"vocab_size": None}, [], "model config lacks 'vocab_size'"),
+        ({"architectures": ["GPT2LMHeadModel"]}, [], "unsupported architecture 'GPT2LMHeadModel'"),
+        ({}, ["--tokenizer", "/no/such/dir"], "tokenizer directory not found: /no/such/dir"),
+    ],
+)
+def test_a_start_that_cannot_run_is_one_line_and_exit_2_even_in_a_dry_run(
+    tmp_path, change, flags, says
+):
+    """A config without vocab_size was exit 1 with oneDNN's traceback from packing a head of no
+    rows; it and an architecture tierserve has no model for passed the dry run; a tokenizer
+    path that is no directory was refused in transformers' words for hub repo ids."""
     import json
     import shutil
     import subprocess
     import sys
 
-    model = tmp_path / "novocab"
+    model = tmp_path / "model"
     shutil.copytree(default_model(), model)
     config = json.loads((model / "config.json").read_text())
-    del config["vocab_size"]
+    config = {k: v for k, v in {**config, **change}.items() if v is not None}
     (model / "config.json").write_text(json.dumps(config))
     cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(model), "--dry-run"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(cmd + flags, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
-    assert "model config lacks 'vocab_size'" in done.stderr.strip().splitlines()[-1]
+    assert says in done.stderr.strip().splitlines()[-1]
 
 
 def test_a_truncated_checkpoint_is_refused_before_and_at_load(tmp_path):
