@@ -362,6 +362,7 @@ def test_a_port_outside_tcps_range_is_refused(llama_dir, port):
         (["--host", "999.1.1.1"], "--host '999.1.1.1' does not resolve"),
         # `--api-key "$KEY"` with KEY unset served with no key, over $TIERSERVE_API_KEY too.
         (["--api-key="], "--api-key is empty"),
+        (["--served-model-name="], "--served-model-name is empty"),  # served the dir's name
     ],
 )  # fmt: skip
 def test_the_dry_run_refuses_what_a_start_would(llama_dir, tmp_path, flags, words):

@@ -326,6 +326,7 @@ def test_loading_a_model_imports_no_symbolic_shapes(checkpoints):
         ({"max_position_embeddings": 0}, "max_position_embeddings"),  # served, refused all
         ({"hidden_size": 0}, "hidden_size"),
         ({"num_hidden_layers": 10**11}, "num_hidden_layers"),  # a MemoryError
+        ({"hidden_act": "gelu"}, "hidden_act"),  # served as SiLU
     ],
 )
 def test_a_config_of_no_size_or_past_any_model_is_refused(change, field):
@@ -356,7 +357,8 @@ def test_checkpoints_that_served_garbage_or_failed_a_step_are_refused_by_name(
     checkpoints, tmp_path
 ):
     """A NaN weight served until the first sampled token failed the engine step (503, the
-    server gone); an embedding longer than vocab_size was cut to fit and served garbage; a
+    server gone); an embedding longer than vocab_size was cut to fit and served garbage, and an
+    int32 weight was cast to float; a
     tokenizer of more ids than the model's embedding failed the step that embedded one. A
     sharded checkpoint's unreadable index was a JSONDecodeError or a KeyError."""
     import json
@@ -377,6 +379,14 @@ def test_checkpoints_that_served_garbage_or_failed_a_step_are_refused_by_name(
     with pytest.raises(TierserveError, match="misshapen") as err:
         LLM(str(wide), max_total_tokens=256)
     assert embed in err.value.message
+
+    def ints(state: dict) -> None:
+        state[name] = state[name].to(torch.int32)
+
+    integer = _broken_copy(llama, tmp_path / "int", ints)  # was cast to float: garbage
+    with pytest.raises(TierserveError, match="misshapen") as err:
+        LLM(str(integer), max_total_tokens=256)
+    assert name in err.value.message
     # A model of 300 tokens whose tokenizer (the suite's) has more: a text of merged words
     # tokenizes past it, and is refused; ids within it still run.
     vocab = 300

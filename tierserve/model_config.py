@@ -47,6 +47,7 @@ TEXT_MODEL_TYPES = {
 # is a broken config, and refusing it keeps every product of sizes a finite float.
 CONFIG_INT_MAX = 2**40
 MAX_LAYERS = 10_000  # the deepest real models have ~130
+SILU_NAMES = ("silu", "swish")  # transformers' ACT2FN names for it
 
 
 def config_int(raw: Mapping[str, Any], key: str, default: int | None = None) -> int:
@@ -255,6 +256,10 @@ class ModelConfig:
         if layers > MAX_LAYERS:  # a tuple per layer is made before any weight is read
             message = f"model config 'num_hidden_layers' must be at most {MAX_LAYERS:,}"
             raise TierserveError(message, "num_hidden_layers")
+        act = raw.get("hidden_act", "silu")
+        if act not in SILU_NAMES:  # every model here gates its MLP with SiLU
+            message = f"model config hidden_act {act!r} is not supported: tierserve's MLPs use silu"
+            raise TierserveError(message, "hidden_act")
         rope = _config_of_type(raw, "rope_parameters", dict, None)
         rope = rope or _config_of_type(raw, "rope_scaling", dict, None) or {}
         rope_type = rope.get("rope_type", rope.get("type", "default"))

@@ -260,7 +260,8 @@ def fill(
             view = target[index] if target is not None else None
             if view is not None and target_name in shards and name not in packed:
                 tensor = _rank_slice(tensor, view.shape, shards[target_name])
-            if view is None or view.shape != tensor.shape:
+            mistyped = view is not None and view.is_floating_point() != tensor.is_floating_point()
+            if view is None or view.shape != tensor.shape or mistyped:  # int weights: garbage
                 if not name.endswith("rotary_emb.inv_freq"):
                     unexpected.append(name)
                 continue

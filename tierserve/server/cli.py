@@ -166,6 +166,9 @@ def run(ns: argparse.Namespace) -> int:
         if not 0 < getattr(ns, name) < 1e6:
             message = f"{name} must be in (0, 1e6) seconds, got {getattr(ns, name)}"
             raise TierserveError(message, field=name)
+    if ns.served_model_name is not None and not ns.served_model_name.strip():
+        message = "--served-model-name is empty: give the name, or leave the flag out"
+        raise TierserveError(message, field="served_model_name")
     if ns.api_key is not None and not ns.api_key.strip():  # `--api-key "$KEY"`, KEY unset
         message = "--api-key is empty: give the key, or leave the flag out to serve without one"
         raise TierserveError(message, field="api_key")
