@@ -443,6 +443,34 @@ def test_a_start_that_cannot_run_is_one_line_and_exit_2_even_in_a_dry_run(
     assert says in done.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.parametrize(
+    ("broken", "flags", "says"),
+    [
+        ("model.layers.1.mlp.up_proj.weight", [], "missing ['model.layers.1.mlp.up_proj.weight']"),
+        ("", ["--tp-size", "3"], "does not split over 3 ranks"),
+        ("", ["--tp-size", "2", "--dp-size", "2", "--enable-dp-attention"], "would start"),
+    ],
+)
+def test_the_dry_run_checks_the_checkpoints_tensors_by_their_headers(tmp_path, broken, flags, says):
+    """A tensor missing, of another shape, or sizes that do not split over the ranks passed
+    the dry run and were refused by a start after its weights were read (its ranks started):
+    the dry run fills rank 0's model, built on the meta device, from the headers."""
+    import subprocess
+    import sys
+
+    def drop(state: dict) -> None:
+        state.pop(broken, None)
+
+    model = _broken_copy(Path(default_model()), tmp_path / "model", drop)
+    cmd = [sys.executable, "-m", "tierserve.cli", "serve", "--model", str(model), "--dry-run"]
+    done = subprocess.run(cmd + flags, capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in done.stderr, done.stderr
+    if says == "would start":
+        assert done.returncode == 0 and says in done.stdout, done.stderr
+    else:
+        assert done.returncode == 2 and says in done.stderr.strip().splitlines()[-1], done.stderr
+
+
 def test_a_truncated_checkpoint_is_refused_before_and_at_load(tmp_path):
     """Its header is whole and its tensors are not: the dry run passed it, and the load
     raised safetensors' own error (exit 1, a traceback)."""

@@ -32,6 +32,7 @@ EXPORTS = {
     "building_attention": "parallel",
     "dp_attention": "data_parallel",
     "resolve_backend": "backends",
+    "inverse_frequencies": "rotary",
     "rotary_for": "rotary",
     "filtered_probs": "sampler",
     "greedy_tokens": "sampler",

@@ -99,9 +99,8 @@ class Experts(nn.Module):
         i = shard_size(cfg.moe_intermediate_size, tp.size, "moe_intermediate_size")
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
-        mark_shard(
-            self, "gate_up_proj", -2, tp.rank, tp.size
-        )  # of each expert's gate and up, loaded apart
+        # of each expert's gate and up, loaded apart
+        mark_shard(self, "gate_up_proj", -2, tp.rank, tp.size)
         mark_shard(self, "down_proj", -1, tp.rank, tp.size)
 
     def forward(

@@ -9,6 +9,7 @@ EXPORTS = {
     "Eagle3Config": "eagle3",
     "Eagle3Draft": "eagle3",
     "SHIPPED_DRAFT": "eagle3",
+    "check_checkpoint": "dry_load",
     "checkpoint_numel": "loader",
     "checkpoint_numels": "loader",
     "draft_numel": "eagle3",
