@@ -18,6 +18,7 @@ from tierserve.cache.pool import PagedKV
 from tierserve.layers.attention import ForwardBatch, SeqSpan, TorchAttention
 from tierserve.layers.decode_workspace import DecodeWorkspace
 from tierserve.model_config import ModelConfig
+from tierserve.models import check_checkpoint
 from tierserve.models.loader import load_model
 from tierserve.sizing.kv import KVSpec
 
@@ -233,6 +234,8 @@ def test_fp8_block_scaled_checkpoints_load_dequantized_and_mtp_is_skipped(
     config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [block, block]}
     (fp8_dir / "config.json").write_text(json.dumps(config))
 
+    # The dry run's check reads it as the loader does: scales and the MTP layer left out.
+    check_checkpoint(fp8_dir, ModelConfig.from_dir(fp8_dir), tp_size=2, attention_size=2)
     prompts = random_prompts(4, [5, 40, 130], seed=9)
     llm = LLM(str(fp8_dir), max_total_tokens=4096)
     outs = llm.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
