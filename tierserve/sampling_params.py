@@ -115,8 +115,9 @@ class SamplingParams:
             )
         if isinstance(self.bad_words, str):
             object.__setattr__(self, "bad_words", (self.bad_words,))
-        if isinstance(self.bad_words, list | tuple):  # each once, in order (vLLM's)
-            object.__setattr__(self, "bad_words", tuple(dict.fromkeys(self.bad_words)))
+        words = self.bad_words
+        if isinstance(words, list | tuple) and all(isinstance(w, str) for w in words):
+            object.__setattr__(self, "bad_words", tuple(dict.fromkeys(words)))  # each once
         seqs = self.bad_words_token_ids
         if isinstance(seqs, list | tuple) and all(isinstance(s, list | tuple) for s in seqs):
             object.__setattr__(self, "bad_words_token_ids", tuple(map(tuple, seqs)))
