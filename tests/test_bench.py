@@ -475,6 +475,9 @@ def test_replica_configurations_name_their_layout():
          "--warmup-requests must be >= 0, got -1"),
         (["run", "--url", "http://127.0.0.1:9", "--seed", "-1"], "--seed must be >= 0"),
         (["run", "--url", "http://127.0.0.1:9", "--timeout", "nan"], "timeout must be > 0 s"),
+        # The whole run went first, and its results were lost where they could not be written.
+        (["run", "--url", "http://127.0.0.1:9", "--out", "FILE/out"], "cannot write --out"),
+        (["compare", "--out", "FILE"], "cannot write --out"),
     ],
 )  # fmt: skip
 def test_bad_files_and_values_exit_2_with_one_line(tmp_path, capsys, args, words):
@@ -484,7 +487,8 @@ def test_bad_files_and_values_exit_2_with_one_line(tmp_path, capsys, args, words
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "config.json").write_text("{oops")
     paths = {"TRACE": str(tmp_path / "trace.jsonl"), "BROKEN": str(tmp_path / "broken"),
-             "OUT": str(tmp_path / "out")}  # fmt: skip
+             "OUT": str(tmp_path / "out"), "FILE": str(tmp_path / "trace.jsonl")}  # fmt: skip
+    paths["FILE/out"] = paths["FILE"] + "/out"
     rc = cli_main(["bench", *(paths.get(a, a) for a in args)])
     err = capsys.readouterr().err
     assert rc == 2 and "Traceback" not in err, err

@@ -16,6 +16,7 @@ import json
 import math
 import shlex
 import sys
+import tempfile
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -367,6 +368,19 @@ def _print_summary(name: str, s: dict[str, Any]) -> None:
         print(f"errors: {s['errors']}")
 
 
+def _check_out(out: Path | None) -> None:
+    """--out made and writable before any request: the results of a whole run were lost
+    when it could not be written after it."""
+    if out is None:
+        return
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as err:
+        raise TierserveError(f"cannot write --out {out}: {err.strerror}", "out") from None
+
+
 def run(ns: argparse.Namespace) -> int:
     from tierserve.bench import compare as cmp
     from tierserve.bench import report
@@ -377,6 +391,7 @@ def run(ns: argparse.Namespace) -> int:
         raise TierserveError(message, "warmup_requests")
     if ns.bench_command == "run":
         check_url(ns.url)
+    _check_out(ns.out)
     space, workload = build_workload(ns)
     opts = load_options(ns)
     workload_meta = {"kind": workload.kind, **workload.params, **_load_meta(opts)}
