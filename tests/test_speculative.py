@@ -346,3 +346,70 @@ def check_served_spec_fields(s, prompt: list[int], want: list[str]) -> None:
     metrics = s.metrics()
     assert metrics["tierserve_spec_decode_num_drafts_total"] > 0
     assert metrics["tierserve_spec_decode_num_accepted_tokens_total"] > 0
+
+
+def _one_field_each(prompt: list[int]) -> dict[str, SamplingParams]:
+    """A request per SamplingParams field, that field set (greedy unless the field samples),
+    the rest at their defaults: what a client may send to a speculative server."""
+    greedy = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    sampled = {"max_tokens": 24, "temperature": 0.8, "seed": 11, "ignore_eos": True}
+    by_field: dict[str, dict] = {
+        "max_tokens": {**greedy, "max_tokens": 7},
+        "temperature": {**sampled},
+        "top_p": {**sampled, "top_p": 0.5},
+        "top_k": {**sampled, "top_k": 3},
+        "min_p": {**sampled, "min_p": 0.2},
+        "seed": {**sampled, "seed": 5},
+        "stop": {"max_tokens": 24, "temperature": 0, "stop": ["e"]},
+        "stop_token_ids": {"max_tokens": 24, "temperature": 0, "stop_token_ids": [prompt[2]]},
+        "ignore_eos": {**greedy},
+        "presence_penalty": {**greedy, "presence_penalty": 0.05},
+        "frequency_penalty": {**greedy, "frequency_penalty": 0.05},
+        "repetition_penalty": {**greedy, "repetition_penalty": 1.05},
+        "min_tokens": {"max_tokens": 24, "temperature": 0, "min_tokens": 12},
+        "logit_bias": {**greedy, "logit_bias": {prompt[3]: 0.5, prompt[5]: -0.5}},
+        "logprobs": {**greedy, "logprobs": 2},
+        "prompt_logprobs": {**greedy, "prompt_logprobs": 1},
+        "structured_output": {**greedy, "structured_output": StructuredOutput("regex", "(ab|c)+")},
+        "return_hidden_states": {**greedy, "return_hidden_states": False},
+        "skip_special_tokens": {**greedy, "skip_special_tokens": False},
+        "include_stop_str_in_output": {"max_tokens": 24, "temperature": 0, "stop": ["e"],
+                                       "include_stop_str_in_output": True},
+        # The prompt's own ids, as the request that failed every speculative server did.
+        "allowed_token_ids": {**greedy, "allowed_token_ids": prompt[:10]},
+        "truncate_prompt_tokens": {**greedy, "truncate_prompt_tokens": 20},
+        "bad_words": {**greedy, "bad_words": ["the"]},
+        "bad_words_token_ids": {**greedy, "bad_words_token_ids": [prompt[1:3]]},
+        "n": {**sampled, "n": 2},
+    }  # fmt: skip
+    return {name: SamplingParams(**kw) for name, kw in by_field.items()}
+
+
+@pytest.fixture(scope="module")
+def demo_plain() -> LLM:
+    return LLM(str(DEMO), max_total_tokens=2048)
+
+
+@pytest.mark.parametrize("method", ["NGRAM", "EAGLE3"])
+def test_every_sampling_field_works_under_each_proposer(demo_plain, method):
+    """Every field a request may set, one request each, under n-gram and EAGLE-3 drafts: none
+    fails the engine's step (allowed_token_ids did, on every speculative server), greedy ones
+    give plain decoding's tokens, sampled ones their seed's tokens again."""
+    from dataclasses import fields
+
+    prompt = _workload(seed=4)[0][0]
+    cases = _one_field_each(prompt)
+    assert set(cases) == {f.name for f in fields(SamplingParams)}  # a new field joins here
+    names, params = list(cases), list(cases.values())
+    plain = demo_plain.generate([prompt] * len(params), params)
+    with LLM(str(DEMO), max_total_tokens=2048, speculative_algorithm=method) as llm:
+        spec = llm.generate([prompt] * len(params), params)
+        again = llm.generate([prompt] * len(params), params)
+        assert llm.engine.spec_stats.num_drafts > 0
+        llm.engine.check_accounting()
+    for name, p, want, got, got_again in zip(names, params, plain, spec, again, strict=True):
+        assert [o.token_ids for o in got.outputs] == [o.token_ids for o in got_again.outputs]
+        if p.greedy:
+            assert got.token_ids == want.token_ids, name
+            assert got.text == want.text and got.finish_reason == want.finish_reason, name
+    assert set(spec[names.index("allowed_token_ids")].token_ids) <= set(prompt[:10])

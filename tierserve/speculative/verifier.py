@@ -74,14 +74,16 @@ class SpecStats:
             self.accepted_per_position[pos] += n
 
 
-@dataclass(frozen=True)
+@dataclass
 class _DraftHistory:
     """What the sampler reads at a draft row: the request's output as it would be had the
-    drafts before the row been kept."""
+    drafts before the row been kept. Every `History` field is here: a field the sampler reads
+    that this lacked failed the core's step on a request that set it."""
 
     prompt_ids: list[int]
     output_ids: list[int]
     stop_ids: frozenset[int]
+    allowed_ids: torch.Tensor | None
     grammar: None = None
 
 
@@ -89,10 +91,11 @@ def _adjusted(
     logits: torch.Tensor, draft: tuple[int, ...], params: SamplingParams, history: History
 ) -> torch.Tensor:
     rows = logits.float().clone()
+    seen = _DraftHistory(history.prompt_ids, [], history.stop_ids, history.allowed_ids)
     for i in range(len(rows)):
-        seen = _DraftHistory(history.prompt_ids, history.output_ids + list(draft[:i]),
-                             history.stop_ids)  # fmt: skip
+        seen.output_ids = history.output_ids + list(draft[:i])
         adjust_logits(rows[i], params, seen)
+    history.allowed_ids = seen.allowed_ids  # made once per request, as plain decoding does
     return rows
 
 
