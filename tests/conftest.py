@@ -21,7 +21,7 @@ import tierserve
 from tierserve import LLM
 from tierserve.bench.client import parse_prometheus
 from tierserve.bench.server_process import ServerProcess, local_client
-from tierserve.engine import CORE_MODULE, STEP_GATE_ENV
+from tierserve.engine import CORE_MODULE, INTAKE_HOLD_ENV, STEP_GATE_ENV
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -311,7 +311,9 @@ class Server(ServerProcess):
     def __init__(self, model: Path, *flags: str, env: dict[str, str] | None = None) -> None:
         root = Path(tempfile.mkdtemp(prefix="server-", dir=Server.base))
         self.gate = root / "step-gate"
-        env = {**os.environ, STEP_GATE_ENV: str(self.gate), **(env or {})}
+        self.intake = root / "intake-hold"  # present: the core takes no message (core_hooks)
+        hooks = {STEP_GATE_ENV: str(self.gate), INTAKE_HOLD_ENV: str(self.intake)}
+        env = {**os.environ, **hooks, **(env or {})}
         super().__init__(str(model), flags, root / "server.log", startup_timeout_s=180, env=env)
 
     @property

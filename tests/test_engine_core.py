@@ -18,6 +18,7 @@ import psutil
 import pytest
 
 from tests.conftest import Server, eventually, http, running, serve_cmd
+from tierserve.bench.client import parse_prometheus
 from tierserve.distributed import ENV_PARENT
 from tierserve.engine import CORE_MODULE, STEP_HOLD_ENV
 from tierserve.net import free_port
@@ -347,3 +348,49 @@ def test_the_warm_up_runs_its_shapes_and_leaves_nothing(llama_dir, offline, tmp_
     assert engine.storage.flush_writes() and list(store.glob("??/*"))  # real requests store
     assert any((tmp_path / "hs").glob("*"))  # and are captured
     llm.close()
+
+
+def test_a_reused_rid_never_gets_the_aborted_requests_tokens(server):
+    """A client drops a /generate stream and at once retries with the same rid. The core is
+    held from reading messages (the test's intake hook), so it still steps the dropped
+    request and sends its tokens after the retry has arrived: the retry waits until the core
+    has applied the abort, then gets its own tokens, exactly as many as it asked for."""
+    prompt = list(range(40, 60))
+    params = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}
+    fresh = {"input_ids": prompt, "sampling_params": params}
+    want = http.post(f"{server.url}/generate", json=fresh, timeout=60).json()["output_ids"]
+    long = {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}
+    old = {"input_ids": [7] * 12, "rid": "again", "stream": True, "sampling_params": long}
+    held = Path(f"{server.intake}.held")
+    retry: list[dict] = []
+    try:
+        with http.stream("POST", f"{server.url}/generate", json=old, timeout=60) as stream:
+            lines = (line for line in stream.iter_lines() if line.startswith("data: {"))
+            first = [next(lines) for _ in range(3)]
+            server.intake.touch()
+            assert eventually(held.exists, within_s=60), server.log_tail()
+            steps_at_hold = int(held.read_text())
+        # The stream is closed: its abort waits in the held core, which steps the old request on.
+        again = {"input_ids": prompt, "rid": "again", "sampling_params": params}
+
+        def send() -> None:
+            retry.append(http.post(f"{server.url}/generate", json=again, timeout=120).json())
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        assert eventually(lambda: _waiting_for_id(server) == 1, within_s=60)
+        # The old request's tokens after the retry arrived: what reached the wrong stream.
+        assert eventually(lambda: int(held.read_text()) >= steps_at_hold + 3, within_s=60)
+        assert sender.is_alive()  # it waits for the id, not on the old request's tokens
+    finally:
+        server.intake.unlink(missing_ok=True)
+    sender.join(timeout=120)
+    assert len(first) == 3 and retry and retry[0]["output_ids"] == want
+    assert _waiting_for_id(server) == 0
+
+
+def _waiting_for_id(server: Server) -> float:
+    """The API process's own gauge: a scrape answers it while the core is held (its families
+    come stale then)."""
+    families = parse_prometheus(http.get(f"{server.url}/metrics", timeout=60).text)
+    return families["tierserve_requests_waiting_for_id"]

@@ -130,6 +130,9 @@ class StepOutputs(msgspec.Struct, frozen=True, tag=True):
     outputs: list[StepOutput]
     waiting: int
     adds_taken: int  # AddRequests the core has read in all
+    # AbortRequests the core has applied in all: no output of a request aborted by one of
+    # them follows this message, so the API process may give its id to a new request.
+    aborts_taken: int = 0
 
 
 class RequestFailed(msgspec.Struct, frozen=True, tag=True):

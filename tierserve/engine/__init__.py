@@ -14,6 +14,7 @@ EXPORTS = {
     "RequestPreparer": "prepare",
     "STEP_GATE_ENV": "core_hooks",
     "STEP_HOLD_ENV": "core_hooks",
+    "INTAKE_HOLD_ENV": "core_hooks",
     "StepClock": "core_hooks",
     "Engine": "engine",
     "Grammars": "grammar",

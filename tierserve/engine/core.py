@@ -21,15 +21,17 @@ import os
 import queue
 import signal
 import threading
+import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
 # Light imports only up here: torch and the model load after the parent-death signal is armed.
 from tierserve.distributed import ENV_ARGS, die_with_parent, exit_after, start_node
-from tierserve.engine.core_hooks import StepClock, StepGate, StepHold
+from tierserve.engine.core_hooks import IntakeHold, StepClock, StepGate, StepHold
 from tierserve.engine.metrics import engine_metrics
 from tierserve.errors import TierserveError
 from tierserve.messages import (
+    AbortRequest,
     AddRequest,
     Answer,
     Ask,
@@ -105,8 +107,10 @@ class EngineCore:
         self.clock = clock
         self.gate = StepGate()
         self.hold = StepHold()
+        self.intake = IntakeHold()
         self.inbox: queue.SimpleQueue[CoreInput | None] = queue.SimpleQueue()  # None: EOF
         self.adds_taken = 0
+        self.aborts_taken = 0
         self.stopping = False
 
     def run(self) -> None:
@@ -114,8 +118,14 @@ class EngineCore:
         engine = self.engine
         while not self.stopping:
             idle = not engine.has_unfinished()
-            held = not idle and not self.gate.allows(engine.scheduler.stats.num_steps)
-            took = self._take(None if idle else 0.01 if held else 0.0)
+            steps = engine.scheduler.stats.num_steps
+            held = not idle and not self.gate.allows(steps)
+            if self.intake.held(steps):
+                took = False
+                if idle or held:
+                    time.sleep(0.01)  # a test's hold: nothing to do until it ends
+            else:
+                took = self._take(None if idle else 0.01 if held else 0.0)
             if self.stopping:
                 break
             if idle or held:
@@ -167,6 +177,7 @@ class EngineCore:
                 self._send(Answer(message.ask_id, metrics=engine_metrics(engine)))
         else:  # AbortRequest, PrepareGrammars
             engine.handle(message)
+            self.aborts_taken += isinstance(message, AbortRequest)
 
     def _steps(self) -> list[StepOutput]:
         """A step, then, while every request only decodes, up to --num-continuous-decode-steps
@@ -190,7 +201,7 @@ class EngineCore:
 
     def _report(self, outputs: list[StepOutput]) -> None:
         waiting = self.engine.num_waiting()
-        self._send(StepOutputs(outputs, waiting, self.adds_taken))
+        self._send(StepOutputs(outputs, waiting, self.adds_taken, self.aborts_taken))
 
     def _send(self, message: CoreOutput) -> None:
         self.conn.send_bytes(encode(message))

@@ -1,5 +1,5 @@
 """What other processes see of, and do to, the engine core's steps: the step clock the server's
-watchdog reads, and two test-only hooks that order steps from outside.
+watchdog reads, and three test-only hooks that order steps and messages from outside.
 
 The clock is 8 bytes of memory shared with the API process (a file both map): the monotonic
 time the current step started, 0 between steps. The watchdog reads it without asking the core,
@@ -23,6 +23,11 @@ STEP_GATE_ENV = "TIERSERVE_TEST_STEP_GATE"
 # Tests hold one step open through this file: while it exists, a step that has started waits
 # inside (the watchdog counts the time); the core writes FILE.held once it waits there.
 STEP_HOLD_ENV = "TIERSERVE_TEST_STEP_HOLD"
+# Tests hold the core's intake through this file: while it exists, the core applies none of the
+# messages that arrive (requests, aborts, questions) but steps what it already runs, as a core
+# busy in a long step would; FILE.held holds the batches it has run in all, rewritten as it
+# steps. (The step gate cannot order such races: a gated core still reads its messages.)
+INTAKE_HOLD_ENV = "TIERSERVE_TEST_INTAKE_HOLD"
 
 _CLOCK = struct.Struct("d")
 
@@ -77,3 +82,23 @@ class StepHold:
         Path(f"{self.path}.held").touch()
         while self.path.exists():
             time.sleep(0.01)
+
+
+class IntakeHold:
+    """The test-only hold on the core's intake (INTAKE_HOLD_ENV); never held when unset."""
+
+    def __init__(self) -> None:
+        path = os.environ.get(INTAKE_HOLD_ENV)
+        self.path = Path(path) if path else None
+        self._told: int | None = None
+
+    def held(self, batches_run: int) -> bool:
+        """Whether messages wait now; while they do, the test is told how far the core got."""
+        if self.path is None or not self.path.exists():
+            return False
+        if batches_run != self._told:
+            part = Path(f"{self.path}.held.part")
+            part.write_text(str(batches_run))
+            part.replace(f"{self.path}.held")  # whole when the test reads it
+            self._told = batches_run
+        return True

@@ -83,7 +83,7 @@ def create_app(
     limits: ServerLimits = ServerLimits(),
     parsers: ChatParsers | None = None,
 ) -> FastAPI:
-    metrics = ServerMetrics(engine.grammar_pool, model_name)
+    metrics = ServerMetrics(engine.grammar_pool, model_name, engine.waiting_for_ids)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

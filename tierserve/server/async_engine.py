@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tierserve.args import EngineArgs
@@ -110,6 +110,11 @@ class AsyncEngine:
         # Admission: the queue as the core last saw it, plus adds it has not read yet.
         self._adds_sent = 0
         self._seen = StepOutputs([], 0, 0)
+        # Ids of aborted requests, each with the count of aborts the core must have applied
+        # before no output of it can follow: until then a new request with that id waits, or
+        # the old request's last tokens would be routed to it (clients retry with their rid).
+        self._aborts_sent = 0
+        self._draining: dict[str, _Draining] = {}
         # The core's last metrics, when they came, and the one question for fresh ones in flight.
         self._last_metrics: list[MetricFamily] = []
         self._last_metrics_at: float | None = None
@@ -188,6 +193,7 @@ class AsyncEngine:
             grammar = await self.grammar_pool.compile(params.structured_output)
         prepare = self.preparer.prepare
         req = await asyncio.to_thread(prepare, prompt, params, request_id, arrival, grammar)
+        await self._id_released(req.rid)
         if req.rid in self._streams:
             raise TierserveError(f"request id {req.rid!r} is already in flight", "request_id")
         outputs = PendingOutputs(self.stream_interval)
@@ -220,7 +226,45 @@ class AsyncEngine:
         finally:
             self._streams.pop(req.rid, None)
             if not finished:
-                self._send(AbortRequest(req.rid))
+                self._abort(req.rid)
+
+    def waiting_for_ids(self) -> int:
+        """Requests waiting until the core has dropped an aborted request with their id."""
+        with self._lock:
+            return sum(len(d.waiters) for d in self._draining.values())
+
+    async def _id_released(self, rid: str) -> None:
+        """Return once no aborted request holds `rid` in the core (at once, nearly always)."""
+        loop = asyncio.get_running_loop()
+        while True:
+            with self._lock:
+                draining = self._draining.get(rid)
+                if draining is None:
+                    return
+                released = loop.create_future()
+                draining.waiters.append((loop, released))
+            try:
+                await released
+            finally:
+                with self._lock:
+                    if (loop, released) in draining.waiters:
+                        draining.waiters.remove((loop, released))
+            self._check_alive()
+
+    def _abort(self, rid: str) -> None:
+        """Abort `rid` in the core and hold the id until the core reports it applied this."""
+        with self._lock:  # counted and sent in one order, as the core applies them
+            self._aborts_sent += 1
+            draining = self._draining.setdefault(rid, _Draining())
+            draining.abort = self._aborts_sent
+            self._send(AbortRequest(rid))
+
+    def _release_ids(self, aborts_taken: int) -> None:
+        """On the reader: the ids whose last abort the core has applied are free again."""
+        with self._lock:
+            freed = [r for r, d in self._draining.items() if d.abort <= aborts_taken]
+            waiters = [w for rid in freed for w in self._draining.pop(rid).waiters]
+        _wake(waiters)
 
     async def flush_cache(self) -> dict[str, int | str]:
         """Pages dropped per tier, once the core has taken the flush between steps."""
@@ -289,6 +333,7 @@ class AsyncEngine:
             if isinstance(message, StepOutputs):
                 self._seen = message
                 self._hand_over(message.outputs)
+                self._release_ids(message.aborts_taken)
             elif isinstance(message, Answer):
                 with self._lock:
                     future = self._asks.pop(message.ask_id, None)
@@ -316,6 +361,9 @@ class AsyncEngine:
                 return
             self.error = err
             asks, self._asks = self._asks, {}
+            waiters = [w for d in self._draining.values() for w in d.waiters]
+            self._draining.clear()
+        _wake(waiters)  # each then sees the error
         logger.error("the engine failed; the server now answers 503: %s", err)
         for rid in list(self._streams):
             self._deliver(rid, err)
@@ -346,13 +394,13 @@ class AsyncEngine:
                 out = stream.builder.add(step)
             except Exception as err:  # a detokenizer failure ends this request, not the loop
                 logger.exception("building the output of %s failed", step.request_id)
-                self._send(AbortRequest(step.request_id))
+                self._abort(step.request_id)
                 stream.outputs.put(err)
                 continue
             if out is None:
                 continue
             if stream.builder.stopped_here:
-                self._send(AbortRequest(step.request_id))
+                self._abort(step.request_id)
             stream.outputs.put(out)
 
     def _deliver(self, rid: str, item: BaseException) -> None:
@@ -366,7 +414,26 @@ class AsyncEngine:
 
     def _forget(self, rid: str) -> None:
         self._streams.pop(rid, None)
-        self._send(AbortRequest(rid))
+        self._abort(rid)
+
+
+@dataclass
+class _Draining:
+    """An aborted request's id: the abort the core must apply first, and who waits for it."""
+
+    abort: int = 0
+    waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = field(default_factory=list)
+
+
+def _wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]) -> None:
+    for loop, released in waiters:
+        with contextlib.suppress(RuntimeError):  # that event loop is closed
+            loop.call_soon_threadsafe(_set_once, released)
+
+
+def _set_once(released: asyncio.Future) -> None:
+    if not released.done():  # its waiter may have been cancelled (the client left)
+        released.set_result(None)
 
 
 @dataclass(frozen=True)

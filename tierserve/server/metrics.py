@@ -3,11 +3,12 @@ counts, and the engine and cache state the core reads for each scrape (engine/me
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -85,9 +86,13 @@ class GrammarCollector(Collector):
 
 class ServerMetrics:
     def __init__(
-        self, grammar_pool: GrammarCompilePool | None = None, model_name: str | None = None
+        self,
+        grammar_pool: GrammarCompilePool | None = None,
+        model_name: str | None = None,
+        waiting_for_ids: Callable[[], int] | None = None,
     ) -> None:
-        """`model_name`: the served model's, for vLLM's names of the metrics (none without)."""
+        """`model_name`: the served model's, for vLLM's names of the metrics (none without).
+        `waiting_for_ids`: the API process's requests whose id an aborted one still holds."""
         self.registry = CollectorRegistry()
         self._engine = EngineCollector()
         self.registry.register(self._engine)
@@ -96,6 +101,12 @@ class ServerMetrics:
         self.requests = Counter(
             "tierserve_requests", "finished requests by status", ["status"], registry=self.registry
         )
+        if waiting_for_ids is not None:
+            Gauge(
+                "tierserve_requests_waiting_for_id",
+                "requests whose id an aborted request still holds in the engine core",
+                registry=self.registry,
+            ).set_function(waiting_for_ids)
         self.ttft = self._histogram("tierserve_time_to_first_token_seconds", "time to first token")
         self.tpot = self._histogram("tierserve_time_per_output_token_seconds", "per output token")
         self.e2e = self._histogram("tierserve_e2e_request_latency_seconds", "end-to-end latency")
