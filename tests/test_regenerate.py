@@ -288,6 +288,63 @@ def test_regenerated_rows_come_with_their_hidden_states(tmp_path):
     assert tensors["hidden_states"].shape[:2] == (tensors["token_ids"].shape[0], 4)
 
 
+def test_hidden_states_are_taken_only_from_the_directory_given(tmp_path, monkeypatch):
+    """A server whose reply names its file relative to its own working directory (the file
+    is in the directory given, by name), one that wrote it elsewhere, and one whose file is
+    not here (a remote server): the first row is regenerated, the others are rows with an
+    error that says what is needed, and the file elsewhere stays. Each once ended the run
+    with a FileNotFoundError and no row written, or moved whatever path the reply named."""
+    import argparse
+    import asyncio
+
+    import httpx
+
+    from tierserve.server.regenerate import Regenerator
+
+    hs, elsewhere = tmp_path / "hs", tmp_path / "elsewhere"
+    hs.mkdir()
+    elsewhere.mkdir()
+    (hs / "rel.safetensors").write_bytes(b"relative")
+    (hs / "rel.safetensors.lock").touch()  # free: the server wrote the file whole
+    (elsewhere / "far.safetensors").write_bytes(b"far")
+    replies = {"rel": "capture/rel.safetensors", "far": str(elsewhere / "far.safetensors"),
+               "remote": str(hs / "remote.safetensors")}  # fmt: skip
+
+    def server(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        reply = {"choices": [{"message": {"role": "assistant", "content": "new"},
+                              "finish_reason": "stop"}], "usage": {}}  # fmt: skip
+        if body["return_hidden_states"]:
+            path = replies[body["messages"][0]["content"]]
+            reply["kv_transfer_params"] = {"hidden_states_path": path}
+        return httpx.Response(200, json=reply)
+
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps({"id": name, "messages": [
+        {"role": "user", "content": name}, {"role": "assistant", "content": "old"}]}) + "\n"
+        for name in replies))  # fmt: skip
+    out = tmp_path / "out.jsonl"
+    ns = argparse.Namespace(concurrency=1, no_progress=True, max_tokens=None, temperature=0.0,
+                            model_name=None, max_retries=0, hidden_states_dir=str(hs))  # fmt: skip
+    monkeypatch.chdir(tmp_path)  # the client's own directory holds no capture/
+
+    async def go() -> None:
+        transport = httpx.MockTransport(server)
+        async with httpx.AsyncClient(transport=transport, base_url="http://s") as client:
+            await Regenerator(client, out, ns).run(read_rows(src))
+
+    asyncio.run(go())
+    rows = {r["id"]: r for r in rows_in(out)}
+    assert rows["rel"]["status"] == "success", rows["rel"]
+    assert (hs / "hs_0.safetensors").read_bytes() == b"relative"
+    assert not (hs / "rel.safetensors.lock").exists()
+    for name, where in (("far", "outside"), ("remote", "are not in")):
+        assert rows[name]["status"] == "error" and where in rows[name]["error"], rows[name]
+        assert "must be the server's own --hidden-states-dir" in rows[name]["error"]
+    assert (elsewhere / "far.safetensors").read_bytes() == b"far"  # not moved
+    assert sorted(p.name for p in hs.iterdir()) == ["hs_0.safetensors"]
+
+
 def test_without_max_tokens_a_turn_runs_to_the_context_and_is_counted_cut(tmp_path):
     """The default once was 2048 tokens a turn, past the demo model's context: every row
     failed. Unset, a turn may take what the context leaves (OpenAI's default)."""

@@ -970,6 +970,59 @@ def test_batch_input_lines_of_the_wrong_shape_are_named(tmp_path, line, message)
     assert message in err.value.message
 
 
+def test_batch_lines_for_other_routes_methods_or_hosts_are_their_own_errors(server, tmp_path):
+    """A url of another type, one httpx cannot parse, another host, a route that is no batch
+    endpoint, a GET: each line is written with its 400 error, unsent, and the good line still
+    runs. Each of the first three ended the whole run with a traceback; the others were sent."""
+    from tierserve import cli
+
+    good = {"model": "llama", "prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0}
+    bad = {
+        "int": ("POST", 5), "null": ("POST", None), "torn": ("POST", "http://[::1"),
+        "host": ("POST", "http://example.com/v1/completions"), "flush": ("POST", "/flush_cache"),
+        "embed": ("POST", "/v1/embeddings"), "get": ("GET", "/v1/completions"),
+    }  # fmt: skip
+    lines = [("ok", "POST", "/v1/completions")] + [(k, m, u) for k, (m, u) in bad.items()]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": c, "method": m, "url": u, "body": good})
+                           + "\n" for c, m, u in lines))  # fmt: skip
+    code = cli.main(["batch", str(src), "-o", str(out), "--url", server.url, "--no-progress",
+                     "--max-retries", "0"])  # fmt: skip
+    records = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert code == 1 and sorted(records) == sorted(["ok", *bad])
+    assert records["ok"]["response"]["status_code"] == 200
+    assert records["ok"]["response"]["body"]["usage"]["completion_tokens"] == 2
+    for custom_id in bad:
+        record = records[custom_id]
+        assert record["response"]["status_code"] == 400, record
+        error = record["error"]
+        assert error == record["response"]["body"]["error"]
+        assert error["param"] == ("method" if custom_id == "get" else "url"), error
+    assert "/v1/chat/completions, /v1/completions" in records["flush"]["error"]["message"]
+
+
+@pytest.mark.parametrize("device", ["/dev/zero", "/dev/full"])
+def test_a_batch_output_that_is_no_regular_file_is_refused_at_once(tmp_path, device):
+    """-o /dev/zero read the output to resume, forever, at ~600 MB/s of memory. Run under a
+    512 MiB address-space bound, so that a regression fails here instead of taking the
+    machine's memory."""
+    import resource
+
+    def bounded() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (512 << 20, 512 << 20))
+
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x"}}\n')
+    cmd = [sys.executable, "-m", "tierserve.cli", "batch", str(src), "-o", device,
+           "--url", "http://127.0.0.1:9"]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, preexec_fn=bounded)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr == f"tierserve batch: error: --output {device} is not a regular file: " + (
+        "a run reads its output to resume and rewrites it; give a file's path\n"
+    )
+    assert not Path(device + ".lock").exists()
+
+
 def test_stop_reason_and_include_stop_str_in_output_as_vllm(client):
     """Each choice says what stopped it (vLLM's `stop_reason`: the stop string or the
     stop_token_ids id, None for EOS and length); include_stop_str_in_output keeps it in the

@@ -91,7 +91,8 @@ def check_capture_args(args: EngineArgs, num_layers: int) -> tuple[int, ...]:
 
 class HiddenStatesWriter:
     def __init__(self, directory: str) -> None:
-        self.directory = Path(directory).expanduser()
+        # Absolute: replies name this path to clients whose working directory is not ours.
+        self.directory = Path(directory).expanduser().absolute()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             probe = self.directory / ".tierserve-write-probe"

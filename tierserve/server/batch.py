@@ -34,6 +34,9 @@ from tierserve.server.job_usage import JobUsage
 from tierserve.server.jsonl import read_json_lines
 
 RETRYABLE = {408, 429, 500, 502, 503, 504}
+# What a batch line may ask for: OpenAI's batch endpoints that tierserve serves (its
+# /v1/embeddings is not). A line is a path on the server --url names, sent by POST.
+BATCH_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -88,6 +91,29 @@ def read_input(path: Path) -> list[dict[str, Any]]:
         seen.add(line["custom_id"])
         lines.append(line)
     return lines
+
+
+def line_error(line: dict[str, Any]) -> dict[str, Any] | None:
+    """Why a line is not sent, as the server's 400 body would say it (OpenAI's batch output
+    writes it as that line's error); None: it may be sent. A url of another type or an absolute
+    URL ended the whole run with a traceback, and another host or route was asked."""
+    method, url = line.get("method", "POST"), line["url"]
+    if method != "POST":
+        message = f"method must be POST, as in OpenAI's batch API, got {json.dumps(method)}"
+        return _error_body(message, "method")
+    if url not in BATCH_ENDPOINTS:
+        message = (
+            f"url must be one of {', '.join(BATCH_ENDPOINTS)} (a path on the server --url "
+            f"names), got {json.dumps(url)}"
+        )
+        return _error_body(message, "url")
+    return None
+
+
+def _error_body(message: str, param: str) -> dict[str, Any]:
+    # protocol.error_body's shape, without importing the server's models for a client.
+    return {"error": {"message": message, "type": "invalid_request_error", "param": param,
+                      "code": 400}}  # fmt: skip
 
 
 def read_output(path: Path) -> dict[str, bool]:
@@ -166,8 +192,10 @@ class BatchRunner:
         with self.out.open("a") as sink:
 
             async def one(line: dict[str, Any]) -> None:
-                async with gate:
-                    status, body = await self._send(line)
+                status, body = 400, line_error(line)
+                if body is None:
+                    async with gate:
+                        status, body = await self._send(line)
                 await self._write(sink, line, status, body)
 
             await asyncio.gather(*(one(line) for line in pending))
@@ -218,6 +246,18 @@ class BatchRunner:
         )
 
 
+def check_output(out: Path) -> None:
+    """A run reads its output whole to resume, and rewrites it: one that is not a regular
+    file (/dev/zero: read forever, at ~600 MB/s of memory) is refused before anything, its
+    lock beside it included. One that does not exist yet is made."""
+    if out.exists() and not out.is_file():
+        message = (
+            f"--output {out} is not a regular file: a run reads its output to resume and "
+            "rewrites it; give a file's path"
+        )
+        raise TierserveError(message, "output")
+
+
 def writable_output(out: Path) -> Path:
     """`out`, once it opens for appending: refused before any request is sent, not after the
     first answer, whose work would be lost."""
@@ -240,6 +280,7 @@ def run(ns: argparse.Namespace) -> int:
         _check_regenerate_args(ns)
     else:
         _refuse_regenerate_flags(ns)
+    check_output(Path(ns.output))
     with output_lock(Path(ns.output)):
         return _regenerate(ns) if ns.regenerate else _batch(ns)
 

@@ -178,8 +178,9 @@ class Regenerator:
             raise TierserveError(
                 "the server wrote no hidden states: start it with --hidden-states-dir"
             )
-        target = Path(self.ns.hidden_states_dir) / f"hs_{row.index}.safetensors"
-        await asyncio.to_thread(_take, Path(source), target)
+        directory = Path(self.ns.hidden_states_dir).expanduser()
+        target = directory / f"hs_{row.index}.safetensors"
+        await asyncio.to_thread(_take, _server_file(str(source), directory), target)
         return str(target)
 
     async def _chat(self, body: dict[str, Any], counted: bool = True) -> dict[str, Any]:
@@ -220,14 +221,50 @@ class Regenerator:
         return f"regenerate: {done} rows{cut}, {p.failed} failed, {skipped} already done; {stats}"
 
 
+# What --regenerate --hidden-states-dir needs, said when a server's file is not there.
+SAME_DIR = (
+    "--hidden-states-dir must be the server's own --hidden-states-dir, on a filesystem this "
+    "client shares with the server (it moves the server's files there)"
+)
+
+
+def _server_file(source: str, directory: Path) -> Path:
+    """Where the server's file is, which must lie in `directory`: the client moves it, so a
+    reply never makes it move a file elsewhere. A relative path is the server's, from its own
+    working directory: the file is looked up by its name in `directory`."""
+    path = Path(source)
+    path = path if path.is_absolute() else directory / path.name
+    try:
+        inside = path.resolve().is_relative_to(directory.resolve())
+    except (OSError, ValueError):  # a symlink loop, a NUL in the name
+        inside = False
+    if not inside:
+        message = f"the server wrote its hidden states to {source}, outside {directory}: {SAME_DIR}"
+        raise TierserveError(message)
+    return path
+
+
 def _take(source: Path, target: Path) -> None:
     """Wait for the server's file to be whole (its lock free), then move it to `target`."""
     lock = source.with_name(source.name + ".lock")
-    with open(lock) as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-    lock.unlink(missing_ok=True)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    shutil.move(str(source), str(target))
+    try:
+        with open(lock) as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+        lock.unlink(missing_ok=True)
+    except FileNotFoundError:  # the server removes the locks of whole files no reader took
+        pass
+    except OSError as err:
+        message = f"cannot wait for the server's hidden states {source}: {err.strerror}"
+        raise TierserveError(message) from None
+    if not source.is_file():  # a server on another machine, or its directory another one
+        message = f"the server's hidden states {source.name} are not in {source.parent}"
+        raise TierserveError(f"{message}: {SAME_DIR}")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.move(str(source), str(target))
+    except OSError as err:  # the file gone, or the directory not writable: this row's error
+        message = f"cannot move the server's hidden states {source} to {target}: {err.strerror}"
+        raise TierserveError(message) from None
 
 
 def _message(reply: httpx.Response) -> str:
