@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -352,6 +353,51 @@ def test_an_oversized_draft_exits_2_naming_its_bytes_before_anything_is_allocate
     err = capsys.readouterr().err
     want = "tierserve serve: error: the EAGLE-3 draft does not fit in RAM: 26.2 GB"
     assert code == 2 and want in err
+
+
+def _past_the_vocabulary(w: dict) -> None:
+    w["d2t"][-1] += 4096  # the demo model's whole vocabulary: the last id maps past it
+
+
+@pytest.mark.parametrize(
+    ("config", "weights", "words"),
+    [
+        ({}, _past_the_vocabulary, "d2t maps draft id 1023 to"),
+        ({"draft_vocab_size": 5000}, None, "draft_vocab_size 5000 is larger than the target's"),
+        ({"draft_vocab_size": "abc"}, None, "draft_vocab_size must be an integer > 0"),
+        ({"eagle_aux_hidden_state_layer_ids": 5}, None,
+         "eagle_aux_hidden_state_layer_ids must be a list of layer ids, got 5"),
+        ({"eagle_aux_hidden_state_layer_ids": [1, 3, 40]}, None,
+         r"eagle_aux_hidden_state_layer_ids \[40\] outside the target's \[0, 6\]"),
+        ({"transformer_layer_config": None}, None,
+         "transformer_layer_config must be a JSON object, got null"),
+        ({"norm_before_residual": "false"}, None, "norm_before_residual must be true or false"),
+        ([1, 2], None, "config.json must be a JSON object, got a list"),
+    ],
+    ids=["d2t", "draft-vocab", "draft-vocab-text", "aux-int", "aux-range", "layer-null",
+         "flag-text", "config-list"],
+)  # fmt: skip
+def test_a_bad_draft_is_refused_by_its_field_in_a_dry_run(tmp_path, capsys, config, weights, words):
+    """Each of these drafts once ended the engine core with a traceback (exit 1), in its
+    warm-up's first draft or in building the draft; `serve --dry-run` passed them."""
+    from safetensors.torch import save_file
+
+    from tierserve import cli
+
+    draft = make_eagle3_draft(tmp_path / "d", DEMO, draft_vocab=1024)
+    raw = json.loads((draft / "config.json").read_text())
+    raw = {**raw, **config} if isinstance(config, dict) else config
+    (draft / "config.json").write_text(json.dumps(raw))
+    if weights is not None:
+        w = load_file(draft / "model.safetensors")
+        weights(w)
+        save_file(w, draft / "model.safetensors")
+    code = cli.main(["serve", "--model", str(DEMO), "--device", "cpu", "--max-total-tokens",
+                     "1024", "--speculative-algorithm", "EAGLE3",
+                     "--speculative-draft-model-path", str(draft), "--dry-run"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert re.search(words, err) and err.startswith("tierserve serve: error:"), err
 
 
 def test_capture_and_prompt_logprobs_are_unchanged_by_a_draft(tmp_path):

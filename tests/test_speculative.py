@@ -297,6 +297,31 @@ def test_bad_speculative_flags_are_refused_by_name(kwargs, words):
         EngineArgs.from_kwargs("m", **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("flags", "words"),
+    [
+        (["--speculative-num-steps", "1000"], "--speculative-num-steps must be at most 32"),
+        (["--speculative-num-draft-tokens", "34"],
+         "--speculative-num-draft-tokens must be at most 33"),
+        (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 33}'],
+         "--speculative-config num_speculative_tokens must be at most 32"),
+    ],
+)  # fmt: skip
+def test_a_chain_past_32_drafted_tokens_exits_2_naming_its_flag(capsys, flags, words):
+    """1,000 steps were served: each step ran 1,000 draft forwards, and a 2-token request
+    took 20 s."""
+    from tierserve import cli
+
+    algorithm = [] if "--speculative-config" in flags else ["--speculative-algorithm", "NGRAM"]
+    code = cli.main(["serve", "--device", "cpu", *algorithm, *flags, "--dry-run"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"tierserve serve: error: {words}"), err
+    assert err.count("\n") == 1, err
+    # The bound itself is served: 32 drafted tokens, 33 verified.
+    largest = EngineArgs.from_kwargs("m", speculative_algorithm="NGRAM", speculative_num_steps=32)
+    assert largest.speculative_num_draft_tokens == 33
+
+
 def test_the_chain_sizes_follow_from_either_flag():
     steps = EngineArgs.from_kwargs("m", speculative_algorithm="NGRAM")
     assert (steps.speculative_num_steps, steps.speculative_num_draft_tokens) == (3, 4)

@@ -51,6 +51,11 @@ def check_host_ratio(ratio: float, name: str = "hicache_ratio") -> None:
 
 # Drafted tokens per step unless the line says (tierserve's chain; SGLang's 5 is a tree's).
 SPEC_STEPS = 3
+# The longest chain served. Each drafted token is one more draft forward per step, spent
+# before any is verified: 1,000 steps made a 2-token request take 20 s. A chain keeps its
+# k-th token with probability a^k (a: the per-token acceptance, 0.8 at best in practice),
+# so tokens past 32 add under 0.1% to what a step keeps; SGLang's and vLLM's recipes use 1-7.
+MAX_SPEC_STEPS = 32
 
 
 def check_speculative_steps(steps: int) -> None:
@@ -467,7 +472,8 @@ class EngineArgs:
     def _check_speculative(self) -> None:
         """vLLM's JSON becomes the SGLang flags; then the chain's sizes agree and the parts
         not built yet are refused by name."""
-        if self.speculative_config is not None:
+        vllm = self.speculative_config is not None
+        if vllm:
             for name, value in vllm_speculative_config(self).items():
                 object.__setattr__(self, name, value)
             # Said once, in SGLang's fields: args copied or sent to the core check again.
@@ -491,6 +497,21 @@ class EngineArgs:
         steps, tokens = self.speculative_num_steps, self.speculative_num_draft_tokens
         if steps is not None:
             check_speculative_steps(steps)
+        bounds = [
+            (steps, MAX_SPEC_STEPS, "--speculative-num-steps", "speculative_num_steps"),
+            (tokens, MAX_SPEC_STEPS + 1, "--speculative-num-draft-tokens",
+             "speculative_num_draft_tokens"),
+        ]  # fmt: skip
+        if vllm:  # its num_speculative_tokens became the steps above
+            name = "--speculative-config num_speculative_tokens"
+            bounds[0] = (steps, MAX_SPEC_STEPS, name, "speculative_config")
+        for value, most, name, field_name in bounds:
+            if value is not None and value > most:
+                message = (
+                    f"{name} must be at most {most} (a chain of {MAX_SPEC_STEPS} drafted "
+                    f"tokens, each one more draft forward per step), got {value}"
+                )
+                raise TierserveError(message, field_name)
         steps = steps if steps is not None else (tokens - 1 if tokens is not None else SPEC_STEPS)
         tokens = tokens if tokens is not None else steps + 1
         if steps < 1 or tokens != steps + 1:

@@ -169,7 +169,9 @@ def _draft(
             raise TierserveError(message, "enable_dp_attention")
         return model_path, numels
     draft = draft_path_for(args.speculative_draft_model_path, model_path)
-    Eagle3Config.from_dir(draft, cfg).check_target(cfg, draft)
+    eagle = Eagle3Config.from_dir(draft, cfg)
+    eagle.check_target(cfg, draft)
+    eagle.check_weights(draft, cfg)
     return draft, (0, draft_numel(draft))
 
 

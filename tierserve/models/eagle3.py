@@ -21,6 +21,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -41,7 +42,7 @@ from tierserve.layers import (
 )
 from tierserve.model_config import ModelConfig
 from tierserve.models.llama import LlamaAttention
-from tierserve.models.loader import fill, materialize, tensor_shapes
+from tierserve.models.loader import fill, materialize, tensor_headers, tensor_shapes
 
 FIELD = "speculative_draft_model_path"
 
@@ -63,12 +64,22 @@ class Eagle3Config:
         except (OSError, ValueError) as err:
             message = f"EAGLE-3 draft {path}: no readable config.json ({err})"
             raise TierserveError(message, FIELD) from None
+        # Each field's type is checked here: the draft is built in the engine core, where a
+        # TypeError ended the process with a traceback instead of a refusal naming the field.
+        if not isinstance(raw, dict):
+            kind = type(raw).__name__
+            message = f"EAGLE-3 draft {path}: config.json must be a JSON object, got a {kind}"
+            raise TierserveError(message, FIELD)
         speculators = raw.get("speculators_model_type") is not None
         if speculators and raw["speculators_model_type"] != "eagle3":
             kind = raw["speculators_model_type"]
             raise TierserveError(f"draft {path} is a {kind!r} speculator, not eagle3", FIELD)
         layer_raw = raw.get("transformer_layer_config", raw) if speculators else raw
-        layer = ModelConfig.from_dict({**layer_raw, "architectures": ["LlamaForCausalLM"]})
+        _of(path, "transformer_layer_config", layer_raw, dict, "a JSON object")
+        try:
+            layer = ModelConfig.from_dict({**layer_raw, "architectures": ["LlamaForCausalLM"]})
+        except TierserveError as err:  # the draft's flag, not the target's --model
+            raise TierserveError(f"EAGLE-3 draft {path}: {err.message}", FIELD) from None
         layer = dataclasses.replace(
             layer,
             max_position_embeddings=max(
@@ -78,24 +89,41 @@ class Eagle3Config:
             # Its one layer sits at pool layer `target.num_layers`: its window, by that id.
             layer_windows=layer.layer_windows * (target.num_layers + 1),
         )
-        eagle = raw.get("eagle_config") or {}
-        aux = raw.get("eagle_aux_hidden_state_layer_ids") or eagle.get(
-            "eagle_aux_hidden_state_layer_ids"
-        )
+        eagle = _of(path, "eagle_config", raw.get("eagle_config") or {}, dict, "a JSON object")
+        key = "eagle_aux_hidden_state_layer_ids"
+        aux = raw.get(key) or eagle.get(key)
+        if aux is not None and not (
+            isinstance(aux, list) and all(_is_int(k) for k in aux)
+        ):  # SGLang's and vLLM's form: a list of ints, one per layer read
+            message = f"EAGLE-3 draft {path}: {key} must be a list of layer ids, got "
+            raise TierserveError(message + json.dumps(aux), FIELD)
         n = target.num_layers
         aux = tuple(aux) if aux else (2, n // 2, n - 3)  # vLLM's and SGLang's default
         if layer.num_layers != 1:
             message = f"draft {path} has {layer.num_layers} layers; one is served"
             raise TierserveError(message, FIELD)
-        if raw.get("fc_norm"):
+        flags = {
+            name: _of(path, name, _given(raw.get(name), default), bool, "true or false")
+            for name, default in (
+                ("fc_norm", False),
+                ("norm_before_residual", speculators),
+                ("norm_before_fc", False),
+                ("norm_output", False),
+            )
+        }
+        if flags["fc_norm"]:
             raise TierserveError(f"draft {path}: fc_norm drafts are not served yet", FIELD)
+        draft_vocab = raw.get("draft_vocab_size") or layer.vocab_size
+        if not _is_int(draft_vocab) or draft_vocab < 1:
+            message = f"EAGLE-3 draft {path}: draft_vocab_size must be an integer > 0, got "
+            raise TierserveError(message + json.dumps(draft_vocab), FIELD)
         return cls(
             layer=layer,
             aux_layers=aux,
-            draft_vocab_size=int(raw.get("draft_vocab_size") or layer.vocab_size),
-            norm_before_residual=bool(raw.get("norm_before_residual", speculators)),
-            norm_before_fc=bool(raw.get("norm_before_fc", False)),
-            norm_output=bool(raw.get("norm_output", False)),
+            draft_vocab_size=draft_vocab,
+            norm_before_residual=flags["norm_before_residual"],
+            norm_before_fc=flags["norm_before_fc"],
+            norm_output=flags["norm_output"],
         )
 
     def check_target(self, target: ModelConfig, path: str) -> None:
@@ -118,8 +146,83 @@ class Eagle3Config:
                 raise TierserveError(message, FIELD)
         bad = [k for k in self.aux_layers if not 0 <= k <= target.num_layers]
         if bad:
-            message = f"draft {path}: auxiliary layer ids {bad} outside [0, {target.num_layers}]"
+            message = (
+                f"draft {path}: eagle_aux_hidden_state_layer_ids {bad} outside the target's "
+                f"[0, {target.num_layers}]"
+            )
             raise TierserveError(message, FIELD)
+        if self.draft_vocab_size > target.vocab_size:  # its ids past the target's vocabulary
+            message = (
+                f"draft {path}: draft_vocab_size {self.draft_vocab_size} is larger than the "
+                f"target's vocabulary ({target.vocab_size})"
+            )
+            raise TierserveError(message, FIELD)
+
+    def check_d2t(self, d2t: torch.Tensor, target: ModelConfig, path: str | Path) -> None:
+        """Every draft id must map to a target id: one past the vocabulary failed only in
+        the warm-up's first draft, an IndexError that ended the engine core."""
+        self._check_d2t_shape(list(d2t.shape), path)
+        if d2t.dtype not in _INT_DTYPES.values():
+            message = f"draft {path}: d2t must be an integer tensor, got {d2t.dtype}"
+            raise TierserveError(message, FIELD)
+        ids = d2t.long() + torch.arange(len(d2t), device=d2t.device)
+        bad = ((ids < 0) | (ids >= target.vocab_size)).nonzero()
+        if len(bad):
+            first = int(bad[0])
+            message = (
+                f"draft {path}: d2t maps draft id {first} to {int(ids[first])}, outside the "
+                f"target's vocabulary [0, {target.vocab_size})"
+            )
+            raise TierserveError(message, FIELD)
+
+    def check_weights(self, path: str | Path, target: ModelConfig) -> None:
+        """What `check_target` cannot see in config.json, read from model.safetensors without
+        reading a weight (for --dry-run too): its `d2t` table."""
+        file = Path(path) / "model.safetensors"
+        entry = tensor_headers(file).get("d2t")
+        if entry is None:  # offsets of 0: a draft over the whole target vocabulary
+            return
+        dtype = _INT_DTYPES.get(entry["dtype"])
+        if dtype is None:
+            message = f"draft {path}: d2t must be an integer tensor, got {entry['dtype']}"
+            raise TierserveError(message, FIELD)
+        self._check_d2t_shape(entry["shape"], path)  # before its bytes are read
+        start, end = entry["data_offsets"]
+        with file.open("rb") as f:
+            f.seek(8 + int.from_bytes(f.read(8), "little") + start)
+            data = bytearray(f.read(end - start))
+        if len(data) != self.draft_vocab_size * dtype.itemsize:
+            message = f"draft {path}: d2t holds {len(data)} bytes, not {entry['shape']} {dtype}"
+            raise TierserveError(message, FIELD)
+        self.check_d2t(torch.frombuffer(data, dtype=dtype), target, path)
+
+    def _check_d2t_shape(self, shape: list[int], path: str | Path) -> None:
+        if shape != [self.draft_vocab_size]:
+            message = (
+                f"draft {path}: d2t has shape {shape}, not [draft_vocab_size] = "
+                f"[{self.draft_vocab_size}]"
+            )
+            raise TierserveError(message, FIELD)
+
+
+# safetensors' integer dtypes a d2t table may be stored in.
+_INT_DTYPES = {"I64": torch.int64, "I32": torch.int32, "I16": torch.int16}
+
+
+def _given(value: Any, default: bool) -> Any:
+    return default if value is None else value
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _of(path: str | Path, name: str, value: Any, kind: type, what: str) -> Any:
+    """`value`, a draft config's field `name`, if it is a `kind`; else the refusal naming it."""
+    if not isinstance(value, kind):
+        message = f"EAGLE-3 draft {path}: {name} must be {what}, got {json.dumps(value)}"
+        raise TierserveError(message, FIELD)
+    return value
 
 
 class Eagle3Layer(nn.Module):
@@ -232,6 +335,7 @@ def load_draft(
         targets.pop("d2t")
         draft.d2t.zero_()
     fill(draft, targets, weights.items(), f"EAGLE-3 draft {path}", FIELD)
+    cfg.check_d2t(draft.d2t, target.config, path)
     layer = draft.layers[0]
     fresh = rotary_for(cfg.layer).to(device)
     layer.rotary.cos, layer.rotary.sin = fresh.cos, fresh.sin
