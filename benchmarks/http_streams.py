@@ -95,7 +95,7 @@ async def stream_one(
         buffer += await reader.readexactly(size + 2)
         *events, buffer = buffer.split(b"\n\n")
         for event in events:
-            if b'"usage": {' in event:
+            if b'"usage": {' in event or b'"usage":{' in event:  # json's or msgspec's spacing
                 usage = json.loads(event.strip()[6:])["usage"]
             elif event.strip() and event.strip() != b"data: [DONE]":
                 chunks += 1

@@ -11,6 +11,7 @@ import pytest
 
 from tests.conftest import Server, eventually, maps_library
 from tierserve import cli
+from tierserve.distributed.omp_wait import DEFAULT_WAIT, WAIT_VARS
 from tierserve.distributed.placement import (
     allowed_cores,
     format_cores,
@@ -149,3 +150,43 @@ def _greedy(n: int):
     from tierserve import SamplingParams
 
     return SamplingParams(max_tokens=n, temperature=0)
+
+
+def test_the_engine_core_waits_as_the_user_chose_or_as_tierserve_bounds_it(server):
+    """The served engine core's environment: the user's OMP_WAIT_POLICY / GOMP_SPINCOUNT
+    where either is set (make test sets PASSIVE), tierserve's bounded spin otherwise; libgomp's
+    default spin took the cores a neighbouring server needed."""
+    chosen = {k: os.environ[k] for k in WAIT_VARS if k in os.environ}
+    want = chosen or DEFAULT_WAIT
+    env = server.core.environ()
+    assert {k: env[k] for k in WAIT_VARS if k in env} == want
+
+
+OFFLINE_TP = """
+import os, sys, psutil
+from tierserve import LLM
+llm = LLM(sys.argv[1], tp_size=2, device="cpu", max_total_tokens=1024)
+ranks = [p for p in psutil.Process().children() if "tierserve.engine.worker" in p.cmdline()]
+print([os.environ.get("GOMP_SPINCOUNT")] + [r.environ().get("GOMP_SPINCOUNT") for r in ranks])
+"""
+
+
+def test_an_offline_engine_and_its_ranks_get_the_bounded_spin_unless_the_user_chose(llama_dir):
+    """Offline: set in the LLM's own process before torch loads, and in the ranks it spawns;
+    nothing added where the user chose; a warning where torch came first (too late then)."""
+    import subprocess
+    import sys
+
+    bare = {k: v for k, v in os.environ.items() if k not in WAIT_VARS}
+    run = lambda code, env, *a: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", code, *a], env=env, capture_output=True, text=True, timeout=300
+    )
+    done = run(OFFLINE_TP, bare, str(llama_dir))
+    assert done.returncode == 0, done.stderr[-2000:]
+    spin = DEFAULT_WAIT["GOMP_SPINCOUNT"]
+    assert done.stdout.splitlines()[-1] == str([spin, spin])  # rank 0 (the LLM), rank 1
+    late = "import torch, os, tierserve; tierserve.LLM; print(os.environ.get('GOMP_SPINCOUNT'))"
+    done = run(late, bare)
+    assert done.stdout.split() == ["None"] and "torch was imported before" in done.stderr
+    done = run(late, {**bare, "OMP_WAIT_POLICY": "PASSIVE"})
+    assert done.stdout.split() == ["None"] and "torch was imported" not in done.stderr

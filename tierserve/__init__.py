@@ -9,6 +9,9 @@ __all__ = ["LLM", "RequestOutput", "SamplingParams", "StructuredOutput", "Tierse
 
 def __getattr__(name: str):  # keep `import tierserve` light: torch loads only when needed
     if name == "LLM":
+        from tierserve.distributed import set_wait_here
+
+        set_wait_here()  # before torch loads libgomp, which reads it once
         from tierserve.engine import LLM
 
         return LLM

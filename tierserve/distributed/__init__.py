@@ -20,6 +20,9 @@ EXPORTS = {
     "resolve_placement": "placement",
     "start_from_lasting_thread": "rank_env",
     "start_node": "node_start",
+    "describe_wait": "omp_wait",
+    "set_wait_here": "omp_wait",
+    "wait_env": "omp_wait",
 }
 __all__ = list(EXPORTS)
 __getattr__ = lazy_exports(__name__, EXPORTS)

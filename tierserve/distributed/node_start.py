@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 from tierserve.args import EngineArgs
+from tierserve.distributed.omp_wait import wait_env
 from tierserve.distributed.placement import Placement, resolve_placement
 from tierserve.distributed.rank_env import (
     ENV_ADDR,
@@ -157,6 +158,7 @@ def _ended(code: int) -> str:
 def _spawn(args: EngineArgs, rank: int, addr: str) -> subprocess.Popen:
     env = {
         **os.environ,
+        **wait_env(os.environ),  # an offline LLM's ranks too, whatever its own torch does
         ENV_RANK: str(rank),
         ENV_ADDR: addr,
         ENV_ARGS: json.dumps(dataclasses.asdict(args)),

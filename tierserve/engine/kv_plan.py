@@ -8,12 +8,14 @@ parallelism rank 0 sizes for all of the node's ranks at once and every rank take
 
 from __future__ import annotations
 
+import os
 import shutil
 from dataclasses import dataclass
 
 import psutil
 
 from tierserve.args import EngineArgs
+from tierserve.distributed import describe_wait, wait_env
 from tierserve.errors import TierserveError
 from tierserve.sizing import (
     DEFAULT_MARGIN,
@@ -223,5 +225,6 @@ def startup_table(plan: KVPlan, dp_groups: int = 1, placement: str | None = None
         )  # fmt: skip
     if placement is not None:
         rows.append(("CPU placement", placement))
+        rows.append(("OpenMP waiting", describe_wait({**os.environ, **wait_env(os.environ)})))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from tierserve.args import EngineArgs
 from tierserve.chat import ChatTemplateFields, first_problem, render
+from tierserve.distributed import set_wait_here
 from tierserve.engine.engine import Engine
 from tierserve.engine.output import OutputBuilder
 from tierserve.engine.startup import resolve_device
@@ -52,6 +53,7 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         # Offline, the first batch is the work: a warm-up before it only adds its own time.
         engine_args.setdefault("skip_server_warmup", True)
+        set_wait_here()  # only warns here if torch came first: `import tierserve` set it then
         self.args = EngineArgs.from_kwargs(model, **engine_args)
         if "chunked_prefill_size" not in engine_args:  # from the checked device and tp_size
             self.args = replace(self.args, chunked_prefill_size=offline_chunk(self.args))

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
 from tierserve.args import EngineArgs
-from tierserve.distributed import ENV_ARGS, ENV_PARENT, start_from_lasting_thread
+from tierserve.distributed import ENV_ARGS, ENV_PARENT, start_from_lasting_thread, wait_env
 from tierserve.engine import CORE_MODULE, ENV_CLOCK_FD, ENV_CORE_FD, ENV_LOG_LEVEL, StepClock
 from tierserve.errors import TierserveError
 from tierserve.messages import (
@@ -80,6 +80,7 @@ class CoreClient:
         clock_file = tempfile.TemporaryFile()  # noqa: SIM115 (closed below: the map keeps it)
         env = {
             **os.environ,
+            **wait_env(os.environ),  # its ranks inherit it
             ENV_ARGS: json.dumps(dataclasses.asdict(args)),
             ENV_CORE_FD: str(theirs.fileno()),
             ENV_CLOCK_FD: str(clock_file.fileno()),
