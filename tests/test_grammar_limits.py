@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import os
 import signal
 from collections.abc import Iterator
@@ -17,7 +18,7 @@ import pytest
 
 from tests.conftest import Server, eventually, http
 from tierserve import LLM, SamplingParams, TierserveError
-from tierserve.engine.grammar import MAX_GRAMMAR_CHARS, MAX_SCHEMA_ENUM_VALUES
+from tierserve.engine.grammar import MAX_GRAMMAR_CHARS, MAX_SCHEMA_ENUM_VALUES, check_size
 from tierserve.sampling_params import StructuredOutput
 from tierserve.server.grammar_worker import COMPILE_HOLD_ENV
 
@@ -125,6 +126,19 @@ def test_grammars_past_the_documented_limits_are_refused_before_compiling(llama_
     with pytest.raises(TierserveError, match=says):
         llm.generate("A", SamplingParams(max_tokens=2, structured_output=spec))
     assert llm.engine.grammars._compiler is None  # nothing was compiled, not even the compiler
+
+
+@pytest.mark.parametrize("kind", ["builtin_structural_tag", "structural_tag"])
+def test_the_limits_hold_for_the_schemas_inside_a_tag(kind):
+    """A tag holds its schemas inside (a tool family's format: one per tool): they count
+    against the limits as a json_schema's do."""
+    enum = {"type": "object", "properties": {"a": {"enum": list(range(MAX_SCHEMA_ENUM_VALUES))}}}
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": enum}}
+             for i in range(2)]  # fmt: skip
+    source = {"model": "qwen_3", "tools": tools, "tool_choice": "required"}
+    with pytest.raises(TierserveError, match="enum values, over") as err:
+        check_size(StructuredOutput(kind, json.dumps(source)))
+    assert err.value.field == kind
 
 
 def test_the_limits_reach_http_clients_as_400s(patient):

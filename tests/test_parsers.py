@@ -243,13 +243,68 @@ def test_arguments_that_strict_json_refuses_are_no_call(value: str) -> None:
 
 
 def test_required_without_a_parser_reads_the_json_array() -> None:
+    """Each call is read, and streamed, as its object closes."""
     reply = RequiredToolsReply(lambda i: f"call_{i}")
     text = json.dumps([{"name": n, "parameters": a} for n, a in CALLS])
+    out = ParsedDelta()
     for ch in text:
-        assert not reply.feed(ch)
-    out = reply.finish()
+        delta = reply.feed(ch)
+        assert not delta or ch == "}"
+        out += delta
+        assert len(concatenated(out)) == len(reply.calls)
+    out += reply.finish()
     assert [(c.name, json.loads(c.arguments)) for c in reply.calls] == CALLS
-    assert len(concatenated(out)) == 3
+    assert len(concatenated(out)) == 3 and not out.content
     cut = RequiredToolsReply()
     cut.feed(text[:10])
     assert cut.finish().content == text[:10] and not cut.calls
+
+
+@settings(max_examples=25, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=30))
+def test_a_call_array_cut_short_keeps_the_calls_it_completed(cuts: list[int]) -> None:
+    """max_tokens cut the array inside its third call: the two before it are calls (they
+    were streamed as they closed), the half-written one is dropped, however the text comes."""
+    whole = json.dumps([{"name": n, "parameters": a} for n, a in CALLS], separators=(",", ":"))
+    text = whole[: whole.index('{"name":"noop"') + 12]
+    for pieces in chunkings(text, cuts):
+        reply = RequiredToolsReply(lambda i: f"call_{i}")
+        out = ParsedDelta()
+        for piece in pieces:
+            out += reply.feed(piece)
+        out += reply.finish()
+        assert [(c.name, json.loads(c.arguments)) for c in reply.calls] == CALLS[:2]
+        assert concatenated(out) == {
+            i: (c.id, c.name, c.arguments) for i, c in enumerate(reply.calls)
+        }
+        assert not out.content
+
+
+def test_kimi_ids_written_twice_are_two_ids() -> None:
+    """Kimi's ids are the model's (`functions.NAME:INDEX`); a model that writes one twice got
+    two calls of one id, which a client cannot answer apart."""
+    calls = [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"}), ("noop", {})]
+    body = "".join(
+        f"<|tool_call_begin|>functions.{n}:0<|tool_call_argument_begin|>{json.dumps(a)}"
+        "<|tool_call_end|>"
+        for n, a in calls
+    )
+    text = f"<|tool_calls_section_begin|>{body}<|tool_calls_section_end|>"
+    for pieces in ([text], list(text)):
+        _, got = parse("kimi_k2", None, pieces)
+        assert [c.id for c in got] == ["functions.get_weather:0", "functions.get_weather:1",
+                                       "functions.noop:0"]  # fmt: skip
+
+
+@pytest.mark.parametrize("parser", ["kimi_k2", "deepseekv3", "deepseekv31"])
+@settings(max_examples=25, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=0, max_value=10_000), max_size=30))
+def test_a_section_whose_call_does_not_read_is_content_as_written(parser: str, cuts) -> None:
+    """A section holding only a call that does not read (bad JSON, or cut off by the reply's
+    end) comes back as the model wrote it, its section's markers too: they were dropped."""
+    section = written(parser, CALLS[:1]).replace(json.dumps(CALLS[0][1]), "{oops")
+    unclosed = section[: section.index("{oops") + 5]
+    for text in (f"Calling. {section} done", f"Calling. {unclosed}"):
+        for pieces in chunkings(text, cuts):
+            out, got = parse(parser, None, pieces)
+            assert (out.content, got) == (text, [])

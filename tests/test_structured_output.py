@@ -110,6 +110,36 @@ def test_a_json_string_refuses_the_utf8_bytes_of_a_surrogate(demo, spec):
     assert row[byte[0xA0]] == float("-inf") and row[byte[0xBF]] == float("-inf")
 
 
+def test_json_object_is_an_object_without_runs_of_whitespace(demo):
+    """OpenAI's json_object promises an object, and tierserve's JSON is compact: xgrammar's
+    builtin JSON grammar let an array start the reply and runs of whitespace anywhere (the
+    demo model wrote `[             1, 2, ...`)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte = {b: demo.tokenizer.convert_tokens_to_ids(c) for b, c in bytes_to_unicode().items()}
+    grammars = demo.engine.grammars
+    compiled = grammars.compile(StructuredOutput("json_object"))
+    state = grammars.matcher(compiled)
+    assert not state.try_accept(byte[ord("[")]) and not state.try_accept(byte[ord(" ")])
+    for prefix, then in ((b'{"a": ', b"2"), (b'{"a": 1, ', b'"'), (b'{"a": [1, ', b"2")):
+        state = grammars.matcher(compiled)
+        assert all(state.try_accept(byte[b]) for b in prefix), prefix
+        assert not state.try_accept(byte[ord(" ")]), prefix  # a second space: a run
+        assert state.try_accept(byte[then[0]]), prefix
+
+
+def test_json_object_replies_that_stop_are_objects(demo_server):
+    """Sixteen sampled replies (one request, n=16): those the grammar ended are JSON objects;
+    with xgrammar's builtin JSON grammar four of them were arrays (`[5, 2]`)."""
+    client = openai.OpenAI(base_url=f"{demo_server.url}/v1", api_key="x", max_retries=0)
+    reply = client.chat.completions.create(
+        model="demo_model", messages=[{"role": "user", "content": "Give me JSON."}],
+        response_format={"type": "json_object"}, temperature=1.0, seed=0, n=16, max_tokens=48,
+    )  # fmt: skip
+    stopped = [c.message.content for c in reply.choices if c.finish_reason == "stop"]
+    assert stopped and all(isinstance(json.loads(text), dict) for text in stopped), stopped
+
+
 @pytest.mark.parametrize(
     ("spec", "field"),
     [
@@ -261,7 +291,8 @@ def test_vllms_structured_outputs_give_the_grammar_their_twins_give(llama_dir, c
         ({"grammar": 'start: "(" item (", " item)* ")"\nitem: /[0-9]/ | "x"'}, {"ebnf": ebnf}),
         ({"json_object": True}, {"response_format": {"type": "json_object"}}),
     ]  # fmt: skip
-    for seed, (vllm, twin) in enumerate(twins):
+    # Seed 6 for json_object: the random model's object under seed 5 is one string to max_tokens.
+    for seed, (vllm, twin) in zip([0, 1, 2, 3, 4, 6], twins, strict=True):
         ours = client.completions.create(seed=seed, extra_body={"structured_outputs": vllm}, **kw)
         theirs = client.completions.create(seed=seed, extra_body=twin, **kw)
         assert ours.choices[0].text == theirs.choices[0].text, vllm

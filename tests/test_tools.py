@@ -4,6 +4,7 @@ qwen25), forced by tool_choice, streamed and whole; bad definitions are 400s nam
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from pathlib import Path
 
@@ -16,9 +17,12 @@ import pytest
 from transformers import AutoTokenizer
 
 import tierserve
-from tests.conftest import Server, maps_library
+from tests.conftest import Server, eventually, maps_library
 from tierserve.chat.fields import ChatTemplateFields
+from tierserve.chat.messages import MAX_TOOL_SCHEMA_NODES, SCHEMA_HOLD_ENV, ToolDefinition
 from tierserve.chat.template import render
+from tierserve.engine.grammar import MAX_SCHEMA_ENUM_VALUES
+from tierserve.server.tools import _calls_schema
 
 DEMO = Path(tierserve.__file__).parent / "demo_model"
 # Bounded arguments: the demo model writes no tool format of its own, and a grammar it follows
@@ -57,9 +61,12 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def family_server():
+def family_server(tmp_path_factory):
+    """The demo model with a parser; its tool schema checks wait while `s.schema_hold` exists."""
     flags = ("--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3")
-    with Server(DEMO, "--device", "cpu", *flags) as s:
+    hold = tmp_path_factory.mktemp("schema") / "hold"
+    with Server(DEMO, "--device", "cpu", *flags, env={SCHEMA_HOLD_ENV: str(hold)}) as s:
+        s.schema_hold = hold
         yield s
 
 
@@ -137,6 +144,49 @@ def test_required_calls_of_tools_whose_parameters_use_defs(demo_server) -> None:
     (call,) = reply.choices[0].message.tool_calls
     schema = next(t for t in tools if t["function"]["name"] == call.function.name)
     jsonschema.validate(json.loads(call.function.arguments), schema["function"]["parameters"])
+
+
+def test_required_calls_are_bounded_and_a_cut_array_keeps_its_calls(demo_server) -> None:
+    """`required` with parallel calls allowed (OpenAI's default) and no parser: the array holds
+    at most one call per tool, so it ends; unbounded, the demo model wrote calls until
+    max_tokens and the reply had none (7 of 7 tries). Cut by max_tokens inside a later call,
+    the reply keeps the calls that completed, finish_reason "length", streamed and whole."""
+    client = client_of(demo_server)
+    lookup = {"type": "function", "function": {"name": "get_weather",
+              "parameters": SCHEMAS["get_weather"]}}  # fmt: skip
+    whole, streamed = whole_and_streamed(
+        client, tools=[lookup], tool_choice="required", max_tokens=96
+    )
+    assert len(calls_of(whole.message)) == 1 and whole.finish_reason == "tool_calls"
+    assert calls_of(streamed.message) == calls_of(whole.message)
+    request = {"model": "demo_model", "messages": ASK, "temperature": 0, "tools": TOOLS,
+               "tool_choice": "required"}  # fmt: skip
+    full = client.chat.completions.create(
+        **request, max_tokens=160, extra_body={"return_token_ids": True}
+    ).choices[0]
+    calls = calls_of(full.message)
+    assert 2 <= len(calls) <= len(TOOLS) and full.finish_reason == "tool_calls"
+    # max_tokens that end the reply before the last call's object closes
+    tokenizer = AutoTokenizer.from_pretrained(DEMO)
+    ids = full.model_extra["token_ids"]
+    closing = tokenizer.decode(ids).rindex("}}")
+    cut_at = max(k for k in range(len(ids)) if len(tokenizer.decode(ids[:k])) <= closing)
+    whole = client.chat.completions.create(**request, max_tokens=cut_at).choices[0]
+    assert whole.finish_reason == "length" and not whole.message.content
+    assert calls_of(whole.message) == calls[:-1]
+    # The stream helper refuses a "length" reply: the chunks, read here.
+    pieces: dict[int, list[str]] = {}
+    finish, content = None, ""
+    for chunk in client.chat.completions.create(**request, max_tokens=cut_at, stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for d in delta.tool_calls or []:
+            piece = pieces.setdefault(d.index, ["", ""])
+            piece[0] += d.function.name or ""
+            piece[1] += d.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    streamed = [(name, json.loads(arguments)) for name, arguments in pieces.values()]
+    assert (streamed, finish, content) == (calls[:-1], "length", "")
 
 
 def test_forced_calls_in_the_family_format_are_parsed(family_server) -> None:
@@ -261,6 +311,10 @@ BAD = [
     ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools.0.function.name"),
     ({"tools": [{"type": "function", "function": {"name": "x" * 300}}]}, "tools.0.function.name"),
     ({"tools": [{"type": "function", "function": {"name": 5}}]}, "tools.0.function.name"),
+    # OpenAI's names only: a quote, backslash, line break or tab never read back as a call
+    *(({"tools": [{"type": "function", "function": {"name": f"get{c}weather"}}],
+        "tool_choice": "required"}, "tools.0.function.name") for c in '"\\\n\t.'),
+    ({"tools": [{"type": "function", "function": {"name": "x" * 65}}]}, "tools.0.function.name"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]},
      "tools.0.function.parameters"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}]},
@@ -298,7 +352,7 @@ BAD = [
 
 
 def test_bad_tools_choices_and_histories_are_400s_naming_the_field(demo_server) -> None:
-    assert len(BAD) >= 30
+    assert len(BAD) >= 42
     with httpx.Client(base_url=demo_server.url, timeout=60) as http:
         for extra, field in BAD:
             body = {"messages": ASK, "max_tokens": 2, **extra}
@@ -307,6 +361,101 @@ def test_bad_tools_choices_and_histories_are_400s_naming_the_field(demo_server) 
             error = reply.json()["error"]
             assert field in error["message"] or field == error["param"], (extra, error)
     assert http.is_closed
+
+
+def properties(count: int) -> dict:
+    return {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(count)}}
+
+
+def test_tool_schemas_past_the_bound_are_refused_before_they_are_checked(demo_server) -> None:
+    """A tool schema past MAX_TOOL_SCHEMA_NODES is a 400 naming it, before jsonschema reads
+    it: 150,000 properties (7 MB) had held the event loop, /health too, for 164 s, and one
+    just past the bound was checked and served."""
+    over = properties(MAX_TOOL_SCHEMA_NODES // 2)  # two values a property, and the root's
+    huge = properties(150_000)
+    assert len(json.dumps(huge)) > 4_000_000
+    with httpx.Client(base_url=demo_server.url, timeout=60) as client:
+        for schema in (over, huge):
+            tool = {"type": "function", "function": {"name": "f", "parameters": schema}}
+            body = {"messages": ASK, "max_tokens": 2, "tools": [tool], "tool_choice": "none"}
+            reply = client.post("/v1/chat/completions", json=body)
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["param"] == "tools" and "tools.0.function.parameters" in error["message"]
+        # Each within the bound, together past what one request's tools may hold.
+        tools = [
+            {"type": "function", "function": {"name": f"f{i}", "parameters": properties(2_400)}}
+            for i in range(9)
+        ]
+        body = {"messages": ASK, "max_tokens": 2, "tools": tools, "tool_choice": "none"}
+        reply = client.post("/v1/chat/completions", json=body)
+        assert reply.status_code == 400 and reply.json()["error"]["param"] == "tools", reply.text
+
+
+def test_tool_schemas_are_checked_off_the_event_loop(family_server) -> None:
+    """A tool schema's check held open (the test's hold, where jsonschema runs): /health and
+    another request's stream complete meanwhile; released, the held request is served. On the
+    event loop, a schema of 60,000 properties kept /health waiting 17 s."""
+    hold, held = family_server.schema_hold, Path(f"{family_server.schema_hold}.held")
+    tool = {"type": "function", "function": {"name": "f", "parameters": properties(3)}}
+    body = {"messages": ASK, "max_tokens": 2, "tools": [tool], "tool_choice": "none"}
+    url = f"{family_server.url}/v1/chat/completions"
+    hold.touch()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            checked = pool.submit(httpx.post, url, json=body, timeout=120)
+            assert eventually(held.exists, 60), "the schema check never reached the hold"
+            with httpx.Client(base_url=family_server.url, timeout=60) as client:
+                assert client.get("/health").status_code == 200
+                plain = {"prompt": "Once upon", "max_tokens": 4, "stream": True}
+                with client.stream("POST", "/v1/completions", json=plain) as stream:
+                    assert stream.status_code == 200
+                    assert "data: [DONE]" in "".join(stream.iter_text())
+            assert not checked.done()  # still held: the stream did not wait for it
+            hold.unlink()
+            assert checked.result(timeout=120).status_code == 200
+    finally:
+        hold.unlink(missing_ok=True)
+        held.unlink(missing_ok=True)
+
+
+def test_a_reference_to_the_schema_root_is_the_tools_parameters() -> None:
+    """`$ref: "#"` in a tool's parameters means its parameters; nested in the array of calls
+    (`required` without a parser) it meant the whole array."""
+    import xgrammar
+    from xgrammar.testing import _is_grammar_accept_string
+
+    tree = {"type": "object", "properties": {
+        "leaf": {"enum": ["x", "y"]}, "next": {"anyOf": [{"type": "null"}, {"$ref": "#"}]},
+        "also": {"$ref": "#/properties/leaf"}}, "required": ["leaf", "next"],
+        "additionalProperties": False}  # fmt: skip
+    tools = [ToolDefinition.model_validate({"type": "function", "function": {
+        "name": n, "parameters": tree}}) for n in ("tree", "other")]  # fmt: skip
+    schema = json.dumps(_calls_schema(tools, parallel=True))
+    grammar = xgrammar.Grammar.from_json_schema(schema, any_whitespace=False)
+    params = '{"leaf": "x", "next": {"leaf": "y", "next": null, "also": "x"}}'
+    assert _is_grammar_accept_string(grammar, f'[{{"name": "tree", "parameters": {params}}}]')
+    nested_array = (
+        '{"leaf": "x", "next": [{"name": "tree", "parameters": {"leaf": "y", "next": null}}]}'
+    )
+    assert not _is_grammar_accept_string(
+        grammar, f'[{{"name": "tree", "parameters": {nested_array}}}]'
+    )
+
+
+def test_a_family_formats_tools_are_held_to_the_grammar_limits(family_server) -> None:
+    """A forced call's tools in the family's format are under the limits every JSON schema is
+    (docs/server.md), counted over all of them: 20,000 enum values had compiled for 17-21 s.
+    Each tool here is within the bound on a tool schema's size."""
+    per_tool = MAX_SCHEMA_ENUM_VALUES // 3 + 1
+    tools = [{"type": "function", "function": {"name": f"f{i}", "parameters": {
+        "type": "object", "properties": {"a": {"enum": list(range(per_tool))}}}}}
+        for i in range(3)]  # fmt: skip
+    body = {"messages": ASK, "max_tokens": 2, "tools": tools, "tool_choice": "required"}
+    reply = httpx.post(f"{family_server.url}/v1/chat/completions", json=body, timeout=60)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["param"] == "tools" and "enum values" in error["message"], error
 
 
 def test_a_langchain_agent_round_trip(demo_server, monkeypatch) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field, StrictBool, ValidationError, model_validator
 
-from tierserve.chat.messages import ChatMessage, ToolDefinition
+from tierserve.chat.messages import ChatMessage, ToolDefinition, check_tool_schemas
 from tierserve.errors import TierserveError
 
 
@@ -66,6 +66,7 @@ class ChatTemplateFields(TextBody):
         if self.continue_final_message and self.messages[-1].role != "assistant":
             message = "continue_final_message needs an assistant message last"
             raise TierserveError(message, "continue_final_message")
+        check_tool_schemas(self.tools)  # once: the server's chat route has checked them already
         extra: dict[str, Any] = {}
         if self.tools:
             extra["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]

@@ -35,6 +35,10 @@ CACHE_BYTES = 64 * 1024 * 1024
 MAX_GRAMMAR_CHARS = 4_000_000
 MAX_SCHEMA_ENUM_VALUES = 10_000
 MAX_SCHEMA_DEPTH = 128  # JSON levels, as a request body (server/json_depth.py)
+# The kinds whose source is JSON holding schemas, all under the limits above: a structural tag
+# holds one per tag, a tool family's (builtin_structural_tag) one per tool; outside them, a
+# forced call's tool with 20,000 enum values compiled for 17-21 s.
+JSON_KINDS = ("json_schema", "structural_tag", "builtin_structural_tag")
 # The classes xgrammar (0.2.9) writes a JSON string's characters with, rewritten as JSON's own.
 # A length-bounded string's lets raw control characters (U+0000-U+001F) in: JSON forbids them,
 # and json.loads refuses the output. Every one of them lets UTF-16 surrogates (U+D800-U+DFFF) in
@@ -42,8 +46,7 @@ MAX_SCHEMA_DEPTH = 128  # JSON levels, as a request body (server/json_depth.py)
 # the one character the grammar counted, and a 16-character name came out as 18.
 LOOSE_STRING_CHARS = (
     r"[^\"\\\r\n]",  # a schema's string with a maxLength
-    r"[^\0-\x1f\"\\\r\n]",  # a schema's string without one
-    r"[^\"\\\0-\x1f]",  # json_object's strings and keys
+    r"[^\0-\x1f\"\\\r\n]",  # a schema's string without one (json_object's too)
 )
 JSON_STRING_CHAR = r"[^\0-\x1f\"\\\uD800-\uDFFF]"
 
@@ -171,20 +174,20 @@ def check_size(spec: StructuredOutput) -> None:
     if len(spec.source) > MAX_GRAMMAR_CHARS:
         message = f"{spec.kind} of {len(spec.source):,} characters is over {MAX_GRAMMAR_CHARS:,}"
         raise TierserveError(message, spec.kind)
-    if spec.kind != "json_schema":
+    if spec.kind not in JSON_KINDS:
         return
     try:
         schema = json.loads(spec.source)
     except RecursionError:
-        raise TierserveError("json_schema nests too deeply to read", spec.kind) from None
+        raise TierserveError(f"{spec.kind} nests too deeply to read", spec.kind) from None
     except ValueError:
         return  # not JSON: the compile says so, with xgrammar's reason
     values, depth = _enum_values_and_depth(schema)
     if values > MAX_SCHEMA_ENUM_VALUES:
-        message = f"json_schema lists {values:,} enum values, over {MAX_SCHEMA_ENUM_VALUES:,}"
+        message = f"{spec.kind} lists {values:,} enum values, over {MAX_SCHEMA_ENUM_VALUES:,}"
         raise TierserveError(message, spec.kind)
     if depth > MAX_SCHEMA_DEPTH:
-        message = f"json_schema nests {depth} levels deep, over {MAX_SCHEMA_DEPTH}"
+        message = f"{spec.kind} nests {depth} levels deep, over {MAX_SCHEMA_DEPTH}"
         raise TierserveError(message, spec.kind)
 
 
@@ -269,10 +272,10 @@ def _json_schema_ebnf(schema: str) -> str:
 
 
 def _json_object_ebnf() -> str:
-    """xgrammar's JSON grammar, its strings as strict as JSON's."""
-    import xgrammar
-
-    return _strict_strings(str(xgrammar.Grammar.builtin_json_grammar()))
+    """A JSON object, compact, as any JSON schema's grammar (OpenAI's json_object promises an
+    object; vLLM compiles `{"type": "object"}`). xgrammar's builtin JSON grammar let arrays
+    in and runs of whitespace anywhere: a small model wrote `[             1, 2, ...`."""
+    return _json_schema_ebnf('{"type": "object"}')
 
 
 def _strict_strings(ebnf: str) -> str:

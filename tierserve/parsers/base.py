@@ -71,7 +71,7 @@ def strict_json(text: str) -> Any:
     """`text` read as JSON, as strict parsers read it: Python's json reads NaN, Infinity and
     1e999 (as inf), which it would write back into a call's arguments, and a client's
     JSON.parse refuses. ValueError or RecursionError where it is not JSON."""
-    return json.loads(text, parse_constant=_not_json, parse_float=_finite)
+    return STRICT_JSON.decode(text)
 
 
 def _not_json(constant: str) -> Any:
@@ -83,6 +83,9 @@ def _finite(text: str) -> float:
     if not math.isfinite(value):
         raise ValueError(f"{text} is past a double's range")
     return value
+
+
+STRICT_JSON = json.JSONDecoder(parse_constant=_not_json, parse_float=_finite)
 
 
 def json_object(text: str) -> dict[str, Any] | None:
@@ -122,7 +125,9 @@ class ToolParser(ABC):
     A family writes calls between `call_begin` and `call_end`, optionally inside a section
     (`section_begin` … `section_end`). Text outside calls is content. A call whose body does
     not read (`read_body` returns None: bad JSON, a name not in the request's tools) comes back
-    as content, as the model wrote it, and the calls beside it are kept."""
+    as content, as the model wrote it, its markers with it, and the calls beside it are kept.
+    A section in which no call reads is content whole, its own markers too; one that holds a
+    call drops them (its unreadable text before that call is held until the call reads)."""
 
     name: ClassVar[str]
     section_begin: ClassVar[str | None] = None
@@ -146,6 +151,8 @@ class ToolParser(ABC):
         self._in_section = False
         self._after_call = False  # whitespace right after a call is not content
         self._finishing = False
+        # The open section's text (its begin marker first) while no call in it has read.
+        self._held: str | None = None
 
     @abstractmethod
     def read_body(self, body: str) -> Body | None:
@@ -167,6 +174,9 @@ class ToolParser(ABC):
         rest, self._buffer = self._buffer, ""
         if self._after_call:
             rest = rest.lstrip()
+        if self._unread_text(self._held) or (self._held is not None and rest.strip()):
+            rest = f"{self._held}{rest}"  # a section left open, with text and no call read
+        self._held = None
         out.content += rest
         return out
 
@@ -190,23 +200,28 @@ class ToolParser(ABC):
         self._buffer = buf[at:]
         if self.section_begin is not None:
             self._buffer = buf[at + len(marker) :]
-            self._in_section = True
+            self._in_section, self._held = True, marker
         else:
             self._in_section = True  # one call: the section is the call itself
         return ParsedDelta(content=buf[:at])
 
     def _section(self) -> ParsedDelta | None:
         buf = self._buffer.lstrip() if self.section_begin else self._buffer
+        if self._held is not None:
+            self._held += self._buffer[: len(self._buffer) - len(buf)]
+        self._buffer = buf
         end = self.section_end
         if end is not None and buf.startswith(end):
-            self._buffer, self._in_section, self._after_call = buf[len(end) :], False, True
+            self._buffer, self._in_section = buf[len(end) :], False
+            held, self._held = self._held, None
+            if self._unread_text(held):  # no call read in it: the section was text
+                return ParsedDelta(content=held + end)
+            self._after_call = True
             return ParsedDelta()
         if not buf.startswith(self.call_begin):
             if not buf or self.call_begin.startswith(buf) or (end and end.startswith(buf)):
-                self._buffer = buf
                 return None  # a marker may still be forming
-            return self._stray(buf)
-        self._buffer = buf
+            return self._unread(self._stray(buf))
         found = self._block(buf)
         if found is None:
             return None
@@ -214,7 +229,19 @@ class ToolParser(ABC):
         self._buffer = buf[end:]
         if self.section_begin is None:
             self._in_section, self._after_call = False, True
-        return ParsedDelta(content=buf[:end]) if body is None else self._call(body)
+        return self._unread(buf[:end]) if body is None else self._call(body)
+
+    def _unread_text(self, held: str | None) -> bool:
+        """Whether a section's held text has more than its begin marker and whitespace (an
+        empty section is no content)."""
+        return held is not None and bool(held[len(self.section_begin or "") :].strip())
+
+    def _unread(self, text: str) -> ParsedDelta:
+        """Text inside a section that is no call: content, or held with the section's."""
+        if self._held is None:
+            return ParsedDelta(content=text)
+        self._held += text
+        return ParsedDelta()
 
     def _block(self, buf: str) -> tuple[int, Body | None] | None:
         """Where the call at the start of `buf` ends and what it reads as (None: malformed),
@@ -242,20 +269,31 @@ class ToolParser(ABC):
             first_failed = close if first_failed is None else first_failed
             pos = close + len(self.call_end)
 
-    def _stray(self, buf: str) -> ParsedDelta:
-        """Text inside a section that is no call: content, up to the next marker."""
+    def _stray(self, buf: str) -> str:
+        """Text inside a section that is no call, up to the next marker."""
         markers = [self.call_begin, *([self.section_end] if self.section_end else [])]
         stops = [i for i in (buf.find(m) for m in markers) if i > 0]
         cut = min(stops) if stops else len(buf) - max(held_back(buf, m) for m in markers)
         self._buffer = buf[cut:]
-        return ParsedDelta(content=buf[:cut])
+        return buf[:cut]
 
     def _call(self, body: Body) -> ParsedDelta:
         index = len(self.calls)
-        call = ToolCall(body.id or self.make_id(index), body.name, body.arguments)
+        call_id = body.id or self.make_id(index)
+        taken = {c.id for c in self.calls}
+        if call_id in taken:  # a model's own id written twice: two calls, two ids
+            call_id = self.another_id(body, index, taken)
+        call = ToolCall(call_id, body.name, body.arguments)
         self.calls.append(call)
         head = ToolCallDelta(index, call.id, call.name)
-        return ParsedDelta(tool_calls=[head, ToolCallDelta(index, arguments=call.arguments)])
+        out = ParsedDelta(tool_calls=[head, ToolCallDelta(index, arguments=call.arguments)])
+        if self._held is not None:  # the section holds a call: its markers are no content
+            out.content, self._held = self._held[len(self.section_begin or "") :], None
+        return out
+
+    def another_id(self, body: Body, index: int, taken: set[str]) -> str:
+        """An id for call `index` whose own is `taken` already."""
+        return random_call_id(index)
 
 
 class ReasoningParser:

@@ -1,7 +1,9 @@
 """Kimi-K2's and K2.5's calls: inside `<|tool_calls_section_begin|>` … `<|tool_calls_section_end|>`,
 each call is `<|tool_call_begin|>functions.NAME:INDEX<|tool_call_argument_begin|>{...}
 <|tool_call_end|>` (Kimi-K2's tool-call guidance). The id is `functions.NAME:INDEX` as the
-model wrote it: the chat template writes it back into the history."""
+model wrote it: the chat template writes it back into the history. A model that writes one id
+twice (`functions.f:0` for two calls) gets the second as `functions.f:N`, the first N from the
+call's index on that no call of the reply has."""
 
 from __future__ import annotations
 
@@ -38,3 +40,9 @@ class KimiK2ToolParser(ToolParser):
         if not is_name(name) or parsed is None:
             return None
         return Body(name, arguments_text(parsed), id=call_id)
+
+    def another_id(self, body: Body, index: int, taken: set[str]) -> str:
+        n = index
+        while f"functions.{body.name}:{n}" in taken:
+            n += 1
+        return f"functions.{body.name}:{n}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from tierserve.parsers.base import (
+    STRICT_JSON,
     ParsedDelta,
     ReasoningParser,
     ToolCall,
@@ -14,7 +15,6 @@ from tierserve.parsers.base import (
     ToolParser,
     arguments_text,
     random_call_id,
-    strict_json,
 )
 
 
@@ -82,35 +82,58 @@ class NamedToolReply:
 
 class RequiredToolsReply:
     """`tool_choice: required` without a parser (vLLM's parser-free form): the grammar makes
-    the reply a JSON array of `{"name", "parameters"}`, read whole at its end. A reply that
-    does not read (cut short by max_tokens) is content."""
+    the reply a JSON array of `{"name", "parameters"}`. Each call is read, and streamed, as its
+    object closes; a reply cut short (max_tokens) keeps the calls it completed. A reply with no
+    complete call is content."""
 
     def __init__(self, make_id: Callable[[int], str] = random_call_id) -> None:
         self.make_id = make_id
         self.calls: list[ToolCall] = []
-        self._text: list[str] = []
+        self._text = ""
+        self._next = 0  # where the next call may start: after `[` or a call and its `,`
+        self._bad = False  # text that is no array of calls: the whole reply is content
 
     def feed(self, text: str) -> ParsedDelta:
-        self._text.append(text)
-        return ParsedDelta()
+        self._text += text
+        out = ParsedDelta()
+        # An object can only close at a `}`: the reply's text is read again only when one came.
+        while not self._bad and "}" in text:
+            delta = self._read_call()
+            if delta is None:
+                break
+            out += delta
+        return out
 
     def finish(self) -> ParsedDelta:
-        text = "".join(self._text)
+        # Calls streamed stay calls; the rest of a cut reply (a call half written) is dropped.
+        return ParsedDelta() if self.calls else ParsedDelta(content=self._text)
+
+    def _read_call(self) -> ParsedDelta | None:
+        """The next call, if its object has closed (None while it has not)."""
+        text, at = self._text, self._next
+        if at == 0:
+            start = len(text) - len(text.lstrip())
+            if not text[start:].startswith("["):
+                self._bad = bool(text.strip())
+                return None
+            at = start + 1
+        while at < len(text) and text[at] in " \t\r\n,":
+            at += 1
         try:
-            items = strict_json(text)
+            item, end = STRICT_JSON.raw_decode(text, at)
         except (ValueError, RecursionError):
-            return ParsedDelta(content=text)
-        if not isinstance(items, list) or not all(_is_call(i) for i in items):
-            return ParsedDelta(content=text)
-        out = ParsedDelta()
-        for index, item in enumerate(items):
-            call = ToolCall(self.make_id(index), item["name"], arguments_text(item["parameters"]))
-            self.calls.append(call)
-            out.tool_calls += [
-                ToolCallDelta(index, call.id, call.name),
-                ToolCallDelta(index, arguments=call.arguments),
-            ]
-        return out
+            return None  # not closed yet (the grammar allows only calls here)
+        if not _is_call(item):
+            self._bad = True
+            return None
+        index = len(self.calls)
+        call = ToolCall(self.make_id(index), item["name"], arguments_text(item["parameters"]))
+        self.calls.append(call)
+        self._next = end
+        return ParsedDelta(tool_calls=[
+            ToolCallDelta(index, call.id, call.name),
+            ToolCallDelta(index, arguments=call.arguments),
+        ])  # fmt: skip
 
 
 def _is_call(item: object) -> bool:

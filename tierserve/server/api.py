@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierserve.args import EngineArgs
 from tierserve.chat import ChatTemplateFields, render
+from tierserve.chat.messages import check_tool_schemas
 from tierserve.errors import TierserveError
 from tierserve.sampling_params import SamplingParams
 from tierserve.server import choices, tools
@@ -288,6 +289,8 @@ def _add_routes(
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         admit(request)
         check_model(body.model)
+        # Up to seconds of jsonschema: never on the loop that serves /health and every stream.
+        await asyncio.to_thread(check_tool_schemas, body.tools)
         reply = tools.plan(body, parsers, engine.tokenizer)
         params = tools.constrained(body.sampling_params(), reply)
         trusted = limits.trust_request_chat_template

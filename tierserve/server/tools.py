@@ -5,8 +5,8 @@
   `--tool-call-parser`. Without one, a 400 naming the flags (as vLLM).
 - `required` and a named function: generation is constrained. With a parser, in the family's
   own format (xgrammar's builtin structural tag for it); without one, in vLLM's parser-free
-  JSON form: a JSON array of `{"name", "parameters"}` for `required`, the function's
-  arguments object for a named one.
+  JSON form: a JSON array of `{"name", "parameters"}` for `required` (at most one call per
+  tool), the function's arguments object for a named one.
 `parallel_tool_calls: false` allows one call: by the grammar where there is one, else (`auto`)
 by keeping the first call the model wrote. With `--reasoning-parser`, the reply's reasoning
 is read first; a call written while thinking is reasoning text.
@@ -158,21 +158,24 @@ def _parameters(tool: ToolDefinition) -> dict[str, Any]:
 
 
 def _calls_schema(tools: list[ToolDefinition], parallel: bool) -> dict[str, Any]:
-    """vLLM's parser-free form of `required`: an array of one call or more (one at most when
-    calls may not run in parallel), each naming a tool and giving its parameters."""
+    """vLLM's parser-free form of `required`: an array of one call or more, each naming a tool
+    and giving its parameters. At most one call when calls may not run in parallel, else at
+    most one per tool: unbounded, a small model wrote calls until max_tokens cut the array, and
+    the reply had none."""
     defs: dict[str, Any] = {}
     one_of = []
     for i, t in enumerate(tools):
-        parameters = _lift_defs(_parameters(t), f"tool{i}_", defs)
+        parameters = _lift_defs(_parameters(t), f"tool{i}", defs)
         one_of.append({
             "type": "object",
             "properties": {"name": {"const": t.function.name}, "parameters": parameters},
             "required": ["name", "parameters"],
             "additionalProperties": False,
         })  # fmt: skip
-    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": one_of}}
-    if not parallel:
-        schema["maxItems"] = 1
+    most = len(tools) if parallel else 1
+    schema: dict[str, Any] = {
+        "type": "array", "minItems": 1, "maxItems": most, "items": {"anyOf": one_of}
+    }  # fmt: skip
     if defs:
         schema["$defs"] = defs
     return schema
@@ -181,31 +184,42 @@ def _calls_schema(tools: list[ToolDefinition], parallel: bool) -> dict[str, Any]
 DEFS_KEYS = ("$defs", "definitions")  # JSON Schema's, and draft 7's
 
 
-def _lift_defs(parameters: dict[str, Any], prefix: str, defs: dict[str, Any]) -> dict[str, Any]:
+def _lift_defs(parameters: dict[str, Any], name: str, defs: dict[str, Any]) -> dict[str, Any]:
     """A tool's parameters nested in the array of calls: its definitions move to the root's
-    `$defs` under `prefix` (two tools may name theirs alike), its `#/$defs/...` references
-    with them; nested as they were, they resolved against the array and did not compile."""
-    if not any(k in parameters for k in DEFS_KEYS):
-        return parameters
+    `$defs` under `NAME_` (two tools may name theirs alike), its `#/$defs/...` references with
+    them; nested as they were, they resolved against the array and did not compile. A
+    reference to the rest of its own schema (`#`, `#/properties/...`) resolved against the
+    array too: the parameters then move to `$defs/NAME`, and such references with them."""
+    prefix = f"{name}_"
+    rooted = False
 
     def moved(node: Any) -> Any:
+        nonlocal rooted
         if isinstance(node, list):
             return [moved(v) for v in node]
         if not isinstance(node, dict):
             return node
         out = {k: moved(v) for k, v in node.items()}
         ref = out.get("$ref")
-        for key in DEFS_KEYS:
-            if isinstance(ref, str) and ref.startswith(f"#/{key}/"):
-                out["$ref"] = f"#/$defs/{prefix}{ref[len(key) + 3 :]}"
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            return out  # not a reference into this schema
+        key = next((k for k in DEFS_KEYS if ref.startswith(f"#/{k}/")), None)
+        if key is not None:
+            out["$ref"] = f"#/$defs/{prefix}{ref[len(key) + 3 :]}"
+        else:
+            out["$ref"] = f"#/$defs/{name}{ref[1:]}"
+            rooted = True
         return out
 
     lifted = moved(parameters)
     for key in DEFS_KEYS:
         block = lifted.pop(key, None)
-        for name, definition in block.items() if isinstance(block, dict) else ():
-            defs[f"{prefix}{name}"] = definition
-    return lifted
+        for def_name, definition in block.items() if isinstance(block, dict) else ():
+            defs[f"{prefix}{def_name}"] = definition
+    if not rooted:
+        return lifted
+    defs[name] = lifted  # `tool0` beside its definitions' `tool0_...`: no name is both
+    return {"$ref": f"#/$defs/{name}"}
 
 
 def _family_grammar(
