@@ -44,7 +44,9 @@ OUT = Path(__file__).parent / "results" / "omp-wait"
 CANDIDATES: dict[str, dict[str, str]] = {
     "spin (libgomp default)": {"GOMP_SPINCOUNT": "300000"},
     "GOMP_SPINCOUNT=30000": {"GOMP_SPINCOUNT": "30000"},
+    "GOMP_SPINCOUNT=10000": {"GOMP_SPINCOUNT": "10000"},
     "GOMP_SPINCOUNT=3000": {"GOMP_SPINCOUNT": "3000"},
+    "GOMP_SPINCOUNT=1000": {"GOMP_SPINCOUNT": "1000"},
     "OMP_WAIT_POLICY=PASSIVE": {"OMP_WAIT_POLICY": "PASSIVE"},
 }
 STEP = """

@@ -4,9 +4,11 @@ user set it.
 libgomp's threads spin up to GOMP_SPINCOUNT times (300,000 by default) at the end of each
 parallel region before they sleep. Alone on a host that wakes them fastest, but two servers on
 one host (replicas behind a router, a test run beside a server) each spin on the cores the
-other needs: on a 2-core host two default servers under 32 streams each streamed together
-0.23x what one streamed alone. A bounded spin gives the core up soon after a join and costs
-little alone; benchmarks/results/omp-wait/ has the measurements behind `DEFAULT_WAIT`.
+other needs. On this project's 2-core EPYC (benchmarks/results/omp-wait/, two runs), two servers
+under 32 streams each streamed together 0.32-0.39x what one streamed alone at libgomp's default,
+0.76x at 10,000 spins and 1.06-1.13x at 3,000, which cost 1.03-1.13x on the offline batch-64
+decode step and 0.85-0.91x on one server's 32 streams alone (noisy: spin's own rounds spread
+1,320-1,626 tok/s). OMP_WAIT_POLICY=PASSIVE reached 1.28-1.33x but made that step 1.44-1.53x.
 
 libgomp reads these variables once, when torch loads it: the engine core and its ranks get
 them in the environment they start with; the offline `LLM` sets them in its own process only
@@ -24,7 +26,7 @@ logger = logging.getLogger("tierserve")
 
 # Either one set by the user means the user chose: tierserve adds nothing.
 WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")
-DEFAULT_WAIT = {"GOMP_SPINCOUNT": "30000"}
+DEFAULT_WAIT = {"GOMP_SPINCOUNT": "3000"}
 
 
 def wait_env(environ: Mapping[str, str]) -> dict[str, str]:
