@@ -16,7 +16,7 @@ import pytest
 from safetensors.torch import load_file
 
 import tierserve
-import tierserve.server.batch as batch_module
+import tierserve.server.batch_output as batch_module
 from tests.conftest import eventually
 from tierserve import TierserveError
 from tierserve.server.batch import output_lock

@@ -14,6 +14,7 @@ EXPORTS = {
     "TextBody": "fields",
     "ToolDefinition": "messages",
     "first_problem": "fields",
+    "check_tool_schemas": "messages",
     "render": "template",
 }
 __all__ = list(EXPORTS)

@@ -17,8 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from tierserve.args import EngineArgs
-from tierserve.chat import ChatTemplateFields, render
-from tierserve.chat.messages import check_tool_schemas
+from tierserve.chat import ChatTemplateFields, check_tool_schemas, render
 from tierserve.errors import TierserveError
 from tierserve.sampling_params import SamplingParams
 from tierserve.server import choices, tools

@@ -11,19 +11,18 @@ its own queue, so a slow client never stalls the others. Why a process: docs/ser
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from tierserve.args import EngineArgs
 from tierserve.distributed import pin
-from tierserve.engine import OutputBuilder, RequestPreparer, load_tokenizer
+from tierserve.engine import OutputBuilder, RequestPreparer
 from tierserve.errors import TierserveError
 from tierserve.messages import (
     AbortRequest,
@@ -44,6 +43,7 @@ from tierserve.server.core_client import CoreClient
 from tierserve.server.grammar_pool import GrammarCompilePool
 from tierserve.server.grammar_worker import DEFAULT_COMPILE_TIMEOUT_S, WorkerSetup
 from tierserve.server.pending_outputs import PendingOutputs
+from tierserve.server.request_ids import HeldIds
 from tierserve.server.watchdog import StepWatchdog
 
 logger = logging.getLogger("tierserve")
@@ -110,11 +110,7 @@ class AsyncEngine:
         # Admission: the queue as the core last saw it, plus adds it has not read yet.
         self._adds_sent = 0
         self._seen = StepOutputs([], 0, 0)
-        # Ids of aborted requests, each with the count of aborts the core must have applied
-        # before no output of it can follow: until then a new request with that id waits, or
-        # the old request's last tokens would be routed to it (clients retry with their rid).
-        self._aborts_sent = 0
-        self._draining: dict[str, _Draining] = {}
+        self._held_ids = HeldIds()  # ids of aborted requests the core may still run
         # The core's last metrics, when they came, and the one question for fresh ones in flight.
         self._last_metrics: list[MetricFamily] = []
         self._last_metrics_at: float | None = None
@@ -136,7 +132,7 @@ class AsyncEngine:
         listens if the start-up is refused. The tokenizer loads while the core starts."""
         core = core or CoreClient.spawn(args, log_level)
         try:
-            tokenizer = _beside(core, args.tokenizer_dir)
+            tokenizer = core.tokenizer_beside(args.tokenizer_dir)
         except BaseException:
             core.kill()
             raise
@@ -193,7 +189,7 @@ class AsyncEngine:
             grammar = await self.grammar_pool.compile(params.structured_output)
         prepare = self.preparer.prepare
         req = await asyncio.to_thread(prepare, prompt, params, request_id, arrival, grammar)
-        await self._id_released(req.rid)
+        await self._held_ids.released(req.rid, self._check_alive)
         if req.rid in self._streams:
             raise TierserveError(f"request id {req.rid!r} is already in flight", "request_id")
         outputs = PendingOutputs(self.stream_interval)
@@ -230,41 +226,10 @@ class AsyncEngine:
 
     def waiting_for_ids(self) -> int:
         """Requests waiting until the core has dropped an aborted request with their id."""
-        with self._lock:
-            return sum(len(d.waiters) for d in self._draining.values())
-
-    async def _id_released(self, rid: str) -> None:
-        """Return once no aborted request holds `rid` in the core (at once, nearly always)."""
-        loop = asyncio.get_running_loop()
-        while True:
-            with self._lock:
-                draining = self._draining.get(rid)
-                if draining is None:
-                    return
-                released = loop.create_future()
-                draining.waiters.append((loop, released))
-            try:
-                await released
-            finally:
-                with self._lock:
-                    if (loop, released) in draining.waiters:
-                        draining.waiters.remove((loop, released))
-            self._check_alive()
+        return self._held_ids.waiting()
 
     def _abort(self, rid: str) -> None:
-        """Abort `rid` in the core and hold the id until the core reports it applied this."""
-        with self._lock:  # counted and sent in one order, as the core applies them
-            self._aborts_sent += 1
-            draining = self._draining.setdefault(rid, _Draining())
-            draining.abort = self._aborts_sent
-            self._send(AbortRequest(rid))
-
-    def _release_ids(self, aborts_taken: int) -> None:
-        """On the reader: the ids whose last abort the core has applied are free again."""
-        with self._lock:
-            freed = [r for r, d in self._draining.items() if d.abort <= aborts_taken]
-            waiters = [w for rid in freed for w in self._draining.pop(rid).waiters]
-        _wake(waiters)
+        self._held_ids.abort(rid, lambda: self._send(AbortRequest(rid)))
 
     async def flush_cache(self) -> dict[str, int | str]:
         """Pages dropped per tier, once the core has taken the flush between steps."""
@@ -333,7 +298,7 @@ class AsyncEngine:
             if isinstance(message, StepOutputs):
                 self._seen = message
                 self._hand_over(message.outputs)
-                self._release_ids(message.aborts_taken)
+                self._held_ids.applied(message.aborts_taken)
             elif isinstance(message, Answer):
                 with self._lock:
                     future = self._asks.pop(message.ask_id, None)
@@ -361,9 +326,7 @@ class AsyncEngine:
                 return
             self.error = err
             asks, self._asks = self._asks, {}
-            waiters = [w for d in self._draining.values() for w in d.waiters]
-            self._draining.clear()
-        _wake(waiters)  # each then sees the error
+        self._held_ids.release_all()  # each waiter then sees the error
         logger.error("the engine failed; the server now answers 503: %s", err)
         for rid in list(self._streams):
             self._deliver(rid, err)
@@ -417,25 +380,6 @@ class AsyncEngine:
         self._abort(rid)
 
 
-@dataclass
-class _Draining:
-    """An aborted request's id: the abort the core must apply first, and who waits for it."""
-
-    abort: int = 0
-    waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = field(default_factory=list)
-
-
-def _wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]]) -> None:
-    for loop, released in waiters:
-        with contextlib.suppress(RuntimeError):  # that event loop is closed
-            loop.call_soon_threadsafe(_set_once, released)
-
-
-def _set_once(released: asyncio.Future) -> None:
-    if not released.done():  # its waiter may have been cancelled (the client left)
-        released.set_result(None)
-
-
 @dataclass(frozen=True)
 class Stream:
     """Where one request's outputs go: its event loop, its pending outputs, and its text state."""
@@ -443,21 +387,3 @@ class Stream:
     loop: asyncio.AbstractEventLoop
     outputs: PendingOutputs
     builder: OutputBuilder
-
-
-def _beside(core: CoreClient, path: str | None) -> Any:
-    """The tokenizer at `path` (`EngineArgs.tokenizer_dir`, what the core reads too), loaded on
-    a thread while `core` starts. The core's verdict on the flags comes first: a missing model
-    is its refusal, not a tokenizer error."""
-    loaded: list[Any] = []
-
-    def load() -> None:
-        # A failure here is raised again below by the same load, after the core's verdict.
-        with contextlib.suppress(Exception):
-            loaded.append(load_tokenizer(path))
-
-    loader = threading.Thread(target=load, name="tierserve-tokenizer", daemon=True)
-    loader.start()
-    core.ready()
-    loader.join()
-    return loaded[0] if loaded else load_tokenizer(path)

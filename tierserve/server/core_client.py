@@ -19,10 +19,18 @@ import tempfile
 import threading
 from collections.abc import Iterator
 from multiprocessing.connection import Connection
+from typing import Any
 
 from tierserve.args import EngineArgs
 from tierserve.distributed import ENV_ARGS, ENV_PARENT, start_from_lasting_thread, wait_env
-from tierserve.engine import CORE_MODULE, ENV_CLOCK_FD, ENV_CORE_FD, ENV_LOG_LEVEL, StepClock
+from tierserve.engine import (
+    CORE_MODULE,
+    ENV_CLOCK_FD,
+    ENV_CORE_FD,
+    ENV_LOG_LEVEL,
+    StepClock,
+    load_tokenizer,
+)
 from tierserve.errors import TierserveError
 from tierserve.messages import (
     CoreFailed,
@@ -62,6 +70,23 @@ class CoreClient:
     def info(self) -> CoreInfo:
         assert self._info is not None, "ready() first"
         return self._info
+
+    def tokenizer_beside(self, path: str | None) -> Any:
+        """The tokenizer at `path` (`EngineArgs.tokenizer_dir`, what the core reads too),
+        loaded on a thread while the core starts. The core's verdict on the flags comes first:
+        a missing model is its refusal, not a tokenizer error."""
+        loaded: list[Any] = []
+
+        def load() -> None:
+            # A failure here is raised again below by the same load, after the core's verdict.
+            with contextlib.suppress(Exception):
+                loaded.append(load_tokenizer(path))
+
+        loader = threading.Thread(target=load, name="tierserve-tokenizer", daemon=True)
+        loader.start()
+        self.ready()
+        loader.join()
+        return loaded[0] if loaded else load_tokenizer(path)
 
     def ready(self) -> CoreInfo:
         """Wait until the core has built its engine; raises as `start` does, leaving no core."""
