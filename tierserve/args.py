@@ -108,6 +108,15 @@ class EngineArgs:
         default="auto",
         metadata=_flag("auto = cuda when available", choices=["auto", "cpu", "cuda"]),
     )
+    quantized_activations: str = field(
+        default="auto",
+        metadata=_flag(
+            "what a quantized checkpoint's int4 GEMMs take in: auto = bf16 (torch's int4 CPU "
+            "kernel vectorises bf16 only; float32 runs a scalar path 20-80x slower), model = "
+            "the model's dtype (exact to its rounding: how tests compare with transformers)",
+            choices=["auto", "model"],
+        ),
+    )
     kv_cache_dtype: str = field(
         default="auto",
         metadata=_flag(

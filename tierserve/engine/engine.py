@@ -114,7 +114,9 @@ class Engine:
                 self.eos_token_ids.add(eos)
             # Before the weights: a store that cannot be reached refuses the start at no cost.
             self.storage = storage_tier(startup, args, self.ranks) if startup.storage else None
-            model = load_model(startup.model_path, cfg, self.dtype, self.device)
+            model = load_model(
+                startup.model_path, cfg, self.dtype, self.device, args.quantized_activations
+            )
             pages = plan.device_tokens // plan.spec.page_size
             pool = PagedKV(plan.spec, pages, self.device, compute_dtype=self.dtype)
             host = None

@@ -84,8 +84,14 @@ def packs_linears(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cpu" and dtype in packed_dtypes(cpu_vendor())
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias, whichever layout `weight` is in."""
+def linear(
+    x: torch.Tensor, weight: torch.Tensor | nn.Module, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x @ weight.T + bias, whichever layout `weight` is in (a quantized one is a module that
+    computes it: layers/quantized.py)."""
+    if isinstance(weight, nn.Module):
+        y = weight(x)
+        return y + bias if bias is not None else y
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -104,6 +110,8 @@ def pack_linears(
         if not isinstance(module, kinds) or getattr(module, "keep_dense", False):
             continue
         weight = module.weight
+        if not isinstance(weight, torch.Tensor):  # quantized: its backend has its layout
+            continue
         if weight.is_mkldnn or weight.device.type != "cpu" or weight.dtype not in dtypes:
             continue
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)

@@ -171,7 +171,12 @@ class PackedColumnLinear(nn.Linear):
     def checkpoint_keys(self, parent: str) -> dict[str, list[tuple[str, PackedPart]]]:
         """Per parameter ("weight", "bias"), the checkpoint names of its parts and the parts,
         for a packed linear whose parent module's keys start with `parent` ("" or "a.b.")."""
-        params = ["weight"] + (["bias"] if self.bias is not None else [])
+        weight = self.weight
+        if isinstance(weight, torch.Tensor):
+            params = ["weight"]
+        else:  # quantized (layers/quantized.py): its buffers, each packed by rows
+            params = [f"weight.{name}" for name, _ in weight.named_buffers()]
+        params += ["bias"] if self.bias is not None else []
         return {p: [(f"{parent}{part.name}.{p}", part) for part in self.parts] for p in params}
 
     def pack(self, state_dict: dict[str, torch.Tensor], parent: str, name: str) -> None:

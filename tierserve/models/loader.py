@@ -29,12 +29,19 @@ from tqdm import tqdm
 from tierserve.errors import TierserveError
 from tierserve.layers import (
     bound_primitive_caches,
+    finalize_quantized,
     pack_for_cpu,
     packed_by_name,
     rotary_for,
     shards_by_name,
 )
 from tierserve.model_config import ModelConfig, read_hf_config, text_config
+from tierserve.models.quantization import (
+    QuantConfig,
+    check_declared,
+    quantize_modules,
+    read_quantized,
+)
 from tierserve.models.registry import model_class
 
 SCALE_SUFFIX = "_scale_inv"
@@ -166,12 +173,20 @@ def checkpoint_tensors(path: Path, layout: CheckpointLayout) -> Iterator[tuple[s
 
 
 def load_model(
-    path: str | Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device
+    path: str | Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    quantized_activations: str = "auto",
 ) -> nn.Module:
+    """`quantized_activations`: EngineArgs' (auto: bf16 into the int4 kernel; model: `dtype`)."""
     bound_primitive_caches()  # before this process's first oneDNN primitive: the reorders
     path = Path(path)
+    quant = QuantConfig.read(text_config(read_hf_config(path)))
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg)
+        if quant is not None:  # before anything is allocated: dense weights never are
+            quantize_modules(model, quant)
     model = materialize(model, device).to(dtype)
     for module in model.modules():
         if getattr(module, "keep_in_fp32", False):
@@ -190,7 +205,14 @@ def load_model(
             if not (cfg.tie_word_embeddings and name == "lm_head.weight"):
                 yield name, tensor
 
-    fill(model, targets, counted(), f"checkpoint {path} does not match {cfg.architecture}")
+    what = f"checkpoint {path} does not match {cfg.architecture}"
+    if quant is None:
+        fill(model, targets, counted(), what)
+    else:
+        declared: dict[str, list] = {}
+        fill(model, targets, read_quantized(counted(), quant, declared), what)
+        check_declared(model, declared)
+        finalize_quantized(model, device, dtype if quantized_activations == "model" else None)
     bar.close()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -1,0 +1,173 @@
+"""Quantized checkpoints served quantized (layers/quantized.py, models/quantization.py):
+compressed-tensors' pack-quantized int4 / int8 made here by the format's own compressor,
+greedy tokens against transformers' dequantized model in float32, the kernels against the
+dequantize oracle, and what is refused by name."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from tests.conftest import make_checkpoint, random_prompts
+from tierserve import LLM, SamplingParams, TierserveError
+from tierserve.layers.quantized import (
+    QuantizedWeight,
+    QuantScheme,
+    backend_for,
+    pack_int32,
+    unpack_int32,
+)
+
+# Big enough that every group divides at TP 2 (the issue's sizes).
+DENSE = {"hidden_size": 256, "intermediate_size": 512, "num_attention_heads": 4,
+         "num_key_value_heads": 2}  # fmt: skip
+
+
+def compress(dense: Path, out: Path, bits: int, group: int | None, symmetric: bool,
+             ignore: tuple[str, ...] = ("lm_head",)) -> Path:  # fmt: skip
+    """`dense`'s checkpoint with every linear but `ignore` quantized by compressed-tensors'
+    PackedQuantizationCompressor, and the quantization_config it documents."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+    )
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    strategy = "group" if group else "channel"
+    args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy,
+                            group_size=group)  # fmt: skip
+    scheme = QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
+    out.mkdir(parents=True, exist_ok=True)
+    for f in dense.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    tensors = {}
+    for name, w in load_file(str(dense / "model.safetensors")).items():
+        module = name.removesuffix(".weight")
+        if not (name.endswith("_proj.weight") and w.dim() == 2) or module.split(".")[-1] in ignore:
+            tensors[name] = w
+            continue
+        rows = w.float().reshape(w.shape[0], -1, group or w.shape[1])
+        scale, zero = calculate_qparams(rows.amin(-1), rows.amax(-1), args)
+        state = {"weight": w.float(), "weight_scale": scale, "weight_zero_point": zero}
+        for key, t in PackedQuantizationCompressor.compress(state, scheme).items():
+            tensors[f"{module}.{key}"] = t.contiguous()
+    save_file(tensors, str(out / "model.safetensors"))
+    quant = QuantizationConfig(config_groups={"group_0": scheme}, format="pack-quantized",
+                               ignore=list(ignore)).model_dump(exclude_none=True)  # fmt: skip
+    quant["quant_method"] = "compressed-tensors"
+    config = json.loads((out / "config.json").read_text())
+    config["quantization_config"] = quant
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    return out
+
+
+def oracle_tokens(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """transformers' greedy tokens on the checkpoint dequantized, in float32."""
+    import transformers
+    from transformers import CompressedTensorsConfig
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path), quantization_config=CompressedTensorsConfig(run_compressed=False),
+        dtype=torch.float32,
+    ).eval()  # fmt: skip
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            got = model.generate(ids, max_new_tokens=n, do_sample=False, min_new_tokens=n,
+                                 attention_mask=torch.ones_like(ids))  # fmt: skip
+            outs.append(got[0, len(p) :].tolist())
+    return outs
+
+
+@pytest.fixture(scope="module")
+def dense_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("quant-dense")
+    return {f: make_checkpoint(root / f, f, seed=3, **DENSE) for f in ("llama", "qwen3")}
+
+
+CASES = [  # (family, bits, group, symmetric)
+    ("llama", 4, 32, True), ("llama", 4, 128, True), ("llama", 4, 32, False),
+    ("llama", 8, None, True), ("qwen3", 4, 32, True), ("qwen3", 4, 128, False),
+    ("qwen3", 8, None, True),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("family", "bits", "group", "symmetric"), CASES)
+def test_greedy_tokens_equal_transformers_dequantized(dense_dirs, tmp_path, family, bits,
+                                                      group, symmetric):  # fmt: skip
+    path = compress(dense_dirs[family], tmp_path / "q", bits, group, symmetric)
+    prompts = random_prompts(3, [5, 17, 40], seed=1)
+    want = oracle_tokens(path, prompts, 12)
+    llm = LLM(str(path), dtype="float32", quantized_activations="model", max_total_tokens=1024)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
+    weights = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantizedWeight)]
+    assert len(weights) == 2 * 4  # qkv, o, gate_up, down: quantized, kept so
+    kernel = backend_for(QuantScheme(bits, group, symmetric), 512, torch.device("cpu"))[0]
+    assert {w.backend for w in weights} == {kernel}
+    dense = [m for m in llm.engine.runner.model.modules() if isinstance(m, torch.nn.Linear)
+             and isinstance(m.weight, torch.Tensor) and m.weight.shape[0] != 4096]  # fmt: skip
+    assert not dense  # only the LM head (ignored) stays dense
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_packing_is_compressed_tensors_own(bits):
+    from compressed_tensors.compressors.pack_quantized.helpers import (
+        pack_to_int32,
+        unpack_from_int32,
+    )
+
+    g = torch.Generator().manual_seed(0)
+    low = -(1 << (bits - 1))
+    q = torch.randint(low, -low, (6, 40), generator=g, dtype=torch.int8)
+    packed = pack_to_int32(q, bits)
+    assert torch.equal(unpack_int32(packed, bits, 40) - (1 << (bits - 1)), q.to(torch.int32))
+    assert torch.equal(pack_int32(q.to(torch.int32) - low, bits), packed)
+    assert torch.equal(unpack_from_int32(packed, bits, q.shape), q)
+
+
+def test_the_int4_kernel_equals_the_dequantize_oracle_in_float32():
+    """The same weight on torch's int4 CPU kernel with float32 activations and dequantized:
+    equal to float32 rounding; in bf16, within bf16's."""
+    g = torch.Generator().manual_seed(0)
+    for symmetric in (True, False):
+        w = QuantizedWeight(64, 256, QuantScheme(4, 32, symmetric))
+        w.packed.copy_(pack_int32(torch.randint(0, 16, (64, 256), generator=g), 4))
+        w.scale.copy_(torch.rand(64, 8, generator=g) * 0.1 + 0.01)
+        if not symmetric:
+            w.zero_point.copy_(torch.randint(0, 16, (64, 8), generator=g))
+        x = torch.randn(5, 256, generator=g)
+        want = w(x)  # the dequantize oracle
+        w.finalize("int4_cpu", torch.float32)
+        torch.testing.assert_close(w(x), want, rtol=1e-5, atol=1e-4)
+        assert w.held_bytes() < 64 * 256  # 4 bits a value, plus the scales
+
+
+def test_unserved_schemes_are_refused_by_name(dense_dirs, tmp_path):
+    from tierserve.models.quantization import QuantConfig
+
+    path = compress(dense_dirs["llama"], tmp_path / "q", 4, 32, True)
+    config = json.loads((path / "config.json").read_text())
+    quant = config["quantization_config"]
+    bad = [
+        ({"input_activations": {"num_bits": 8, "type": "int"}}, "input_activations"),
+        ({"format": "nvfp4-pack-quantized"}, "nvfp4-pack-quantized"),
+        ({"weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 16}},
+         "float"),
+        ({"weights": {"num_bits": 4, "type": "int", "strategy": "tensor"}}, "tensor"),
+        ({"format": "sparse-24-bitmask"}, "sparse-24-bitmask"),
+    ]  # fmt: skip
+    for change, says in bad:
+        group = {**quant["config_groups"]["group_0"], **change}
+        q = {**quant, "config_groups": {"group_0": group}}
+        with pytest.raises(TierserveError, match=says):
+            QuantConfig.read({"quantization_config": q})

@@ -1,0 +1,204 @@
+"""Linear weights kept quantized: compressed-tensors' pack-quantized int4 / int8, as
+llm-compressor writes them and Kimi-K2.5 ships its routed experts.
+
+A quantized linear's `weight` is a `QuantizedWeight`: at load it holds the checkpoint's tensors
+as they are (`packed`: int32 words of 32 / bits values along the input features, offset by
+2^(bits-1); `scale`: per output row and group; `zero_point`: the asymmetric schemes' offsets,
+unpacked by the loader), then `finalize` hands them once to the backend chosen at start-up,
+which keeps them in its kernel's layout:
+
+- `int4_cpu`: torch's `_weight_int4pack_mm_for_cpu` (weights repacked once by
+  `_convert_weight_to_int4pack_for_cpu`; groups of 32-256; the output features a multiple of
+  16). It computes w = (q - 8) * s + z, so an integer zero point zp (stored offset, as the
+  checkpoint packs it) becomes z = (8 - zp) * s. It vectorises bf16 activations only (float32
+  runs a scalar path 20-80x slower): its GEMMs run in `activation_dtype`, bf16 unless asked.
+- `int8_cpu`: torch's `_weight_int8pack_mm`, symmetric int8 with one scale per output row.
+- `dequantize`: the weight made dense for each call, then F.linear: the oracle the others are
+  checked against, and the path for what no kernel takes (other group sizes, asymmetric int8).
+
+Models do not learn formats: a linear is a linear (layers/parallel.py's `linear` calls the
+weight when it is one of these).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+INT4_GROUPS = (32, 64, 128, 256)  # what the int4 CPU kernel takes
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """One config group's weights: `group_size` None is one scale per output row (channel)."""
+
+    num_bits: int
+    group_size: int | None
+    symmetric: bool
+
+    def groups(self, in_features: int) -> int:
+        return 1 if self.group_size is None else in_features // self.group_size
+
+    def describe(self) -> str:
+        group = "channel" if self.group_size is None else f"g{self.group_size}"
+        return f"int{self.num_bits} {group} {'sym' if self.symmetric else 'asym'}"
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """compressed-tensors' dense packing undone along the last dimension: value i sits at bit
+    i * bits of the row's words (little-endian), offset by 2^(bits-1). Returns the stored,
+    unsigned values [..., count] as int32 (0..2^bits - 1)."""
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    values = (packed.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return values.reshape(*packed.shape[:-1], packed.shape[-1] * per_word)[..., :count]
+
+
+def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """`unpack_int32`'s inverse for stored (unsigned) values, along the last dimension."""
+    per_word = 32 // bits
+    pad = (-values.shape[-1]) % per_word
+    v = torch.nn.functional.pad(values.to(torch.int32), (0, pad)).reshape(
+        *values.shape[:-1], -1, per_word
+    )
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=values.device)
+    return (v << shifts).sum(-1, dtype=torch.int32)
+
+
+class QuantizedWeight(nn.Module):
+    """A linear's [out_features, in_features] weight, quantized; calling it is x @ weight.T."""
+
+    def __init__(self, out_features: int, in_features: int, scheme: QuantScheme) -> None:
+        super().__init__()
+        self.out_features, self.in_features, self.scheme = out_features, in_features, scheme
+        self.whole_shape = (out_features, in_features)  # the checkpoint's, before TP slices
+        bits, groups = scheme.num_bits, scheme.groups(in_features)
+        words = -(-in_features * bits // 32)
+        self.register_buffer("packed", torch.empty(out_features, words, dtype=torch.int32))
+        self.register_buffer("scale", torch.empty(out_features, groups))
+        if not scheme.symmetric:  # unpacked by the loader: rows split under TP as any other
+            zero = torch.empty(out_features, groups, dtype=torch.int32)
+            self.register_buffer("zero_point", zero)
+        self.backend = "dequantize"
+        self._matmul: Callable[[torch.Tensor], torch.Tensor] = self._dequantized
+
+    def extra_repr(self) -> str:
+        return f"{self.out_features}x{self.in_features} {self.scheme.describe()} {self.backend}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._matmul(x)
+
+    # --- after the checkpoint is in -----------------------------------------------------
+
+    def finalize(self, backend: str, activation_dtype: torch.dtype) -> None:
+        """Hand the weight to `backend`: its layout kept, the checkpoint's freed."""
+        BACKENDS[backend](self, activation_dtype)
+        self.backend = backend
+
+    def dense(self) -> torch.Tensor:
+        """The weight dequantized, [out, in], in the scale's dtype."""
+        s = self.scheme
+        q = unpack_int32(self.packed, s.num_bits, self.in_features).to(self.scale.dtype)
+        offset = float(1 << (s.num_bits - 1))
+        zero = self.zero_point.to(self.scale.dtype) if not s.symmetric else offset
+        scale = self.scale
+        if s.group_size is not None:
+            scale = scale.repeat_interleave(s.group_size, dim=-1)
+            if not s.symmetric:
+                zero = zero.repeat_interleave(s.group_size, dim=-1)
+        return (q - zero) * scale
+
+    def _dequantized(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.dense().to(x.dtype))
+
+    def held_bytes(self) -> int:
+        """What the backend keeps of this weight."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+
+def _int4_cpu(w: QuantizedWeight, activation_dtype: torch.dtype) -> None:
+    s = w.scheme
+    q = unpack_int32(w.packed, 4, w.in_features)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
+    scale = w.scale.float()
+    zero = (8 - w.zero_point.float()) * scale if not s.symmetric else torch.zeros_like(scale)
+    # [groups, out, 2] in the activations' dtype, as the kernel reads them.
+    scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(activation_dtype).contiguous()
+    group = s.group_size
+    _drop(w, "packed", "scale", "zero_point")
+    w.register_buffer("int4_packed", packed)
+    w.register_buffer("scales_zeros", scales_zeros)
+
+    def matmul(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).to(activation_dtype)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, w.int4_packed, group, w.scales_zeros)
+        return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
+
+    w._matmul = matmul
+
+
+def _int8_cpu(w: QuantizedWeight, activation_dtype: torch.dtype) -> None:
+    q = (unpack_int32(w.packed, 8, w.in_features) - 128).to(torch.int8)
+    scale = w.scale.reshape(-1).to(activation_dtype).contiguous()
+    _drop(w, "packed", "scale")
+    w.register_buffer("int8_weight", q.contiguous())
+    w.register_buffer("row_scale", scale)
+
+    def matmul(x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1]).to(activation_dtype)
+        y = torch.ops.aten._weight_int8pack_mm(flat, w.int8_weight, w.row_scale)
+        return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
+
+    w._matmul = matmul
+
+
+def _dequantize(w: QuantizedWeight, activation_dtype: torch.dtype) -> None:
+    w._matmul = w._dequantized
+
+
+def _drop(w: QuantizedWeight, *names: str) -> None:
+    for name in names:
+        w._buffers.pop(name, None)
+
+
+BACKENDS: dict[str, Callable[[QuantizedWeight, torch.dtype], None]] = {
+    "int4_cpu": _int4_cpu,
+    "int8_cpu": _int8_cpu,
+    "dequantize": _dequantize,
+}
+
+
+def backend_for(scheme: QuantScheme, out_features: int, device: torch.device) -> tuple[str, str]:
+    """The backend a weight of `scheme` gets on `device`, and why not a kernel where it is the
+    oracle's (for the start-up table)."""
+    if device.type != "cpu":
+        return "dequantize", "no GPU kernel measured yet"
+    if scheme.num_bits == 4:
+        if scheme.group_size not in INT4_GROUPS:
+            return "dequantize", f"the int4 kernel takes groups of {INT4_GROUPS}"
+        if out_features % 16:
+            return "dequantize", "the int4 kernel takes output features in multiples of 16"
+        return "int4_cpu", ""
+    if scheme.num_bits == 8 and scheme.group_size is None and scheme.symmetric:
+        return "int8_cpu", ""
+    return "dequantize", "the int8 kernel takes symmetric per-channel scales only"
+
+
+def finalize_quantized(
+    model: nn.Module, device: torch.device, activation_dtype: torch.dtype | None
+) -> list[tuple[str, str, str]]:
+    """Every quantized weight of `model` handed to its backend; the (scheme, backend, why)
+    of each kind met, for the start-up table. `activation_dtype` None: bf16 for the int4
+    kernel (its only vectorised path), the model's own otherwise."""
+    kinds: dict[tuple[str, str, str], None] = {}
+    for module in model.modules():
+        if not isinstance(module, QuantizedWeight):
+            continue
+        backend, why = backend_for(module.scheme, module.out_features, device)
+        act = activation_dtype or (torch.bfloat16 if backend == "int4_cpu" else module.scale.dtype)
+        module.finalize(backend, act)
+        kinds[(module.scheme.describe(), backend, why)] = None
+    return list(kinds)

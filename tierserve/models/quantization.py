@@ -1,0 +1,255 @@
+"""A checkpoint's compressed-tensors quantization, read once: which linears are quantized, how,
+and what the loader does with their tensors.
+
+compressed-tensors (llm-compressor's output; Kimi-K2.5's routed experts) writes, under
+`quantization_config` (at the top or under `text_config`): `quant_method: compressed-tensors`,
+`format` (also per config group in 0.20), `config_groups` each with `targets` (a module class,
+"Linear", or `re:` patterns of module names) and `weights` (`num_bits`, `type`, `symmetric`,
+`strategy`, `group_size`), and `ignore` (names or `re:` patterns left dense). Served here:
+`pack-quantized` int4 and int8, `group` and `channel` strategies, symmetric and asymmetric,
+weights only. Activation quantization, float formats (nvfp4, mxfp4, fp8 groups), sparsity and
+other formats are refused by name at start and in `--dry-run`.
+
+Names are matched as the checkpoint names modules, without a multimodal prefix (Kimi-K2.5's
+`language_model.`), which is how its `ignore` list names them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from tierserve.errors import TierserveError
+from tierserve.layers import (
+    ColumnParallelLinear,
+    PackedColumnLinear,
+    ParallelLMHead,
+    QuantizedWeight,
+    QuantScheme,
+    RowParallelLinear,
+    mark_shard,
+    unpack_int32,
+)
+
+FORMAT = "pack-quantized"
+# A quantized linear's checkpoint tensors, named in the model as QuantizedWeight's buffers
+# (`weight_shape` is checked by the loader and consumed).
+_QUANT_KEY = re.compile(r"^(.*)\.weight_(packed|scale|zero_point)$")
+SHAPE_SUFFIX = ".weight_shape"
+LINEAR_KINDS = (ColumnParallelLinear, PackedColumnLinear, RowParallelLinear, ParallelLMHead)
+
+
+@dataclass(frozen=True)
+class QuantConfig:
+    groups: tuple[tuple[tuple[str, ...], QuantScheme], ...]  # (targets, scheme), in order
+    ignore: tuple[str, ...]
+
+    @classmethod
+    def read(cls, hf: Mapping[str, Any]) -> QuantConfig | None:
+        """The text config's compressed-tensors quantization; None for none (or another
+        method, which the loader reads as before: fp8 blocks)."""
+        quant = hf.get("quantization_config")
+        if not isinstance(quant, dict) or quant.get("quant_method") != "compressed-tensors":
+            return None
+        groups = quant.get("config_groups")
+        if not isinstance(groups, dict) or not groups:
+            raise _refused("config_groups must be an object of one or more groups")
+        top_format = quant.get("format", FORMAT)
+        read = tuple(_group(name, g, top_format) for name, g in groups.items())
+        ignore = quant.get("ignore") or []
+        if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
+            raise _refused("ignore must be a list of module names and re: patterns")
+        return cls(read, tuple(ignore))
+
+    def scheme_for(self, name: str) -> QuantScheme | None:
+        """The scheme of the linear the checkpoint names `name`; None: dense."""
+        if any(_matches(pattern, name) for pattern in self.ignore):
+            return None
+        for targets, scheme in self.groups:
+            if any(t == "Linear" or _matches(t, name) for t in targets):
+                return scheme
+        return None
+
+    def describe(self) -> str:
+        schemes = sorted({s.describe() for _, s in self.groups})
+        return f"compressed-tensors {FORMAT} {', '.join(schemes)}"
+
+
+def _matches(pattern: str, name: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.match(pattern[3:], name) is not None
+    return pattern == name or name.endswith("." + pattern)
+
+
+def _refused(why: str) -> TierserveError:
+    return TierserveError(
+        f"quantization_config (compressed-tensors): {why}; tierserve serves {FORMAT} int4 and "
+        "int8 weights (group or channel scales, symmetric or asymmetric) with dense activations",
+        field="model",
+    )
+
+
+def _group(name: str, group: Any, top_format: str) -> tuple[tuple[str, ...], QuantScheme]:
+    if not isinstance(group, dict):
+        raise _refused(f"config group {name} must be an object")
+    fmt = group.get("format") or top_format
+    if fmt != FORMAT:
+        raise _refused(f"config group {name} has format {fmt!r}, not served")
+    for acts in ("input_activations", "output_activations"):
+        if group.get(acts):
+            raise _refused(f"config group {name} quantizes {acts}, not served")
+    w = group.get("weights")
+    targets = group.get("targets")
+    if not isinstance(w, dict) or not isinstance(targets, list) or not targets:
+        raise _refused(f"config group {name} needs weights and targets")
+    kind, bits, strategy = w.get("type", "int"), w.get("num_bits"), w.get("strategy")
+    if kind != "int" or bits not in (4, 8):
+        raise _refused(f"config group {name} has {bits}-bit {kind} weights, not served")
+    if strategy not in ("group", "channel"):
+        raise _refused(f"config group {name} has strategy {strategy!r}, not served")
+    size = w.get("group_size") if strategy == "group" else None
+    if strategy == "group" and (not isinstance(size, int) or size <= 0 or size % 8):
+        raise _refused(f"config group {name} has group_size {size!r}, not a multiple of 8")
+    if w.get("actorder") not in (None, "weight", "static"):
+        raise _refused(f"config group {name} has actorder {w.get('actorder')!r}, not served")
+    symmetric = w.get("symmetric", True)
+    if not isinstance(symmetric, bool):
+        raise _refused(f"config group {name} has symmetric {symmetric!r}, not true or false")
+    return tuple(map(str, targets)), QuantScheme(bits, size, symmetric)
+
+
+# --- the model's side --------------------------------------------------------------------
+
+
+def quantize_modules(model: nn.Module, quant: QuantConfig) -> int:
+    """Give each linear the checkpoint quantizes a `QuantizedWeight` in place of its dense
+    weight (on the meta device, before anything is allocated); how many."""
+    count = 0
+    for prefix, module in list(model.named_modules()):
+        if not isinstance(module, LINEAR_KINDS) or getattr(module, "keep_dense", False):
+            continue
+        scheme = _scheme_of(module, prefix, quant)
+        if scheme is None:
+            continue
+        out_features, in_features = module.weight.shape
+        weight = QuantizedWeight(out_features, in_features, scheme).to(module.weight.device)
+        shard = getattr(module, "tp_shards", {}).pop("weight", None)
+        if shard is not None:
+            _shard_buffers(weight, shard, prefix)
+        del module.weight
+        module.weight = weight
+        count += 1
+    return count
+
+
+def _scheme_of(module: nn.Module, prefix: str, quant: QuantConfig) -> QuantScheme | None:
+    """A packed linear (q/k/v, gate/up) is quantized when all its parts are, alike."""
+    parent = prefix.rpartition(".")[0]
+    names = (
+        [f"{parent}.{p.name}" if parent else p.name for p in module.parts]
+        if isinstance(module, PackedColumnLinear)
+        else [prefix]
+    )
+    schemes = {quant.scheme_for(n) for n in names}
+    if len(schemes) > 1:
+        message = f"{', '.join(names)} are quantized unlike each other; tierserve packs them"
+        raise _refused(message)
+    return schemes.pop()
+
+
+def _shard_buffers(weight: QuantizedWeight, shard: tuple[int, int, int], name: str) -> None:
+    """A tensor-parallel slice of a quantized weight: rows split as the dense weight's
+    (packed, scale, zero point alike); columns (a row-parallel linear's input) on whole groups
+    and whole int32 words, refused with the arithmetic otherwise."""
+    dim, index, count = shard
+    out_features, in_features = weight.out_features, weight.in_features
+    s = weight.scheme
+    whole = [out_features, in_features]
+    whole[dim] *= count
+    weight.whole_shape = tuple(whole)
+    if dim == -1:
+        per_word = 32 // s.num_bits
+        group = s.group_size or whole[1]
+        if in_features % per_word or (s.group_size and in_features % group):
+            message = (
+                f"{name}: its {whole[1]} input features split over {count} ranks are "
+                f"{in_features} a rank, not a whole number of {s.describe()} groups of "
+                f"{group} (and int32 words of {per_word})"
+            )
+            raise TierserveError(message, field="tp_size")
+        mark_shard(weight, "packed", -1, index, count)
+        if s.group_size is not None:
+            mark_shard(weight, "scale", -1, index, count)
+            if not s.symmetric:
+                mark_shard(weight, "zero_point", -1, index, count)
+        return
+    for buffer in ("packed", "scale", "zero_point"):
+        if buffer != "zero_point" or not s.symmetric:
+            mark_shard(weight, buffer, -2, index, count)
+
+
+def model_key(name: str) -> str:
+    """A checkpoint tensor's model name: `x.weight_packed` is `x.weight.packed`."""
+    match = _QUANT_KEY.match(name)
+    return f"{match[1]}.weight.{match[2]}" if match else name
+
+
+def read_quantized(
+    tensors: Iterable[tuple[str, torch.Tensor]], quant: QuantConfig, declared: dict[str, list]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's stream as the model takes it: each `weight_shape` kept in `declared`
+    (by module name) for `check_declared`, each asymmetric zero point unpacked
+    (compressed-tensors packs it along the output rows, which a packed q/k/v or a
+    tensor-parallel slice cuts) to [rows, groups], rows from the module's weight_shape."""
+    held: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors:
+        if name.endswith(SHAPE_SUFFIX):
+            module = name.removesuffix(SHAPE_SUFFIX)
+            declared[module] = tensor.tolist()
+            if module in held:
+                yield (
+                    model_key(module + ".weight_zero_point"),
+                    _unpack_zero(held.pop(module), quant, module, declared[module][0]),
+                )
+            continue
+        if name.endswith(".weight_zero_point"):
+            module = name.removesuffix(".weight_zero_point")
+            if module not in declared:  # its rows come with weight_shape, later in the shard
+                held[module] = tensor
+                continue
+            tensor = _unpack_zero(tensor, quant, module, declared[module][0])
+        yield model_key(name), tensor
+    for module, tensor in held.items():  # no weight_shape: refused by check_declared
+        yield model_key(module + ".weight_zero_point"), tensor
+
+
+def _unpack_zero(tensor: torch.Tensor, quant: QuantConfig, module: str, rows: int) -> torch.Tensor:
+    scheme = quant.scheme_for(module)
+    bits = scheme.num_bits if scheme is not None else 4
+    return unpack_int32(tensor.t().contiguous(), bits, rows).t().contiguous()
+
+
+def check_declared(model: nn.Module, declared: Mapping[str, list]) -> None:
+    """Each quantized linear's checkpoint `weight_shape` (each part's, for a packed one)
+    against the model's: a weight packed for other features is refused by name."""
+    for prefix, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if not isinstance(weight, QuantizedWeight):
+            continue
+        parent = prefix.rpartition(".")[0]
+        if isinstance(module, PackedColumnLinear):  # each part whole, as the checkpoint has it
+            parts = [(f"{parent}.{p.name}" if parent else p.name,
+                      (p.rows.stop - p.rows.start) * p.shards) for p in module.parts]  # fmt: skip
+        else:
+            parts = [(prefix, weight.whole_shape[0])]
+        for name, rows in parts:
+            shape = declared.get(name)
+            want = [rows, weight.whole_shape[1]]
+            if shape != want:
+                message = f"quantized {name} declares weight_shape {shape}, the model {want}"
+                raise TierserveError(message, field="model")
