@@ -171,3 +171,42 @@ def test_unserved_schemes_are_refused_by_name(dense_dirs, tmp_path):
         q = {**quant, "config_groups": {"group_0": group}}
         with pytest.raises(TierserveError, match=says):
             QuantConfig.read({"quantization_config": q})
+
+
+@pytest.fixture(scope="module")
+def int4_llama(dense_dirs, tmp_path_factory) -> Path:
+    return compress(dense_dirs["llama"], tmp_path_factory.mktemp("int4") / "q", 4, 32, True)
+
+
+def test_int4_at_tp2_under_dp_attention_and_through_the_host_tier(int4_llama):
+    """int4 g32 split over two ranks (row-parallel cuts on whole groups), under DP attention,
+    and with the host tier loading evicted pages back: one process's greedy tokens."""
+    prompts = random_prompts(4, [30, 200, 60, 150], seed=2)
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    common = dict(dtype="float32", quantized_activations="model", device="cpu")
+    want = [o.token_ids for o in LLM(str(int4_llama), max_total_tokens=2048, **common)
+            .generate(prompts, greedy)]  # fmt: skip
+    for layout in ({"tp_size": 2}, {"tp_size": 2, "dp_size": 2, "enable_dp_attention": True}):
+        with LLM(str(int4_llama), max_total_tokens=2048, **common, **layout) as llm:
+            assert [o.token_ids for o in llm.generate(prompts, greedy)] == want, layout
+    # A pool of 320 tokens: the second pass finds its prompts on the host tier.
+    llm = LLM(str(int4_llama), max_total_tokens=320, enable_hierarchical_cache=True,
+              hicache_ratio=8, page_size=16, chunked_prefill_size=128, **common)  # fmt: skip
+    first = [o.token_ids for o in llm.generate(prompts, greedy)]
+    again = [o.token_ids for o in llm.generate(prompts, greedy)]
+    assert first == again == want
+    assert llm.engine.kv.host.stats.host_hit_tokens > 0
+
+
+def test_a_dry_run_checks_a_quantized_checkpoint_and_its_cut_under_tp(
+    int4_llama, tmp_path, capsys, dense_dirs
+):
+    from tierserve import cli
+
+    assert cli.main(["serve", "--model", str(int4_llama), "--dry-run", "--device", "cpu"]) == 0
+    # Groups of 256 over o_proj's 256 input features at TP 2: 128 a rank, half a group.
+    coarse = compress(dense_dirs["llama"], tmp_path / "g256", 4, 256, True)
+    argv = ["serve", "--model", str(coarse), "--dry-run", "--device", "cpu", "--tp-size", "2"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "o_proj" in err and "groups of 256" in err and len(err.strip().splitlines()) == 1

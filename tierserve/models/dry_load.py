@@ -19,7 +19,7 @@ from tierserve.layers import (
     set_tp_group,
     tp_group,
 )
-from tierserve.model_config import ModelConfig
+from tierserve.model_config import ModelConfig, read_hf_config, text_config
 from tierserve.models.loader import (
     SCALE_SUFFIX,
     CheckpointLayout,
@@ -27,6 +27,7 @@ from tierserve.models.loader import (
     tensor_headers,
     weight_files,
 )
+from tierserve.models.quantization import SHAPE_SUFFIX, QuantConfig, model_key, quantize_modules
 from tierserve.models.registry import model_class
 
 
@@ -38,9 +39,12 @@ def check_checkpoint(path: str | Path, cfg: ModelConfig, tp_size: int, attention
     inverse_frequencies(cfg.rope_dim, cfg.rope_theta, cfg.rope_scaling)
     outer = tp_group(), attention_group()
     set_tp_group(TPGroup(0, tp_size), TPGroup(0, attention_size))
+    quant = QuantConfig.read(text_config(read_hf_config(path)))
     try:
         with torch.device("meta"):
             model = model_class(cfg.architecture)(cfg)
+            if quant is not None:  # refuses a row-parallel cut through a group
+                quantize_modules(model, quant)
     finally:
         set_tp_group(*outer)
     targets = model.state_dict(keep_vars=True)
@@ -48,25 +52,35 @@ def check_checkpoint(path: str | Path, cfg: ModelConfig, tp_size: int, attention
         targets.pop("lm_head.weight", None)
     tensors = (
         (name, tensor)
-        for name, tensor in header_tensors(path, CheckpointLayout.of(path, cfg.num_layers))
+        for name, tensor in header_tensors(path, CheckpointLayout.of(path, cfg.num_layers), quant)
         if not (cfg.tie_word_embeddings and name == "lm_head.weight")
     )
     fill(model, targets, tensors, f"checkpoint {path} does not match {cfg.architecture}")
 
 
-def header_tensors(path: Path, layout: CheckpointLayout) -> Iterator[tuple[str, torch.Tensor]]:
-    """(model name, meta tensor) for every tensor the model uses, as `checkpoint_tensors`
-    yields them: a block-scaled fp8 weight as the float32 it is dequantized to."""
-    for file in weight_files(path):
-        headers = tensor_headers(file)
+def header_tensors(
+    path: Path, layout: CheckpointLayout, quant: QuantConfig | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """(model name, meta tensor) for every tensor the model uses, as the loader hands them to
+    `fill`: a block-scaled fp8 weight as the float32 it is dequantized to; a quantized
+    linear's tensors by their model names, its zero point unpacked to [rows, groups] (the rows
+    its scale has), its weight_shape (a value, unseen here) left out."""
+    files = [tensor_headers(file) for file in weight_files(path)]
+    shapes = {key: h["shape"] for headers in files for key, h in headers.items()}
+    for headers in files:
         for key in sorted(headers):
             name = layout.model_name(key)
-            if name is None:
+            if name is None or (quant is not None and name.endswith(SHAPE_SUFFIX)):
                 continue
-            dtype = _dtype(headers[key]["dtype"])
+            dtype, shape = _dtype(headers[key]["dtype"]), headers[key]["shape"]
             if key + SCALE_SUFFIX in headers:
                 dtype = torch.float32
-            yield name, torch.empty(headers[key]["shape"], dtype=dtype, device="meta")
+            if quant is not None and name.endswith(".weight_zero_point"):
+                scale = shapes.get(key.removesuffix("zero_point") + "scale")
+                shape = [scale[0] if scale else shape[0], shape[-1]]
+            if quant is not None:
+                name = model_key(name)
+            yield name, torch.empty(shape, dtype=dtype, device="meta")
 
 
 def _dtype(name: str) -> torch.dtype:
