@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from tests.conftest import make_checkpoint, random_prompts
 from tierserve import LLM, SamplingParams, TierserveError
+from tierserve.layers import ParallelLMHead
 from tierserve.layers.quantized import (
     QuantizedWeight,
     QuantScheme,
@@ -51,7 +52,7 @@ def compress(dense: Path, out: Path, bits: int, group: int | None, symmetric: bo
     tensors = {}
     for name, w in load_file(str(dense / "model.safetensors")).items():
         module = name.removesuffix(".weight")
-        if not (name.endswith("_proj.weight") and w.dim() == 2) or module.split(".")[-1] in ignore:
+        if not (name.endswith("_proj.weight") and w.dim() == 2) or _ignored(module, ignore):
             tensors[name] = w
             continue
         rows = w.float().reshape(w.shape[0], -1, group or w.shape[1])
@@ -67,6 +68,13 @@ def compress(dense: Path, out: Path, bits: int, group: int | None, symmetric: bo
     config["quantization_config"] = quant
     (out / "config.json").write_text(json.dumps(config, indent=1))
     return out
+
+
+def _ignored(module: str, ignore: tuple[str, ...]) -> bool:
+    import re
+
+    return any(re.match(p[3:], module) if p.startswith("re:") else module.split(".")[-1] == p
+               for p in ignore)  # fmt: skip
 
 
 def oracle_tokens(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:
@@ -114,8 +122,9 @@ def test_greedy_tokens_equal_transformers_dequantized(dense_dirs, tmp_path, fami
     assert len(weights) == 2 * 4  # qkv, o, gate_up, down: quantized, kept so
     kernel = backend_for(QuantScheme(bits, group, symmetric), 512, torch.device("cpu"))[0]
     assert {w.backend for w in weights} == {kernel}
-    dense = [m for m in llm.engine.runner.model.modules() if isinstance(m, torch.nn.Linear)
-             and isinstance(m.weight, torch.Tensor) and m.weight.shape[0] != 4096]  # fmt: skip
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, torch.nn.Linear)]
+    dense = [m for m in linears if isinstance(m.weight, torch.Tensor)]
+    dense = [m for m in dense if not isinstance(m, ParallelLMHead)]
     assert not dense  # only the LM head (ignored) stays dense
 
 
@@ -210,3 +219,82 @@ def test_a_dry_run_checks_a_quantized_checkpoint_and_its_cut_under_tp(
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "o_proj" in err and "groups of 256" in err and len(err.strip().splitlines()) == 1
+
+
+# Kimi-K2-Thinking's ignore list: routed experts quantized, everything else dense.
+KIMI_IGNORE = ("lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+               "re:.*mlp\\.(gate|up|gate_up|down)_proj.*")  # fmt: skip
+MOE = {"hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 128,
+       "num_attention_heads": 4}  # fmt: skip
+
+
+def as_kimi_k25(source: Path, out: Path) -> Path:
+    """`source` laid out as Kimi-K2.5 ships: the text model (and its quantization_config)
+    under text_config, its tensors under language_model., a vision tower beside them."""
+    shutil.copytree(source, out)
+    state = {
+        f"language_model.{k}": v for k, v in load_file(str(source / "model.safetensors")).items()
+    }
+    state["vision_tower.patch_embed.weight"] = torch.randn(8, 3)
+    save_file(state, str(out / "model.safetensors"))
+    text = json.loads((source / "config.json").read_text())
+    del text["architectures"]
+    text["model_type"] = "kimi_k2"
+    config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+              "text_config": text}  # fmt: skip
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def dequantized_copy(path: Path, out: Path) -> Path:
+    """`path` with every quantized linear decompressed by compressed-tensors itself: the dense
+    checkpoint transformers' DeepseekV3 runs as the oracle."""
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    shutil.copytree(path, out)
+    config = json.loads((out / "config.json").read_text())
+    quant = config.pop("quantization_config")
+    scheme = QuantizationScheme.model_validate(quant["config_groups"]["group_0"])
+    state = load_file(str(path / "model.safetensors"))
+    modules = {k.removesuffix(".weight_packed") for k in state if k.endswith(".weight_packed")}
+    for m in modules:
+        parts = {
+            k.removeprefix(m + "."): state.pop(k) for k in list(state) if k.startswith(m + ".w")
+        }
+        state[m + ".weight"] = PackedQuantizationCompressor.decompress(parts, scheme)["weight"]
+    save_file(state, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_kimi_k25_layout_moe_with_int4_experts_equals_transformers(tmp_path):
+    """DeepSeek-V3's shape (MLA, grouped routing, a shared expert) as Kimi-K2.5 ships it:
+    routed experts int4 g32, the rest dense by its ignore list. Greedy tokens equal
+    transformers on the weights compressed-tensors dequantizes; the experts stay int4; and
+    zeroing them changes the tokens (they are used)."""
+    import transformers
+
+    dense = make_checkpoint(tmp_path / "dense", "deepseek-v3", seed=5, **MOE)
+    quantized = compress(dense, tmp_path / "int4", 4, 32, True, ignore=KIMI_IGNORE)
+    kimi = as_kimi_k25(quantized, tmp_path / "kimi-k2.5")
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(
+        str(dequantized_copy(quantized, tmp_path / "deq")), dtype=torch.float32).eval()  # fmt: skip
+    prompts = random_prompts(3, [6, 30, 70], seed=4)
+    with torch.no_grad():
+        runs = [oracle.generate(torch.tensor([p]), max_new_tokens=10, do_sample=False,
+                                min_new_tokens=10)[0] for p in prompts]  # fmt: skip
+    want = [run[len(p) :].tolist() for run, p in zip(runs, prompts, strict=True)]
+    llm = LLM(str(kimi), dtype="float32", quantized_activations="model", max_total_tokens=1024)
+    greedy = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
+    model = llm.engine.runner.model
+    experts = [m for m in model.modules() if m.__class__.__name__ == "Experts"]
+    assert experts and all(isinstance(e.gate_up_proj, QuantizedWeight)
+                           and e.down_proj.backend == "int4_cpu" for e in experts)  # fmt: skip
+    assert isinstance(model.model.layers[1].mlp.shared_experts.down_proj.weight, torch.Tensor)
+    for e in experts:  # the control: routed experts that add nothing
+        e.gate_up_proj.scales_zeros.zero_()
+        e.down_proj.scales_zeros.zero_()
+    llm.engine.flush_cache()
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] != want

@@ -18,6 +18,7 @@ EXPORTS = {
     "MLAConfig": "mla",
     "History": "sampler",
     "MoE": "moe",
+    "Experts": "moe",
     "MoEConfig": "moe",
     "PackedColumnLinear": "parallel",
     "QuantScheme": "quantized",

@@ -26,6 +26,7 @@ and bf16 linears stay dense.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -85,11 +86,13 @@ def packs_linears(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def linear(
-    x: torch.Tensor, weight: torch.Tensor | nn.Module, bias: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor | Callable[[torch.Tensor], torch.Tensor],
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x @ weight.T + bias, whichever layout `weight` is in (a quantized one is a module that
-    computes it: layers/quantized.py)."""
-    if isinstance(weight, nn.Module):
+    """x @ weight.T + bias, whichever layout `weight` is in (a quantized one is a callable
+    that computes it: layers/quantized.py)."""
+    if not isinstance(weight, torch.Tensor):
         y = weight(x)
         return y + bias if bias is not None else y
     if weight.is_mkldnn:

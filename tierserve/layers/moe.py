@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tierserve.layers.cpu_linear import linear
 from tierserve.layers.mlp import GatedMLP
 from tierserve.layers.parallel import all_reduce, mark_shard, shard_size, tp_group
 
@@ -97,6 +98,7 @@ class Experts(nn.Module):
         tp = tp_group()
         e, h = cfg.num_experts, cfg.hidden_size
         i = shard_size(cfg.moe_intermediate_size, tp.size, "moe_intermediate_size")
+        self.num_experts, self.intermediate = e, i  # this rank's intermediate features
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         # of each expert's gate and up, loaded apart
@@ -111,7 +113,7 @@ class Experts(nn.Module):
         flat = indices.reshape(-1)
         order = flat.argsort()
         token_of = order // indices.shape[1]  # the token each sorted choice belongs to
-        counts = torch.bincount(flat, minlength=self.gate_up_proj.shape[0]).tolist()
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
         start = 0
         for expert, count in enumerate(counts):
             if count == 0:
@@ -119,8 +121,10 @@ class Experts(nn.Module):
             picks = order[start : start + count]
             tokens = token_of[start : start + count]
             start += count
-            gate, up = F.linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate).mul_(up), self.down_proj[expert])
+            # Each expert's GEMM on its rows only, whatever the weights' format (a quantized
+            # one's `[expert]` is that expert's kernel: layers/quantized.py).
+            gate, up = linear(x[tokens], self.gate_up_proj[expert]).chunk(2, dim=-1)
+            y = linear(F.silu(gate).mul_(up), self.down_proj[expert])
             w = weights.reshape(-1)[picks].unsqueeze(-1).to(y.dtype)
             out.index_add_(0, tokens, y * w)
         return out

@@ -69,27 +69,39 @@ def pack_int32(values: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 class QuantizedWeight(nn.Module):
-    """A linear's [out_features, in_features] weight, quantized; calling it is x @ weight.T."""
+    """A linear's [out_features, in_features] weight, quantized; calling it is x @ weight.T.
+    With `experts`, the stacked weights of that many experts ([experts, out, in], as MoE
+    layers stack them): `weight[e]` is expert e's, called the same way."""
 
-    def __init__(self, out_features: int, in_features: int, scheme: QuantScheme) -> None:
+    def __init__(
+        self, out_features: int, in_features: int, scheme: QuantScheme, experts: int = 0
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features, self.scheme = out_features, in_features, scheme
+        self.experts = experts
         self.whole_shape = (out_features, in_features)  # the checkpoint's, before TP slices
         bits, groups = scheme.num_bits, scheme.groups(in_features)
         words = -(-in_features * bits // 32)
-        self.register_buffer("packed", torch.empty(out_features, words, dtype=torch.int32))
-        self.register_buffer("scale", torch.empty(out_features, groups))
+        lead = (experts,) if experts else ()
+        self.register_buffer("packed", torch.empty(*lead, out_features, words, dtype=torch.int32))
+        self.register_buffer("scale", torch.empty(*lead, out_features, groups))
         if not scheme.symmetric:  # unpacked by the loader: rows split under TP as any other
-            zero = torch.empty(out_features, groups, dtype=torch.int32)
+            zero = torch.empty(*lead, out_features, groups, dtype=torch.int32)
             self.register_buffer("zero_point", zero)
         self.backend = "dequantize"
-        self._matmul: Callable[[torch.Tensor], torch.Tensor] = self._dequantized
+        # x, an expert (None: the weight is not stacked) → x @ that weight.T
+        self._matmul: Callable[[torch.Tensor, int | None], torch.Tensor] = self._dequantized
 
     def extra_repr(self) -> str:
-        return f"{self.out_features}x{self.in_features} {self.scheme.describe()} {self.backend}"
+        stacked = f"{self.experts} experts of " if self.experts else ""
+        shape = f"{self.out_features}x{self.in_features}"
+        return f"{stacked}{shape} {self.scheme.describe()} {self.backend}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._matmul(x)
+        return self._matmul(x, None)
+
+    def __getitem__(self, expert: int) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda x: self._matmul(x, expert)
 
     # --- after the checkpoint is in -----------------------------------------------------
 
@@ -98,21 +110,24 @@ class QuantizedWeight(nn.Module):
         BACKENDS[backend](self, activation_dtype)
         self.backend = backend
 
-    def dense(self) -> torch.Tensor:
-        """The weight dequantized, [out, in], in the scale's dtype."""
+    def dense(self, expert: int | None = None) -> torch.Tensor:
+        """The weight (one expert's, of a stacked one) dequantized, [out, in], in the scale's
+        dtype."""
         s = self.scheme
-        q = unpack_int32(self.packed, s.num_bits, self.in_features).to(self.scale.dtype)
-        offset = float(1 << (s.num_bits - 1))
-        zero = self.zero_point.to(self.scale.dtype) if not s.symmetric else offset
-        scale = self.scale
+        pick = (lambda t: t) if expert is None else (lambda t: t[expert])
+        q = unpack_int32(pick(self.packed), s.num_bits, self.in_features).to(self.scale.dtype)
+        zero: torch.Tensor | float = float(1 << (s.num_bits - 1))
+        if not s.symmetric:
+            zero = pick(self.zero_point).to(self.scale.dtype)
+        scale = pick(self.scale)
         if s.group_size is not None:
             scale = scale.repeat_interleave(s.group_size, dim=-1)
             if not s.symmetric:
                 zero = zero.repeat_interleave(s.group_size, dim=-1)
         return (q - zero) * scale
 
-    def _dequantized(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self.dense().to(x.dtype))
+    def _dequantized(self, x: torch.Tensor, expert: int | None) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.dense(expert).to(x.dtype))
 
     def held_bytes(self) -> int:
         """What the backend keeps of this weight."""
@@ -121,20 +136,30 @@ class QuantizedWeight(nn.Module):
 
 def _int4_cpu(w: QuantizedWeight, activation_dtype: torch.dtype) -> None:
     s = w.scheme
-    q = unpack_int32(w.packed, 4, w.in_features)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), 1)
-    scale = w.scale.float()
-    zero = (8 - w.zero_point.float()) * scale if not s.symmetric else torch.zeros_like(scale)
-    # [groups, out, 2] in the activations' dtype, as the kernel reads them.
-    scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(activation_dtype).contiguous()
-    group = s.group_size
+    # One weight at a time (an expert's): the unpacked values of all experts at once would be
+    # 8x their packed bytes, the peak a load must not reach.
+    packed, scales_zeros = [], []
+    for i in range(w.experts or 1):
+        pick = (lambda t: t) if not w.experts else (lambda t, i=i: t[i])
+        q = unpack_int32(pick(w.packed), 4, w.in_features).contiguous()
+        packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        scale = pick(w.scale).float()
+        zero = (8 - pick(w.zero_point).float()) * scale if not s.symmetric else 0 * scale
+        # [groups, out, 2] in the activations' dtype, as the kernel reads them.
+        pair = torch.stack([scale.t(), zero.t()], dim=-1).to(activation_dtype).contiguous()
+        scales_zeros.append(pair)
     _drop(w, "packed", "scale", "zero_point")
-    w.register_buffer("int4_packed", packed)
-    w.register_buffer("scales_zeros", scales_zeros)
+    stack = torch.stack if w.experts else (lambda ts: ts[0])
+    w.register_buffer("int4_packed", stack(packed))
+    w.register_buffer("scales_zeros", stack(scales_zeros))
+    group = s.group_size
 
-    def matmul(x: torch.Tensor) -> torch.Tensor:
+    def matmul(x: torch.Tensor, expert: int | None) -> torch.Tensor:
+        weight, pairs = w.int4_packed, w.scales_zeros
+        if expert is not None:
+            weight, pairs = weight[expert], pairs[expert]
         flat = x.reshape(-1, x.shape[-1]).to(activation_dtype)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, w.int4_packed, group, w.scales_zeros)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, weight, group, pairs)
         return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
 
     w._matmul = matmul
@@ -142,14 +167,17 @@ def _int4_cpu(w: QuantizedWeight, activation_dtype: torch.dtype) -> None:
 
 def _int8_cpu(w: QuantizedWeight, activation_dtype: torch.dtype) -> None:
     q = (unpack_int32(w.packed, 8, w.in_features) - 128).to(torch.int8)
-    scale = w.scale.reshape(-1).to(activation_dtype).contiguous()
+    scale = w.scale.squeeze(-1).to(activation_dtype).contiguous()
     _drop(w, "packed", "scale")
     w.register_buffer("int8_weight", q.contiguous())
     w.register_buffer("row_scale", scale)
 
-    def matmul(x: torch.Tensor) -> torch.Tensor:
+    def matmul(x: torch.Tensor, expert: int | None) -> torch.Tensor:
+        weight, scale = w.int8_weight, w.row_scale
+        if expert is not None:
+            weight, scale = weight[expert], scale[expert]
         flat = x.reshape(-1, x.shape[-1]).to(activation_dtype)
-        y = torch.ops.aten._weight_int8pack_mm(flat, w.int8_weight, w.row_scale)
+        y = torch.ops.aten._weight_int8pack_mm(flat, weight, scale)
         return y.to(x.dtype).reshape(*x.shape[:-1], w.out_features)
 
     w._matmul = matmul

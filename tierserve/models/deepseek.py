@@ -26,7 +26,10 @@ from tierserve.layers import (
 from tierserve.model_config import ModelConfig
 from tierserve.models.decoder import CausalLM
 
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+# A quantized expert's tensors are its weight's buffers (models/quantization.py's names).
+_EXPERT = re.compile(
+    r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight(\.packed|\.scale|\.zero_point)?$"
+)
 
 
 def mla_config(cfg: ModelConfig) -> MLAConfig:
@@ -97,9 +100,9 @@ class DeepseekForCausalLM(CausalLM):
         match = _EXPERT.match(name)
         if match is None:
             return None
-        prefix, expert, proj = match[1], int(match[2]), match[3]
+        prefix, expert, proj, part = match[1], int(match[2]), match[3], match[4] or ""
         if proj == "down":
-            return f"{prefix}.down_proj", (expert,)
-        inter = self.get_parameter(f"{prefix}.gate_up_proj").shape[1] // 2  # this rank's
+            return f"{prefix}.down_proj{part}", (expert,)
+        inter = self.get_submodule(prefix).intermediate  # this rank's
         half = slice(0, inter) if proj == "gate" else slice(inter, 2 * inter)
-        return f"{prefix}.gate_up_proj", (expert, half)
+        return f"{prefix}.gate_up_proj{part}", (expert, half)

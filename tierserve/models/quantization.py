@@ -27,6 +27,7 @@ from torch import nn
 from tierserve.errors import TierserveError
 from tierserve.layers import (
     ColumnParallelLinear,
+    Experts,
     PackedColumnLinear,
     ParallelLMHead,
     QuantizedWeight,
@@ -131,6 +132,9 @@ def quantize_modules(model: nn.Module, quant: QuantConfig) -> int:
     weight (on the meta device, before anything is allocated); how many."""
     count = 0
     for prefix, module in list(model.named_modules()):
+        if isinstance(module, Experts):
+            count += _quantize_experts(module, prefix, quant)
+            continue
         if not isinstance(module, LINEAR_KINDS) or getattr(module, "keep_dense", False):
             continue
         scheme = _scheme_of(module, prefix, quant)
@@ -145,6 +149,26 @@ def quantize_modules(model: nn.Module, quant: QuantConfig) -> int:
         module.weight = weight
         count += 1
     return count
+
+
+def _quantize_experts(experts: nn.Module, prefix: str, quant: QuantConfig) -> int:
+    """A MoE layer's stacked experts (gate/up packed, down), quantized as the checkpoint's
+    expert 0 is (its experts are quantized alike, or the config says nothing of them)."""
+    names = [f"{prefix}.0.{proj}_proj" for proj in ("gate", "up", "down")]
+    schemes = {quant.scheme_for(n) for n in names}
+    if len(schemes) > 1:
+        raise _refused(f"{', '.join(names)} are quantized unlike each other; tierserve packs them")
+    scheme = schemes.pop()
+    if scheme is None:
+        return 0
+    for param in ("gate_up_proj", "down_proj"):
+        count, out_features, in_features = getattr(experts, param).shape
+        weight = QuantizedWeight(out_features, in_features, scheme, experts=count)
+        weight = weight.to(getattr(experts, param).device)
+        _shard_buffers(weight, experts.tp_shards.pop(param), f"{prefix}.{param}")
+        delattr(experts, param)
+        setattr(experts, param, weight)
+    return 2
 
 
 def _scheme_of(module: nn.Module, prefix: str, quant: QuantConfig) -> QuantScheme | None:
@@ -238,6 +262,9 @@ def check_declared(model: nn.Module, declared: Mapping[str, list]) -> None:
     """Each quantized linear's checkpoint `weight_shape` (each part's, for a packed one)
     against the model's: a weight packed for other features is refused by name."""
     for prefix, module in model.named_modules():
+        if isinstance(module, Experts) and isinstance(module.down_proj, QuantizedWeight):
+            _check_experts(module, prefix, declared)
+            continue
         weight = getattr(module, "weight", None)
         if not isinstance(weight, QuantizedWeight):
             continue
@@ -248,8 +275,19 @@ def check_declared(model: nn.Module, declared: Mapping[str, list]) -> None:
         else:
             parts = [(prefix, weight.whole_shape[0])]
         for name, rows in parts:
-            shape = declared.get(name)
-            want = [rows, weight.whole_shape[1]]
-            if shape != want:
-                message = f"quantized {name} declares weight_shape {shape}, the model {want}"
-                raise TierserveError(message, field="model")
+            _check_shape(name, declared, [rows, weight.whole_shape[1]])
+
+
+def _check_experts(experts: nn.Module, prefix: str, declared: Mapping[str, list]) -> None:
+    hidden, inter = experts.down_proj.whole_shape  # down: [hidden, intermediate]
+    for e in range(experts.num_experts):
+        for proj, want in (("gate", [inter, hidden]), ("up", [inter, hidden]),
+                           ("down", [hidden, inter])):  # fmt: skip
+            _check_shape(f"{prefix}.{e}.{proj}_proj", declared, want)
+
+
+def _check_shape(name: str, declared: Mapping[str, list], want: list[int]) -> None:
+    shape = declared.get(name)
+    if shape != want:
+        message = f"quantized {name} declares weight_shape {shape}, the model {want}"
+        raise TierserveError(message, field="model")
