@@ -20,7 +20,7 @@ from tierserve.args import EngineArgs, default_model
 from tierserve.bench.client import parse_prometheus
 from tierserve.engine import engine_metrics
 from tierserve.engine.dispatch import BALANCE_ABS, BLOCK, Dispatcher
-from tierserve.engine.startup import weight_numel
+from tierserve.engine.startup import weight_sizes
 from tierserve.sampling_params import StructuredOutput
 from tierserve.server.metrics import ServerMetrics
 
@@ -68,10 +68,11 @@ def test_greedy_outputs_equal_one_process(checkpoints, references, family, tp, d
         # The sizes count the attention side once per group: close to what rank 0 holds (the
         # rest are the parts a group's ranks keep whole: norms, routers, MLA's latent
         # projections, counted as split).
-        held = sum(p.numel() for p in engine.runner.model.parameters())
-        _, rank = weight_numel(
-            engine.args, engine.startup.model_path, engine.model_config.num_layers
-        )
+        held = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+        _, _, rank = weight_sizes(
+            engine.args, engine.startup.model_path, engine.model_config, engine.device,
+            engine.dtype,
+        )  # fmt: skip
         assert rank == pytest.approx(held, rel=0.1)
 
 

@@ -298,3 +298,26 @@ def test_a_kimi_k25_layout_moe_with_int4_experts_equals_transformers(tmp_path):
         e.down_proj.scales_zeros.zero_()
     llm.engine.flush_cache()
     assert [o.token_ids for o in llm.generate(prompts, greedy)] != want
+
+
+def test_the_start_up_table_counts_what_the_backends_hold(int4_llama, capsys):
+    """`weights per rank` in the dry run's table and the start's plan is what the loaded
+    model holds, its int4 weights as the kernel keeps them (bf16 scales), within 5%."""
+    from tierserve import cli
+    from tierserve.units import format_gb
+
+    llm = LLM(str(int4_llama), dtype="float32", max_total_tokens=1024)
+    model = llm.engine.runner.model
+    quantized = [m for m in model.modules() if isinstance(m, QuantizedWeight)]
+    held = sum(p.numel() * p.element_size() for p in model.parameters())
+    held += sum(w.held_bytes() for w in quantized)
+    planned = llm.engine.kv_plan.weight_bytes_per_rank
+    assert planned == pytest.approx(held, rel=0.05)
+    as_float32 = sum(p.numel() for p in model.parameters()) * 4
+    as_float32 += sum(w.out_features * w.in_features * 4 for w in quantized)
+    assert held < 0.35 * as_float32  # the linears at ~4.5 bits, not 32
+    assert cli.main(["serve", "--model", str(int4_llama), "--dry-run", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    (row,) = [line for line in out.splitlines() if "weights per rank" in line]
+    assert row.split()[-2:] == format_gb(planned, 3).split()
+    assert "int4 g32 sym on int4_cpu (bf16 activations)" in out

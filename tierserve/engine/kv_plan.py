@@ -159,6 +159,8 @@ class KVPlan:
     # and the verify logits of the running requests (RAM on CPU; activations on a GPU).
     draft: DraftSize | None = None
     verify_bytes: int = 0
+    weight_bytes_per_rank: int = 0  # a quantized weight's as its backend keeps it
+    quantization: str = ""  # a quantized checkpoint's schemes and their backends
 
     @property
     def device_bytes(self) -> int:
@@ -186,6 +188,12 @@ def startup_table(plan: KVPlan, dp_groups: int = 1, placement: str | None = None
     """The sizes (and, from the node's first process, where its ranks compute)."""
     spec = plan.spec
     rows = [
+        *(
+            [("weights per rank", format_gb(plan.weight_bytes_per_rank, 3))]
+            if plan.weight_bytes_per_rank
+            else []
+        ),
+        *([("quantized weights", plan.quantization)] if plan.quantization else []),
         ("KV bytes per token per rank", format_bytes(spec.bytes_per_token)),
         ("KV page", f"{spec.page_size} tokens, {format_bytes(spec.bytes_per_page)}"),
         ("device pool tokens per rank", format_count(plan.device_tokens)),

@@ -20,11 +20,12 @@ from tierserve.dtypes import COMPUTE_DTYPES, torch_dtype
 from tierserve.engine.kv_plan import KVPlan, check_cpu_ram, size_host_tier
 from tierserve.errors import TierserveError
 from tierserve.layers import DecodeWorkspace, onednn_dtypes, packed_head_bytes, resolve_backend
-from tierserve.model_config import ModelConfig
+from tierserve.model_config import ModelConfig, read_hf_config, text_config
 from tierserve.models import (
     Eagle3Config,
+    QuantConfig,
     check_nextn,
-    checkpoint_numels,
+    checkpoint_sizes,
     draft_numel,
     draft_path_for,
     model_class,
@@ -102,14 +103,15 @@ class Startup:
         kv_dtype = model_dtype if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
         # With DP attention a rank holds KV for its attention group's share of the heads.
         spec = KVSpec.from_model(cfg, kv_dtype, args.page_size, tp=args.attention_tp_size)
-        node_numel, rank_numel = weight_numel(args, model_path, cfg.num_layers)
+        node_numel, node_bytes, rank_bytes = weight_sizes(args, model_path, cfg, device, dtype)
         draft, kind, size = None, _draft_kind(args, model_path), None
         if kind is not None:
             draft, (split, whole) = _draft(args, kind, model_path, cfg)
             # Its weights, and its KV as one more layer of every page, before anything is sized.
             spec = dataclasses.replace(spec, num_layers=spec.num_layers + 1)
             node_numel += split + whole * args.tp_size
-            rank_numel += -(-split // args.tp_size) + whole
+            node_bytes += (split + whole * args.tp_size) * dtype.itemsize
+            rank_bytes += (-(-split // args.tp_size) + whole) * dtype.itemsize
             size = DraftSize(
                 DRAFT_NAMES[kind],
                 (split + whole) * dtype.itemsize,
@@ -120,14 +122,18 @@ class Startup:
         extra = _fp32_extra(cfg, dtype.itemsize) + packed_head_bytes(
             cfg.tie_word_embeddings, cfg.vocab_size, cfg.hidden_size, device, dtype
         )
-        weight_bytes = node_numel * dtype.itemsize + extra
-        rank_weights = rank_numel * dtype.itemsize + extra // args.tp_size
+        weight_bytes = node_bytes + extra
+        rank_weights = rank_bytes + extra // args.tp_size
         storage = _storage_config(args)
         backend = resolve_backend(args.attention_backend, device)
         # Only the torch backend keeps a decode workspace (on CPU); the CPU kernel reads pages.
         width = dtype.itemsize if backend == "torch" else 0
         weights = (weight_bytes, rank_weights)
         plan = _kv_plan(args, device, spec, weights, width, storage, (size, cfg.vocab_size))
+        quant = QuantConfig.read(text_config(read_hf_config(Path(model_path))))
+        if quant is not None:
+            on = quant.backends(device, args.quantized_activations)
+            plan = dataclasses.replace(plan, quantization=f"{quant.describe()}: {on}")
         context = _context_length(args, cfg)
         flops = 2.0 * node_numel / args.tp_size
         return cls(
@@ -175,16 +181,21 @@ def _draft(
     return draft, (0, draft_numel(draft))
 
 
-def weight_numel(args: EngineArgs, model_path: str, num_layers: int) -> tuple[int, int]:
-    """Parameters the node holds, and one rank: the model split over the ranks, except that
-    each attention group under DP attention holds its own copy of the attention side, split
-    over its ranks only. MTP layers past `num_layers` are skipped."""
-    numel, attention = checkpoint_numels(model_path, num_layers)
-    if args.dp_groups == 1:
-        return numel, -(-numel // args.tp_size)
-    node = numel + attention * (args.dp_groups - 1)
-    rank = -(-(numel - attention) // args.tp_size) + -(-attention // args.attention_tp_size)
-    return node, rank
+def weight_sizes(
+    args: EngineArgs, model_path: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> tuple[int, int, int]:
+    """Parameters the node holds, and the bytes of the node and of one rank (a quantized
+    weight's as its backend keeps it): the model split over the ranks, except that each
+    attention group under DP attention holds its own copy of the attention side, split over
+    its ranks only. MTP layers past the config's layers are skipped."""
+    size = checkpoint_sizes(
+        model_path, cfg.num_layers, dtype.itemsize, device, args.quantized_activations
+    )
+    groups, tp, attention_tp = args.dp_groups, args.tp_size, args.attention_tp_size
+    rest = size.bytes - size.attention_bytes
+    node = size.bytes + size.attention_bytes * (groups - 1)
+    rank = -(-rest // tp) + -(-size.attention_bytes // (attention_tp if groups > 1 else tp))
+    return size.numel + size.attention_numel * (groups - 1), node, rank
 
 
 def _fp32_extra(cfg: ModelConfig, itemsize: int) -> int:
@@ -242,7 +253,7 @@ def _kv_plan(
     verify = size.verify_bytes(vocab, args.max_running_requests // args.dp_groups) if size else 0
     plan = KVPlan(
         spec, device_tokens, None, args.hicache_write_policy, workspace, draft=size,
-        verify_bytes=verify,
+        verify_bytes=verify, weight_bytes_per_rank=rank_weights,
     )  # fmt: skip
     if on_cpu:
         check_cpu_ram(plan, weight_bytes, local_ranks=args.local_ranks)

@@ -24,6 +24,8 @@ EXPORTS = {
     "QuantScheme": "quantized",
     "QuantizedWeight": "quantized",
     "finalize_quantized": "quantized",
+    "backend_for": "quantized",
+    "held_bytes": "quantized",
     "unpack_int32": "quantized",
     "ParallelLMHead": "parallel",
     "RMSNorm": "norm",

@@ -230,3 +230,20 @@ def finalize_quantized(
         module.finalize(backend, act)
         kinds[(module.scheme.describe(), backend, why)] = None
     return list(kinds)
+
+
+def held_bytes(
+    scheme: QuantScheme, out_features: int, in_features: int, backend: str,
+    itemsize: int, activation_itemsize: int, experts: int = 1,
+) -> int:  # fmt: skip
+    """What `backend` keeps of such a weight (`finalize`'s layout), without making it: the
+    figure start-up, `--dry-run` and `plan` count. `itemsize`: the model dtype's (a kept
+    checkpoint scale's), `activation_itemsize`: the kernel's scales'."""
+    n, k, groups = out_features, in_features, scheme.groups(in_features)
+    if backend == "int4_cpu":  # two values a byte; a scale and a zero a group and row
+        return experts * (n * k // 2 + groups * n * 2 * activation_itemsize)
+    if backend == "int8_cpu":
+        return experts * (n * k + n * activation_itemsize)
+    words = -(-k * scheme.num_bits // 32)
+    zero = 0 if scheme.symmetric else n * groups * 4
+    return experts * (n * words * 4 + n * groups * itemsize + zero)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
+import logging
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -44,6 +44,7 @@ from tierserve.models.quantization import (
 )
 from tierserve.models.registry import model_class
 
+logger = logging.getLogger("tierserve")
 SCALE_SUFFIX = "_scale_inv"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -86,33 +87,6 @@ class CheckpointLayout:
         name = key[len(self.prefix) :]
         layer = _LAYER.match(name)
         return name if layer is None or int(layer[1]) < self.num_layers else None
-
-
-# What data-parallel attention keeps once per attention group: the attention layers, the
-# embedding and the LM head (the MLPs and experts are split over every rank).
-_ATTENTION_SIDE = (".self_attn.", "embed_tokens.", "lm_head.")
-
-
-def checkpoint_numel(path: str | Path, num_layers: int) -> int:
-    """Parameters a model of `num_layers` will hold, read from the safetensors headers without
-    loading them."""
-    return checkpoint_numels(path, num_layers)[0]
-
-
-def checkpoint_numels(path: str | Path, num_layers: int) -> tuple[int, int]:
-    """(all parameters, those of the attention side) a model of `num_layers` will hold, in one
-    read of the safetensors headers."""
-    total = attention = 0
-    layout = CheckpointLayout.of(Path(path), num_layers)
-    for file in weight_files(Path(path)):
-        for key, shape in tensor_shapes(file).items():
-            name = layout.model_name(key)
-            if not name:
-                continue
-            numel = math.prod(shape)
-            total += numel
-            attention += numel if any(p in name for p in _ATTENTION_SIDE) else 0
-    return total, attention
 
 
 def _block_size(path: Path) -> tuple[int, int]:
@@ -212,7 +186,9 @@ def load_model(
         declared: dict[str, list] = {}
         fill(model, targets, read_quantized(counted(), quant, declared), what)
         check_declared(model, declared)
-        finalize_quantized(model, device, dtype if quantized_activations == "model" else None)
+        act = dtype if quantized_activations == "model" else None
+        for scheme, backend, why in finalize_quantized(model, device, act):
+            logger.info("quantized weights %s: %s%s", scheme, backend, f" ({why})" if why else "")
     bar.close()
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight

@@ -16,6 +16,7 @@ Names are matched as the checkpoint names modules, without a multimodal prefix (
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
@@ -33,6 +34,8 @@ from tierserve.layers import (
     QuantizedWeight,
     QuantScheme,
     RowParallelLinear,
+    backend_for,
+    held_bytes,
     mark_shard,
     unpack_int32,
 )
@@ -79,6 +82,16 @@ class QuantConfig:
     def describe(self) -> str:
         schemes = sorted({s.describe() for _, s in self.groups})
         return f"compressed-tensors {FORMAT} {', '.join(schemes)}"
+
+    def backends(self, device: torch.device, activations: str) -> str:
+        """Each scheme's backend on `device`, and why where it is the dequantize path (the
+        engine logs the kinds each weight met at load)."""
+        said = []
+        for scheme in dict.fromkeys(s for _, s in self.groups):
+            backend, why = backend_for(scheme, 16, device)
+            act = "bf16" if backend == "int4_cpu" and activations == "auto" else "model dtype"
+            said.append(f"{scheme.describe()} on {backend} ({why or act + ' activations'})")
+        return "; ".join(said)
 
 
 def _matches(pattern: str, name: str) -> bool:
@@ -291,3 +304,29 @@ def _check_shape(name: str, declared: Mapping[str, list], want: list[int]) -> No
     if shape != want:
         message = f"quantized {name} declares weight_shape {shape}, the model {want}"
         raise TierserveError(message, field="model")
+
+
+def quantized_size(
+    key: str, name: str, shapes: Mapping[str, list[int]], quant: QuantConfig,
+    itemsize: int, device: torch.device, activations: str,
+) -> tuple[int, int] | None:  # fmt: skip
+    """(parameters, bytes held) of checkpoint tensor `key` (model name `name`) if it is part
+    of a quantized linear: its packed words count the whole weight's parameters (for FLOPs)
+    and what its backend holds; its scale, zero point and shape count nothing more. None for
+    any other tensor."""
+    match = _QUANT_KEY.match(name)
+    if name.endswith(SHAPE_SUFFIX) or (match and match[2] != "packed"):
+        return 0, 0
+    if match is None:
+        return None
+    scheme = quant.scheme_for(match[1])
+    scale = shapes.get(key.removesuffix("packed") + "scale")
+    if scheme is None or scale is None:
+        return None  # not read as quantized: the loader refuses it by name
+    *lead, rows, words = shapes[key]
+    columns = scale[-1] * scheme.group_size if scheme.group_size else words * 32 // scheme.num_bits
+    experts = math.prod(lead)
+    backend = backend_for(scheme, rows, device)[0]
+    act = 2 if backend == "int4_cpu" and activations == "auto" else itemsize
+    held = held_bytes(scheme, rows, columns, backend, itemsize, act, experts)
+    return experts * rows * columns, held
