@@ -321,3 +321,25 @@ def test_the_start_up_table_counts_what_the_backends_hold(int4_llama, capsys):
     (row,) = [line for line in out.splitlines() if "weights per rank" in line]
     assert row.split()[-2:] == format_gb(planned, 3).split()
     assert "int4 g32 sym on int4_cpu (bf16 activations)" in out
+
+
+def test_the_plan_reads_the_ignore_list_as_the_loader_does():
+    """Kimi-K2.5's preset: routed experts int4 g32, the rest bf16. The preset's old list
+    (`re:.*mlp\\..*`) ignores the routed experts too when matched as the loader matches it,
+    and a list without self_attn quantizes attention: the plan says so in both."""
+    import copy
+
+    from tierserve.plan.presets import model_preset
+    from tierserve.plan.weights import checkpoint_dtypes
+
+    config = model_preset("kimi-k2.5").config
+    assert checkpoint_dtypes(config) == {"experts": "int4/g32", "other": "bf16",
+                                         "embeddings": "bf16"}  # fmt: skip
+    for ignore, experts, other in (
+        (["lm_head", "re:.*self_attn.*", "re:.*mlp\\..*"], "bf16", "bf16"),
+        (["lm_head"], "int4/g32", "int4/g32"),
+    ):
+        changed = copy.deepcopy(config)
+        changed["text_config"]["quantization_config"]["ignore"] = ignore
+        got = checkpoint_dtypes(changed)
+        assert (got["experts"], got["other"]) == (experts, other), ignore

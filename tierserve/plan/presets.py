@@ -102,10 +102,30 @@ _KIMI_K2_5 = {
         **_KIMI_K2,
         "max_position_embeddings": 262144,
         "rope_scaling": {**_KIMI_K2["rope_scaling"], "factor": 64.0},
+        # As Kimi-K2-Thinking's config.json writes it (K2.5 adds its vision tower and
+        # projector to `ignore`): routed experts int4 g32, everything else dense.
         "quantization_config": {
             "quant_method": "compressed-tensors",
-            "config_groups": {"group_0": {"weights": {"num_bits": 4, "group_size": 32}}},
-            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\..*"],
+            "format": "pack-quantized",
+            "config_groups": {
+                "group_0": {
+                    "targets": ["Linear"],
+                    "format": "pack-quantized",
+                    "weights": {
+                        "num_bits": 4,
+                        "type": "int",
+                        "symmetric": True,
+                        "strategy": "group",
+                        "group_size": 32,
+                    },
+                }
+            },
+            "ignore": [
+                "lm_head",
+                "re:.*self_attn.*",
+                "re:.*shared_experts.*",
+                "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+            ],
         },
     },
 }

@@ -17,6 +17,7 @@ from typing import Any
 from tierserve.dtypes import COMPUTE_DTYPES, DTYPES
 from tierserve.errors import TierserveError
 from tierserve.model_config import ModelConfig, config_int, routes_to_experts, text_config
+from tierserve.models import QuantConfig
 from tierserve.units import format_gb
 
 # Weight dtypes by their short names: the float ones from the one table, and packed integers.
@@ -143,6 +144,10 @@ def checkpoint_dtypes(config: Mapping[str, Any]) -> dict[str, str]:
         return {"experts": "int4/g32", "other": base, "embeddings": base}
     if method == "fp8":
         return {"experts": "fp8", "other": "fp8", "embeddings": base}
+    if method == "compressed-tensors":
+        read = _compressed_tensors(raw, base)
+        if read is not None:
+            return read
     if method and bits in (4, 8):
         low = ("int4" if bits == 4 else "int8") + (f"/g{group_size}" if group_size else "")
         # compressed-tensors lists what it leaves alone; attention left alone means only the
@@ -152,6 +157,33 @@ def checkpoint_dtypes(config: Mapping[str, Any]) -> dict[str, str]:
         other = base if "attn" in ignored else low
         return {"experts": low, "other": other, "embeddings": base}
     return dict.fromkeys(GROUPS, base)
+
+
+# Names the loader matches `ignore` and `targets` against, for each group the plan sizes.
+_REPRESENTATIVE = {
+    "experts": "model.layers.1.mlp.experts.0.gate_proj",
+    "other": "model.layers.0.self_attn.o_proj",
+}
+
+
+def _compressed_tensors(raw: Mapping[str, Any], base: str) -> dict[str, str] | None:
+    """Each group's dtype as the loader reads the config: its ignore list and targets
+    (models/quantization.py), so a plan and a start agree on what is quantized. None where
+    tierserve would not load it (an nvfp4 group, a config without targets): the plan still
+    sizes it for another engine, by the estimate below."""
+    try:
+        quant = QuantConfig.read(raw)
+    except TierserveError:
+        return None
+    dtypes = {"embeddings": base}
+    for group, name in _REPRESENTATIVE.items():
+        scheme = quant.scheme_for(name) if quant is not None else None
+        if scheme is None:
+            dtypes[group] = base
+            continue
+        size = f"/g{scheme.group_size}" if scheme.group_size else ""
+        dtypes[group] = f"int{scheme.num_bits}{size}"
+    return dtypes
 
 
 def _object(parent: Mapping[str, Any], key: str) -> Mapping[str, Any]:
