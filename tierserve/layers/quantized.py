@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 INT4_GROUPS = (32, 64, 128, 256)  # what the int4 CPU kernel takes
+REPACK_ROWS = 256  # rows unpacked at a time when a weight is handed to a kernel
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,16 @@ def _int4_cpu(w: QuantizedWeight, activation_dtype: torch.dtype) -> None:
     packed, scales_zeros = [], []
     for i in range(w.experts or 1):
         pick = (lambda t: t) if not w.experts else (lambda t, i=i: t[i])
-        q = unpack_int32(pick(w.packed), 4, w.in_features).contiguous()
-        packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1))
+        words = pick(w.packed)
+        # Rows repack alone (checked: equal to the whole), so the int32 values the kernel's
+        # repacking takes stay a few rows' worth, not 8x the weight's packed bytes.
+        rows = [
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                unpack_int32(words[r : r + REPACK_ROWS], 4, w.in_features).contiguous(), 1
+            )
+            for r in range(0, w.out_features, REPACK_ROWS)
+        ]
+        packed.append(torch.cat(rows))
         scale = pick(w.scale).float()
         zero = (8 - pick(w.zero_point).float()) * scale if not s.symmetric else 0 * scale
         # [groups, out, 2] in the activations' dtype, as the kernel reads them.
@@ -166,7 +175,8 @@ def _int4_cpu(w: QuantizedWeight, activation_dtype: torch.dtype) -> None:
 
 
 def _int8_cpu(w: QuantizedWeight, activation_dtype: torch.dtype) -> None:
-    q = (unpack_int32(w.packed, 8, w.in_features) - 128).to(torch.int8)
+    rows = w.packed.split(REPACK_ROWS, dim=-2)  # as int4's: a few rows' int32 values at a time
+    q = torch.cat([(unpack_int32(r, 8, w.in_features) - 128).to(torch.int8) for r in rows], -2)
     scale = w.scale.squeeze(-1).to(activation_dtype).contiguous()
     _drop(w, "packed", "scale")
     w.register_buffer("int8_weight", q.contiguous())

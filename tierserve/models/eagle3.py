@@ -326,7 +326,7 @@ def load_draft(
     weights.pop("t2d", None)  # target -> draft, for training only
     with torch.device("meta"):
         draft = Eagle3Draft(cfg, target.config.num_layers)
-    draft = materialize(draft, device).to(dtype)
+    draft = materialize(draft, device, dtype)
     targets = draft.state_dict(keep_vars=True)
     if "embed_tokens.weight" not in weights:  # shared, as vLLM and SGLang share it
         targets.pop("embed_tokens.weight")

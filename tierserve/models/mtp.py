@@ -150,7 +150,7 @@ def load_mtp(
     path, cfg = Path(model_dir), target.config
     with torch.device("meta"):
         draft = MTPDraft(cfg, target)
-    draft = materialize(draft, device).to(dtype)
+    draft = materialize(draft, device, dtype)
     for module in draft.modules():
         if getattr(module, "keep_in_fp32", False):  # the MoE router, as the target's
             module.float()
