@@ -21,22 +21,15 @@ import tempfile
 from pathlib import Path
 
 MEASURE = """
-import json, sys, threading, time, torch
+import json, sys, torch
 from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+from peak_rss import PeakRss, rss_anon as rss
 from tierserve.model_config import ModelConfig
 from tierserve.models.loader import load_model, weight_files
 path, how = Path(sys.argv[1]), sys.argv[2]
 cfg = ModelConfig.from_dir(path)
-def rss():  # anonymous memory only: mmapped checkpoint pages are page cache, not the process's
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-top, done = [0], threading.Event()
-def watch():
-    while not done.is_set():
-        top[0] = max(top[0], rss())
-        time.sleep(0.002)
-threading.Thread(target=watch, daemon=True).start()
+watch = PeakRss()
 if how == "state_dict":  # every shard in one dict (fp8: dequantized first), then copied in
     from safetensors.torch import load_file
     from tierserve.models.loader import dequantize
@@ -55,8 +48,7 @@ if how == "state_dict":  # every shard in one dict (fp8: dequantized first), the
 else:
     before = rss()
     model = load_model(path, cfg, torch.float32, torch.device("cpu"))
-done.set()
-print(json.dumps({"before": before, "peak": max(top[0], rss())}))
+print(json.dumps({"before": before, "peak": watch.stop()}))
 """
 
 
@@ -124,14 +116,17 @@ def make_checkpoint(path: Path, hidden: int, layers: int, arch: str) -> None:
 def model_bytes(path: Path) -> int:
     """The float32 model's bytes: what the loader's parameters take."""
     from tierserve.model_config import ModelConfig
-    from tierserve.models.loader import checkpoint_numel
+    from tierserve.models import checkpoint_numel
 
     return 4 * checkpoint_numel(path, ModelConfig.from_dir(path).num_layers)
 
 
 def measure(path: Path, how: str) -> dict:
     out = subprocess.run(
-        [sys.executable, "-c", MEASURE, str(path), how], capture_output=True, text=True, check=True
+        [sys.executable, "-c", MEASURE, str(path), how, str(Path(__file__).parent)],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 

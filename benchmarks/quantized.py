@@ -56,8 +56,10 @@ print(json.dumps(out))
 """
 
 MEMORY = """
-import json, sys, threading, time, torch
+import json, sys, torch
 from pathlib import Path
+sys.path.insert(0, sys.argv[2])
+from peak_rss import PeakRss, rss_anon
 from tierserve.engine import Startup
 from tierserve.args import EngineArgs
 from tierserve.model_config import ModelConfig
@@ -65,24 +67,13 @@ from tierserve.models.loader import load_model
 from tierserve.layers import QuantizedWeight
 path = Path(sys.argv[1])
 cfg = ModelConfig.from_dir(path)
-def rss():
-    for line in open("/proc/self/status"):
-        if line.startswith("RssAnon:"):
-            return int(line.split()[1]) * 1024
-top, done = [0], threading.Event()
-def watch():
-    while not done.is_set():
-        top[0] = max(top[0], rss())
-        time.sleep(0.002)
 planned = Startup.from_args(EngineArgs(model=str(path), dtype="bfloat16")).plan
-threading.Thread(target=watch, daemon=True).start()
-before = rss()
+before, watch = rss_anon(), PeakRss()
 model = load_model(path, cfg, torch.bfloat16, torch.device("cpu"))
-done.set()
-after = rss()
+peak, after = watch.stop(), rss_anon()
 held = sum(p.numel() * p.element_size() for p in model.parameters())
 held += sum(m.held_bytes() for m in model.modules() if isinstance(m, QuantizedWeight))
-print(json.dumps({"before": before, "peak": max(top[0], after), "after": after, "held": held,
+print(json.dumps({"before": before, "peak": peak, "after": after, "held": held,
                   "planned": planned.weight_bytes_per_rank}))
 """
 
@@ -127,7 +118,7 @@ def main() -> None:
         weights = load_file(str(models["bf16"] / "model.safetensors"))
         params = sum(t.numel() for t in weights.values())
         del weights
-        memory = run(MEMORY, str(models["int4"]))
+        memory = run(MEMORY, str(models["int4"]), str(Path(__file__).parent))
         for r in range(ns.rounds):
             order = list(configs) if r % 2 == 0 else list(configs)[::-1]
             for name in order:
