@@ -115,7 +115,7 @@ def test_the_int4_kernel_equals_the_dequantize_oracle_in_float32():
 
 
 def test_unserved_schemes_are_refused_by_name(dense_dirs, tmp_path):
-    from tierserve.models.quantization import QuantConfig
+    from tierserve.models import QuantConfig
 
     path = compress(dense_dirs["llama"], tmp_path / "q", 4, 32, True)
     config = json.loads((path / "config.json").read_text())

@@ -26,6 +26,7 @@ from tierserve.models import (
     QuantConfig,
     check_nextn,
     checkpoint_sizes,
+    describe_backends,
     draft_numel,
     draft_path_for,
     model_class,
@@ -132,7 +133,7 @@ class Startup:
         plan = _kv_plan(args, device, spec, weights, width, storage, (size, cfg.vocab_size))
         quant = QuantConfig.read(text_config(read_hf_config(Path(model_path))))
         if quant is not None:
-            on = quant.backends(device, args.quantized_activations)
+            on = describe_backends(quant, device, args.quantized_activations)
             plan = dataclasses.replace(plan, quantization=f"{quant.describe()}: {on}")
         context = _context_length(args, cfg)
         flops = 2.0 * node_numel / args.tp_size

@@ -21,7 +21,7 @@ EXPORTS = {
     "Experts": "moe",
     "MoEConfig": "moe",
     "PackedColumnLinear": "parallel",
-    "QuantScheme": "quantized",
+    "QuantScheme": "quant_scheme",
     "QuantizedWeight": "quantized",
     "finalize_quantized": "quantized",
     "backend_for": "quantized",

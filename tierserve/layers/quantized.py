@@ -23,29 +23,14 @@ weight when it is one of these).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from tierserve.layers.quant_scheme import QuantScheme
+
 INT4_GROUPS = (32, 64, 128, 256)  # what the int4 CPU kernel takes
 REPACK_ROWS = 256  # rows unpacked at a time when a weight is handed to a kernel
-
-
-@dataclass(frozen=True)
-class QuantScheme:
-    """One config group's weights: `group_size` None is one scale per output row (channel)."""
-
-    num_bits: int
-    group_size: int | None
-    symmetric: bool
-
-    def groups(self, in_features: int) -> int:
-        return 1 if self.group_size is None else in_features // self.group_size
-
-    def describe(self) -> str:
-        group = "channel" if self.group_size is None else f"g{self.group_size}"
-        return f"int{self.num_bits} {group} {'sym' if self.symmetric else 'asym'}"
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:

@@ -12,7 +12,8 @@ import torch
 
 from tierserve.model_config import read_hf_config, text_config
 from tierserve.models.loader import CheckpointLayout, tensor_shapes, weight_files
-from tierserve.models.quantization import QuantConfig, quantized_size
+from tierserve.models.quant_config import QuantConfig
+from tierserve.models.quantization import quantized_size
 
 # What data-parallel attention keeps once per attention group: the attention layers, the
 # embedding and the LM head (the MLPs and experts are split over every rank).

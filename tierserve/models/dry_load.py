@@ -27,7 +27,8 @@ from tierserve.models.loader import (
     tensor_headers,
     weight_files,
 )
-from tierserve.models.quantization import SHAPE_SUFFIX, QuantConfig, model_key, quantize_modules
+from tierserve.models.quant_config import QuantConfig
+from tierserve.models.quantization import SHAPE_SUFFIX, model_key, quantize_modules
 from tierserve.models.registry import model_class
 
 

@@ -38,8 +38,8 @@ from tierserve.layers import (
     shards_by_name,
 )
 from tierserve.model_config import ModelConfig, read_hf_config, text_config
+from tierserve.models.quant_config import QuantConfig
 from tierserve.models.quantization import (
-    QuantConfig,
     check_declared,
     quantize_modules,
     read_quantized,

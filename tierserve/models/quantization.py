@@ -1,26 +1,12 @@
-"""A checkpoint's compressed-tensors quantization, read once: which linears are quantized, how,
-and what the loader does with their tensors.
-
-compressed-tensors (llm-compressor's output; Kimi-K2.5's routed experts) writes, under
-`quantization_config` (at the top or under `text_config`): `quant_method: compressed-tensors`,
-`format` (also per config group in 0.20), `config_groups` each with `targets` (a module class,
-"Linear", or `re:` patterns of module names) and `weights` (`num_bits`, `type`, `symmetric`,
-`strategy`, `group_size`), and `ignore` (names or `re:` patterns left dense). Served here:
-`pack-quantized` int4 and int8, `group` and `channel` strategies, symmetric and asymmetric,
-weights only. Activation quantization, float formats (nvfp4, mxfp4, fp8 groups), sparsity and
-other formats are refused by name at start and in `--dry-run`.
-
-Names are matched as the checkpoint names modules, without a multimodal prefix (Kimi-K2.5's
-`language_model.`), which is how its `ignore` list names them.
-"""
+"""The model's side of a quantized checkpoint (its config: models/quant_config.py): linears
+given `QuantizedWeight`s before anything is allocated, the checkpoint's tensors streamed in as
+the model names them, their declared shapes checked, and the sizes a backend will hold."""
 
 from __future__ import annotations
 
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
@@ -39,105 +25,13 @@ from tierserve.layers import (
     mark_shard,
     unpack_int32,
 )
+from tierserve.models.quant_config import QuantConfig, refused
 
-FORMAT = "pack-quantized"
 # A quantized linear's checkpoint tensors, named in the model as QuantizedWeight's buffers
 # (`weight_shape` is checked by the loader and consumed).
 _QUANT_KEY = re.compile(r"^(.*)\.weight_(packed|scale|zero_point)$")
 SHAPE_SUFFIX = ".weight_shape"
 LINEAR_KINDS = (ColumnParallelLinear, PackedColumnLinear, RowParallelLinear, ParallelLMHead)
-
-
-@dataclass(frozen=True)
-class QuantConfig:
-    groups: tuple[tuple[tuple[str, ...], QuantScheme], ...]  # (targets, scheme), in order
-    ignore: tuple[str, ...]
-
-    @classmethod
-    def read(cls, hf: Mapping[str, Any]) -> QuantConfig | None:
-        """The text config's compressed-tensors quantization; None for none (or another
-        method, which the loader reads as before: fp8 blocks)."""
-        quant = hf.get("quantization_config")
-        if not isinstance(quant, dict) or quant.get("quant_method") != "compressed-tensors":
-            return None
-        groups = quant.get("config_groups")
-        if not isinstance(groups, dict) or not groups:
-            raise _refused("config_groups must be an object of one or more groups")
-        top_format = quant.get("format", FORMAT)
-        read = tuple(_group(name, g, top_format) for name, g in groups.items())
-        ignore = quant.get("ignore") or []
-        if not isinstance(ignore, list) or not all(isinstance(i, str) for i in ignore):
-            raise _refused("ignore must be a list of module names and re: patterns")
-        return cls(read, tuple(ignore))
-
-    def scheme_for(self, name: str) -> QuantScheme | None:
-        """The scheme of the linear the checkpoint names `name`; None: dense."""
-        if any(_matches(pattern, name) for pattern in self.ignore):
-            return None
-        for targets, scheme in self.groups:
-            if any(t == "Linear" or _matches(t, name) for t in targets):
-                return scheme
-        return None
-
-    def describe(self) -> str:
-        schemes = sorted({s.describe() for _, s in self.groups})
-        return f"compressed-tensors {FORMAT} {', '.join(schemes)}"
-
-    def backends(self, device: torch.device, activations: str) -> str:
-        """Each scheme's backend on `device`, and why where it is the dequantize path (the
-        engine logs the kinds each weight met at load)."""
-        said = []
-        for scheme in dict.fromkeys(s for _, s in self.groups):
-            backend, why = backend_for(scheme, 16, device)
-            act = "bf16" if backend == "int4_cpu" and activations == "auto" else "model dtype"
-            said.append(f"{scheme.describe()} on {backend} ({why or act + ' activations'})")
-        return "; ".join(said)
-
-
-def _matches(pattern: str, name: str) -> bool:
-    if pattern.startswith("re:"):
-        return re.match(pattern[3:], name) is not None
-    return pattern == name or name.endswith("." + pattern)
-
-
-def _refused(why: str) -> TierserveError:
-    return TierserveError(
-        f"quantization_config (compressed-tensors): {why}; tierserve serves {FORMAT} int4 and "
-        "int8 weights (group or channel scales, symmetric or asymmetric) with dense activations",
-        field="model",
-    )
-
-
-def _group(name: str, group: Any, top_format: str) -> tuple[tuple[str, ...], QuantScheme]:
-    if not isinstance(group, dict):
-        raise _refused(f"config group {name} must be an object")
-    fmt = group.get("format") or top_format
-    if fmt != FORMAT:
-        raise _refused(f"config group {name} has format {fmt!r}, not served")
-    for acts in ("input_activations", "output_activations"):
-        if group.get(acts):
-            raise _refused(f"config group {name} quantizes {acts}, not served")
-    w = group.get("weights")
-    targets = group.get("targets")
-    if not isinstance(w, dict) or not isinstance(targets, list) or not targets:
-        raise _refused(f"config group {name} needs weights and targets")
-    kind, bits, strategy = w.get("type", "int"), w.get("num_bits"), w.get("strategy")
-    if kind != "int" or bits not in (4, 8):
-        raise _refused(f"config group {name} has {bits}-bit {kind} weights, not served")
-    if strategy not in ("group", "channel"):
-        raise _refused(f"config group {name} has strategy {strategy!r}, not served")
-    size = w.get("group_size") if strategy == "group" else None
-    if strategy == "group" and (not isinstance(size, int) or size <= 0 or size % 8):
-        raise _refused(f"config group {name} has group_size {size!r}, not a multiple of 8")
-    if w.get("actorder") not in (None, "weight", "static"):
-        raise _refused(f"config group {name} has actorder {w.get('actorder')!r}, not served")
-    symmetric = w.get("symmetric", True)
-    if not isinstance(symmetric, bool):
-        raise _refused(f"config group {name} has symmetric {symmetric!r}, not true or false")
-    return tuple(map(str, targets)), QuantScheme(bits, size, symmetric)
-
-
-# --- the model's side --------------------------------------------------------------------
 
 
 def quantize_modules(model: nn.Module, quant: QuantConfig) -> int:
@@ -170,7 +64,7 @@ def _quantize_experts(experts: nn.Module, prefix: str, quant: QuantConfig) -> in
     names = [f"{prefix}.0.{proj}_proj" for proj in ("gate", "up", "down")]
     schemes = {quant.scheme_for(n) for n in names}
     if len(schemes) > 1:
-        raise _refused(f"{', '.join(names)} are quantized unlike each other; tierserve packs them")
+        raise refused(f"{', '.join(names)} are quantized unlike each other; tierserve packs them")
     scheme = schemes.pop()
     if scheme is None:
         return 0
@@ -195,7 +89,7 @@ def _scheme_of(module: nn.Module, prefix: str, quant: QuantConfig) -> QuantSchem
     schemes = {quant.scheme_for(n) for n in names}
     if len(schemes) > 1:
         message = f"{', '.join(names)} are quantized unlike each other; tierserve packs them"
-        raise _refused(message)
+        raise refused(message)
     return schemes.pop()
 
 
@@ -330,3 +224,14 @@ def quantized_size(
     act = 2 if backend == "int4_cpu" and activations == "auto" else itemsize
     held = held_bytes(scheme, rows, columns, backend, itemsize, act, experts)
     return experts * rows * columns, held
+
+
+def describe_backends(quant: QuantConfig, device: torch.device, activations: str) -> str:
+    """Each scheme's backend on `device`, and why where it is the dequantize path (the
+    engine logs the kinds each weight met at load)."""
+    said = []
+    for scheme in dict.fromkeys(s for _, s in quant.groups):
+        backend, why = backend_for(scheme, 16, device)
+        act = "bf16" if backend == "int4_cpu" and activations == "auto" else "model dtype"
+        said.append(f"{scheme.describe()} on {backend} ({why or act + ' activations'})")
+    return "; ".join(said)
