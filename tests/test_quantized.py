@@ -296,3 +296,36 @@ def test_the_plan_reads_the_ignore_list_as_the_loader_does():
         changed["text_config"]["quantization_config"]["ignore"] = ignore
         got = checkpoint_dtypes(changed)
         assert (got["experts"], got["other"]) == (experts, other), ignore
+
+
+def test_every_linear_of_an_mla_model_quantized_equals_transformers(tmp_path):
+    """llm-compressor's plain W4A16 recipe leaves only lm_head dense: MLA's latent projections
+    and kv_b_proj are quantized too. kv_b_proj, read as a tensor (folded into the queries and
+    outputs), is made dense once at load; the rest stay int4; tokens equal transformers'."""
+    import transformers
+
+    dense = make_checkpoint(tmp_path / "dense", "deepseek-v3", seed=6, q_lora_rank=32, **MOE)
+    quantized = compress(dense, tmp_path / "int4", 4, 32, True)
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(
+        str(dequantized_copy(quantized, tmp_path / "deq")), dtype=torch.float32).eval()  # fmt: skip
+    prompts = random_prompts(2, [9, 40], seed=5)
+    with torch.no_grad():
+        runs = [oracle.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False,
+                                min_new_tokens=8)[0] for p in prompts]  # fmt: skip
+    want = [run[len(p) :].tolist() for run, p in zip(runs, prompts, strict=True)]
+    llm = LLM(str(quantized), dtype="float32", quantized_activations="model",
+              max_total_tokens=1024)  # fmt: skip
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
+    attention = llm.engine.runner.model.model.layers[0].self_attn
+    assert isinstance(attention.kv_b_proj.weight, torch.Tensor)
+    assert any(isinstance(m, QuantizedWeight) for m in attention.modules())
+
+
+def test_nextn_over_a_quantized_checkpoint_is_refused_by_name(int4_llama, capsys):
+    from tierserve import cli
+
+    argv = ["serve", "--model", str(int4_llama), "--dry-run", "--speculative-algorithm", "NEXTN"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "NEXTN over a compressed-tensors checkpoint" in err and len(err.splitlines()) == 1

@@ -11,6 +11,10 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
+# The checkpoint's nn.Linear weights, as llm-compressor's `targets: ["Linear"]` finds them
+# (a router's gate is no Linear in transformers' MoE models).
+LINEAR = re.compile(r"_proj(_with_mqa)?\.weight$")
+
 
 def compress(
     dense: Path,
@@ -41,7 +45,7 @@ def compress(
     tensors = {}
     for name, w in load_file(str(dense / "model.safetensors")).items():
         module = name.removesuffix(".weight")
-        if not (name.endswith("_proj.weight") and w.dim() == 2) or _ignored(module, ignore):
+        if not (LINEAR.search(name) and w.dim() == 2) or _ignored(module, ignore):
             tensors[name] = w
             continue
         rows = w.float().reshape(w.shape[0], -1, group or w.shape[1])

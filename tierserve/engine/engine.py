@@ -19,7 +19,15 @@ import torch
 
 from tierserve.args import EngineArgs
 from tierserve.cache import KVCacheManager, PagedKV, TransferFactory, default_transfer, pair_keys
-from tierserve.distributed import NodeStart, Pinned, Ranks, global_rank, pin_rank, start_node
+from tierserve.distributed import (
+    NodeStart,
+    Pinned,
+    Ranks,
+    describe_wait,
+    global_rank,
+    pin_rank,
+    start_node,
+)
 from tierserve.engine.dp_groups import AttentionGroups
 from tierserve.engine.hidden_states import HiddenStateCapture
 from tierserve.engine.host_heap import keep_freed_heap
@@ -105,7 +113,9 @@ class Engine:
             self.model_config, self.context_length = cfg, startup.context_length
             self.kv_plan = plan = startup.plan
             placed = node.placement.describe() if node is not None else None
-            logger.info("KV cache plan:\n%s", startup_table(plan, args.dp_groups, placed))
+            waits = describe_wait(os.environ)  # what this process's libgomp read
+            table = startup_table(plan, args.dp_groups, placed, waits)
+            logger.info("KV cache plan:\n%s", table)
             # Loaded where text is read (offline prompts, grammars): a core never loads it.
             self._tokenizer = lazy_tokenizer(args.tokenizer_dir)
             self.eos_token_ids = set(cfg.eos_token_ids)

@@ -8,14 +8,12 @@ parallelism rank 0 sizes for all of the node's ranks at once and every rank take
 
 from __future__ import annotations
 
-import os
 import shutil
 from dataclasses import dataclass
 
 import psutil
 
 from tierserve.args import EngineArgs
-from tierserve.distributed import describe_wait, wait_env
 from tierserve.errors import TierserveError
 from tierserve.sizing import (
     DEFAULT_MARGIN,
@@ -184,8 +182,11 @@ def _sharing_rows(sizing: HostSizing) -> list[tuple[str, str]]:
     ]
 
 
-def startup_table(plan: KVPlan, dp_groups: int = 1, placement: str | None = None) -> str:
-    """The sizes (and, from the node's first process, where its ranks compute)."""
+def startup_table(
+    plan: KVPlan, dp_groups: int = 1, placement: str | None = None, omp_wait: str | None = None
+) -> str:
+    """The sizes (and, from the node's first process, where its ranks compute and how their
+    OpenMP threads wait: `distributed.describe_wait` of the engine's environment)."""
     spec = plan.spec
     rows = [
         *(
@@ -233,6 +234,6 @@ def startup_table(plan: KVPlan, dp_groups: int = 1, placement: str | None = None
         )  # fmt: skip
     if placement is not None:
         rows.append(("CPU placement", placement))
-        rows.append(("OpenMP waiting", describe_wait({**os.environ, **wait_env(os.environ)})))
+        rows.append(("OpenMP waiting", omp_wait or ""))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)

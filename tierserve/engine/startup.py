@@ -163,6 +163,12 @@ def _draft(
     ranks, whole on every rank). An EAGLE-3 draft runs whole on every rank; an MTP layer is
     split as the target's layers, but for its input projection and norms."""
     if kind == "nextn":
+        if QuantConfig.read(text_config(read_hf_config(Path(model_path)))) is not None:
+            message = (
+                "--speculative-algorithm NEXTN over a compressed-tensors checkpoint is not "
+                "served yet (its MTP layer loads dense only); use NGRAM or EAGLE3"
+            )
+            raise TierserveError(message, "speculative_algorithm")
         given = args.speculative_draft_model_path
         if given is not None and Path(given).resolve() != Path(model_path).resolve():
             message = (

@@ -66,6 +66,7 @@ class QuantizedWeight(nn.Module):
         self.out_features, self.in_features, self.scheme = out_features, in_features, scheme
         self.experts = experts
         self.whole_shape = (out_features, in_features)  # the checkpoint's, before TP slices
+        self.dense_at_load = False  # made a dense tensor after loading (models/quantization.py)
         bits, groups = scheme.num_bits, scheme.groups(in_features)
         words = -(-in_features * bits // 32)
         lead = (experts,) if experts else ()

@@ -41,6 +41,7 @@ from tierserve.model_config import ModelConfig, read_hf_config, text_config
 from tierserve.models.quant_config import QuantConfig
 from tierserve.models.quantization import (
     check_declared,
+    densify,
     quantize_modules,
     read_quantized,
 )
@@ -189,6 +190,7 @@ def load_model(
         fill(model, targets, read_quantized(counted(), quant, declared), what)
         del targets  # it holds the checkpoint's layout: freed weight by weight as each is repacked
         check_declared(model, declared)
+        densify(model, dtype)
         act = dtype if quantized_activations == "model" else None
         for scheme, backend, why in finalize_quantized(model, device, act):
             logger.info("quantized weights %s: %s%s", scheme, backend, f" ({why})" if why else "")

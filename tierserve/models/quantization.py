@@ -42,7 +42,7 @@ def quantize_modules(model: nn.Module, quant: QuantConfig) -> int:
         if isinstance(module, Experts):
             count += _quantize_experts(module, prefix, quant)
             continue
-        if not isinstance(module, LINEAR_KINDS) or getattr(module, "keep_dense", False):
+        if not isinstance(module, LINEAR_KINDS):
             continue
         scheme = _scheme_of(module, prefix, quant)
         if scheme is None:
@@ -52,10 +52,21 @@ def quantize_modules(model: nn.Module, quant: QuantConfig) -> int:
         shard = getattr(module, "tp_shards", {}).pop("weight", None)
         if shard is not None:
             _shard_buffers(weight, shard, prefix)
+        # Read as a tensor elsewhere (MLA's kv_b_proj, folded into queries and outputs): loaded
+        # quantized, then made dense once (`densify`); llm-compressor's recipes quantize it.
+        weight.dense_at_load = getattr(module, "keep_dense", False)
         del module.weight
         module.weight = weight
         count += 1
     return count
+
+
+def densify(model: nn.Module, dtype: torch.dtype) -> None:
+    """The quantized weights read as tensors (`dense_at_load`) made dense parameters."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(weight, QuantizedWeight) and weight.dense_at_load:
+            module.weight = nn.Parameter(weight.dense().to(dtype), requires_grad=False)
 
 
 def _quantize_experts(experts: nn.Module, prefix: str, quant: QuantConfig) -> int:

@@ -137,7 +137,7 @@ def dry_run(args: EngineArgs, host: str, port: int) -> int:
     """Every check a start makes before it allocates, and what would be allocated. The
     address is resolved, not bound; the directories a start would make are not made; the
     checkpoint's tensors are checked by their headers against rank 0's model, unread."""
-    from tierserve.distributed import resolve_placement
+    from tierserve.distributed import describe_wait, resolve_placement, wait_env
     from tierserve.engine import Startup, check_capture_args, load_tokenizer, startup_table
     from tierserve.models import check_checkpoint
     from tierserve.storage import backend_class
@@ -151,7 +151,8 @@ def dry_run(args: EngineArgs, host: str, port: int) -> int:
     check_checkpoint(startup.model_path, startup.config, args.tp_size, args.attention_tp_size)
     load_tokenizer(args.tokenizer_dir)
     print(f"tierserve serve --dry-run: {startup.model_path} would start", flush=True)
-    print(startup_table(startup.plan, args.dp_groups, placement.describe()), flush=True)
+    waits = describe_wait({**os.environ, **wait_env(os.environ)})  # what the core would get
+    print(startup_table(startup.plan, args.dp_groups, placement.describe(), waits), flush=True)
     return 0
 
 

@@ -4,7 +4,8 @@ request's last tokens, which the core sent before it read the abort, would be ro
 to the retry (clients retry with their own rid).
 
 The core counts the aborts it has applied in every StepOutputs (`aborts_taken`); an id is held
-until that count covers its latest abort, one step at most.
+until that count covers its latest abort: the batch of steps the core is in, at most
+(`--num-continuous-decode-steps` of them).
 """
 
 from __future__ import annotations
@@ -27,21 +28,28 @@ class _Held:
 class HeldIds:
     def __init__(self) -> None:
         self._lock = threading.Lock()  # the event loop and the core's reader thread
+        # Aborts are counted and sent under this one, so the count follows the order in which
+        # the core reads them; a send that blocks (a stopped core) holds it alone, never
+        # `_lock`, which the watchdog's failure path takes to wake the waiters.
+        self._sending = threading.Lock()
         self._aborts_sent = 0
         self._held: dict[str, _Held] = {}
+        self._closed = False  # the core is gone: nothing is held any more
 
     def abort(self, rid: str, send: Callable[[], None]) -> None:
-        """Hold `rid` and `send()` its abort: counted and sent under one lock, so the count
-        follows the order in which the core reads them."""
-        with self._lock:
-            self._aborts_sent += 1
-            self._held.setdefault(rid, _Held()).abort = self._aborts_sent
+        """Hold `rid` and `send()` its abort."""
+        with self._sending:
+            with self._lock:
+                if not self._closed:
+                    self._aborts_sent += 1
+                    self._held.setdefault(rid, _Held()).abort = self._aborts_sent
             send()
 
     async def released(self, rid: str, check_alive: Callable[[], None]) -> None:
         """Return once no aborted request holds `rid` (at once, nearly always)."""
         loop = asyncio.get_running_loop()
         while True:
+            check_alive()  # after the core died, no abort is applied: nothing to wait for
             with self._lock:
                 held = self._held.get(rid)
                 if held is None:
@@ -54,7 +62,6 @@ class HeldIds:
                 with self._lock:
                     if waiter in held.waiters:
                         held.waiters.remove(waiter)
-            check_alive()  # a core that died releases every id: the caller's 503
 
     def applied(self, aborts_taken: int) -> None:
         """On the reader: the core reports this many aborts applied."""
@@ -66,6 +73,7 @@ class HeldIds:
     def release_all(self) -> None:
         """The core is gone: every waiter wakes (and sees why)."""
         with self._lock:
+            self._closed = True
             waiters = [w for h in self._held.values() for w in h.waiters]
             self._held.clear()
         _wake(waiters)
