@@ -26,6 +26,7 @@ EXPORTS = {
     "finalize_quantized": "quantized",
     "backend_for": "quantized",
     "held_bytes": "quantized",
+    "kernel_activations": "quantized",
     "unpack_int32": "quantized",
     "ParallelLMHead": "parallel",
     "RMSNorm": "norm",

@@ -211,19 +211,23 @@ def backend_for(scheme: QuantScheme, out_features: int, device: torch.device) ->
     return "dequantize", "the int8 kernel takes symmetric per-channel scales only"
 
 
+def kernel_activations(backend: str, activations: str) -> torch.dtype | None:
+    """What `backend`'s GEMMs take in under `--quantized-activations` (`activations`): bf16 for
+    the int4 kernel under `auto` (its only vectorised path); None: the model's dtype."""
+    return torch.bfloat16 if backend == "int4_cpu" and activations == "auto" else None
+
+
 def finalize_quantized(
-    model: nn.Module, device: torch.device, activation_dtype: torch.dtype | None
+    model: nn.Module, device: torch.device, activations: str
 ) -> list[tuple[str, str, str]]:
-    """Every quantized weight of `model` handed to its backend; the (scheme, backend, why)
-    of each kind met, for the start-up table. `activation_dtype` None: bf16 for the int4
-    kernel (its only vectorised path), the model's own otherwise."""
+    """Every quantized weight of `model` handed to its backend, its GEMMs taking what
+    `kernel_activations` says; the (scheme, backend, why) of each kind met, for the log."""
     kinds: dict[tuple[str, str, str], None] = {}
     for module in model.modules():
         if not isinstance(module, QuantizedWeight):
             continue
         backend, why = backend_for(module.scheme, module.out_features, device)
-        act = activation_dtype or (torch.bfloat16 if backend == "int4_cpu" else module.scale.dtype)
-        module.finalize(backend, act)
+        module.finalize(backend, kernel_activations(backend, activations) or module.scale.dtype)
         kinds[(module.scheme.describe(), backend, why)] = None
     return list(kinds)
 

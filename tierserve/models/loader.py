@@ -191,8 +191,7 @@ def load_model(
         del targets  # it holds the checkpoint's layout: freed weight by weight as each is repacked
         check_declared(model, declared)
         densify(model, dtype)
-        act = dtype if quantized_activations == "model" else None
-        for scheme, backend, why in finalize_quantized(model, device, act):
+        for scheme, backend, why in finalize_quantized(model, device, quantized_activations):
             logger.info("quantized weights %s: %s%s", scheme, backend, f" ({why})" if why else "")
     bar.close()
     if cfg.tie_word_embeddings:

@@ -22,6 +22,7 @@ from tierserve.layers import (
     RowParallelLinear,
     backend_for,
     held_bytes,
+    kernel_activations,
     mark_shard,
     unpack_int32,
 )
@@ -34,13 +35,12 @@ SHAPE_SUFFIX = ".weight_shape"
 LINEAR_KINDS = (ColumnParallelLinear, PackedColumnLinear, RowParallelLinear, ParallelLMHead)
 
 
-def quantize_modules(model: nn.Module, quant: QuantConfig) -> int:
+def quantize_modules(model: nn.Module, quant: QuantConfig) -> None:
     """Give each linear the checkpoint quantizes a `QuantizedWeight` in place of its dense
-    weight (on the meta device, before anything is allocated); how many."""
-    count = 0
+    weight (on the meta device, before anything is allocated)."""
     for prefix, module in list(model.named_modules()):
         if isinstance(module, Experts):
-            count += _quantize_experts(module, prefix, quant)
+            _quantize_experts(module, prefix, quant)
             continue
         if not isinstance(module, LINEAR_KINDS):
             continue
@@ -57,8 +57,6 @@ def quantize_modules(model: nn.Module, quant: QuantConfig) -> int:
         weight.dense_at_load = getattr(module, "keep_dense", False)
         del module.weight
         module.weight = weight
-        count += 1
-    return count
 
 
 def densify(model: nn.Module, dtype: torch.dtype) -> None:
@@ -69,16 +67,12 @@ def densify(model: nn.Module, dtype: torch.dtype) -> None:
             module.weight = nn.Parameter(weight.dense().to(dtype), requires_grad=False)
 
 
-def _quantize_experts(experts: nn.Module, prefix: str, quant: QuantConfig) -> int:
+def _quantize_experts(experts: nn.Module, prefix: str, quant: QuantConfig) -> None:
     """A MoE layer's stacked experts (gate/up packed, down), quantized as the checkpoint's
     expert 0 is (its experts are quantized alike, or the config says nothing of them)."""
-    names = [f"{prefix}.0.{proj}_proj" for proj in ("gate", "up", "down")]
-    schemes = {quant.scheme_for(n) for n in names}
-    if len(schemes) > 1:
-        raise refused(f"{', '.join(names)} are quantized unlike each other; tierserve packs them")
-    scheme = schemes.pop()
+    scheme = _one_scheme([f"{prefix}.0.{proj}_proj" for proj in ("gate", "up", "down")], quant)
     if scheme is None:
-        return 0
+        return
     for param in ("gate_up_proj", "down_proj"):
         count, out_features, in_features = getattr(experts, param).shape
         weight = QuantizedWeight(out_features, in_features, scheme, experts=count)
@@ -86,7 +80,6 @@ def _quantize_experts(experts: nn.Module, prefix: str, quant: QuantConfig) -> in
         _shard_buffers(weight, experts.tp_shards.pop(param), f"{prefix}.{param}")
         delattr(experts, param)
         setattr(experts, param, weight)
-    return 2
 
 
 def _scheme_of(module: nn.Module, prefix: str, quant: QuantConfig) -> QuantScheme | None:
@@ -97,6 +90,11 @@ def _scheme_of(module: nn.Module, prefix: str, quant: QuantConfig) -> QuantSchem
         if isinstance(module, PackedColumnLinear)
         else [prefix]
     )
+    return _one_scheme(names, quant)
+
+
+def _one_scheme(names: list[str], quant: QuantConfig) -> QuantScheme | None:
+    """The scheme of linears tierserve holds as one weight; refused where they differ."""
     schemes = {quant.scheme_for(n) for n in names}
     if len(schemes) > 1:
         message = f"{', '.join(names)} are quantized unlike each other; tierserve packs them"
@@ -232,7 +230,8 @@ def quantized_size(
     columns = scale[-1] * scheme.group_size if scheme.group_size else words * 32 // scheme.num_bits
     experts = math.prod(lead)
     backend = backend_for(scheme, rows, device)[0]
-    act = 2 if backend == "int4_cpu" and activations == "auto" else itemsize
+    kernel = kernel_activations(backend, activations)
+    act = kernel.itemsize if kernel is not None else itemsize
     held = held_bytes(scheme, rows, columns, backend, itemsize, act, experts)
     return experts * rows * columns, held
 
@@ -243,6 +242,6 @@ def describe_backends(quant: QuantConfig, device: torch.device, activations: str
     said = []
     for scheme in dict.fromkeys(s for _, s in quant.groups):
         backend, why = backend_for(scheme, 16, device)
-        act = "bf16" if backend == "int4_cpu" and activations == "auto" else "model dtype"
+        act = "bf16" if kernel_activations(backend, activations) else "model dtype"
         said.append(f"{scheme.describe()} on {backend} ({why or act + ' activations'})")
     return "; ".join(said)
