@@ -19,7 +19,7 @@ ROOT = Path(tierserve.__file__).parent
 # or lower ones. distributed sits above layers because the ranks set up the parallel layers'
 # groups; models above distributed because their loader reads the rank's shard.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "units", "net", "paths", "dtypes", "console", "lazy", "cpuinfo"),
+    ("errors", "units", "net", "paths", "dtypes", "console", "lazy", "cpuinfo", "test_hold"),
     ("args", "model_config", "sampling_params", "outputs", "messages", "parsers", "chat"),
     ("sizing",),
     ("storage",),

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import time
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
@@ -20,6 +18,7 @@ from pydantic import (
 )
 
 from tierserve.errors import TierserveError
+from tierserve.test_hold import wait_while_held
 
 # What a request's tool schemas may be, counted by a walk that costs ~1 ms per 5,000 nodes (each
 # dict, list and value is one node; the walk stops at the limit), before jsonschema's
@@ -216,11 +215,7 @@ def check_tool_schemas(tools: list[ToolDefinition] | None) -> None:
 
 def _test_hold() -> None:
     hold = os.environ.get(SCHEMA_HOLD_ENV)
-    if not hold or not os.path.exists(hold):
-        return
-    Path(f"{hold}.held").touch()
-    while os.path.exists(hold):
-        time.sleep(0.01)
+    wait_while_held(hold, f"{hold}.held")
 
 
 class ToolDefinition(BaseModel):

@@ -14,6 +14,8 @@ import struct
 import time
 from pathlib import Path
 
+from tierserve.test_hold import wait_while_held
+
 # Tests order the engine's steps through this file: absent, steps run freely; holding T, a batch
 # may start while the engine has run fewer than T batches in all (tierserve_engine_steps_total);
 # past that the loop waits, still taking requests and aborts. Only the test writes the file (an
@@ -77,11 +79,7 @@ class StepHold:
         self.path = Path(path) if path else None
 
     def wait(self) -> None:
-        if self.path is None or not self.path.exists():
-            return
-        Path(f"{self.path}.held").touch()
-        while self.path.exists():
-            time.sleep(0.01)
+        wait_while_held(self.path, f"{self.path}.held")
 
 
 class IntakeHold:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from dataclasses import asdict, dataclass
 from typing import BinaryIO
 
@@ -100,13 +99,10 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> int:
 
 
 def _test_hold() -> None:
+    from tierserve.test_hold import wait_while_held
+
     hold = os.environ.get(COMPILE_HOLD_ENV)
-    if not hold or not os.path.exists(hold):
-        return
-    with open(f"{hold}.held.{os.getpid()}", "w"):
-        pass
-    while os.path.exists(hold):
-        time.sleep(0.01)
+    wait_while_held(hold, f"{hold}.held.{os.getpid()}")
 
 
 def main() -> int:
