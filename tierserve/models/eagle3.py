@@ -188,12 +188,12 @@ class Eagle3Config:
             raise TierserveError(message, FIELD)
         self._check_d2t_shape(entry["shape"], path)  # before its bytes are read
         start, end = entry["data_offsets"]
+        if end - start != self.draft_vocab_size * dtype.itemsize:  # before reading them
+            message = f"draft {path}: d2t holds {end - start} bytes, not {entry['shape']} {dtype}"
+            raise TierserveError(message, FIELD)
         with file.open("rb") as f:
             f.seek(8 + int.from_bytes(f.read(8), "little") + start)
             data = bytearray(f.read(end - start))
-        if len(data) != self.draft_vocab_size * dtype.itemsize:
-            message = f"draft {path}: d2t holds {len(data)} bytes, not {entry['shape']} {dtype}"
-            raise TierserveError(message, FIELD)
         self.check_d2t(torch.frombuffer(data, dtype=dtype), target, path)
 
     def _check_d2t_shape(self, shape: list[int], path: str | Path) -> None:
