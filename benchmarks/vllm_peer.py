@@ -206,9 +206,12 @@ def vllm_env() -> dict[str, str]:
 class VllmServer(ServerProcess):
     """vLLM's OpenAI server from its virtualenv, started and stopped as tierserve's is."""
 
-    def __init__(self, python: Path, model: str, flags: list[str], log: Path) -> None:
+    def __init__(
+        self, python: Path, model: str, flags: list[str], log: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:  # fmt: skip
         self.python = python  # before the base class asks for the command
-        super().__init__(model, flags, log, startup_timeout_s=600, env=vllm_env())
+        super().__init__(model, flags, log, startup_timeout_s=600, env=env or vllm_env())
 
     def command(self, model: str, flags: Sequence[str]) -> list[str]:
         cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", model]
