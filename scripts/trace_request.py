@@ -69,14 +69,14 @@ async def one_request(app: Any, walk: Walk, max_tokens: int) -> dict[str, Any]:
         "temperature": 0,
     }
     transport = httpx.ASGITransport(app=app)
-    async with app.router.lifespan_context(app):
-        async with httpx.AsyncClient(transport=transport, base_url="http://trace") as client:
-            await client.post("/v1/chat/completions", json=body)  # warm: imports, caches
-            sys.setprofile(walk)
-            try:
-                reply = await client.post("/v1/chat/completions", json=body)
-            finally:
-                sys.setprofile(None)
+    client = httpx.AsyncClient(transport=transport, base_url="http://trace")
+    async with app.router.lifespan_context(app), client:
+        await client.post("/v1/chat/completions", json=body)  # warm: imports, caches
+        sys.setprofile(walk)
+        try:
+            reply = await client.post("/v1/chat/completions", json=body)
+        finally:
+            sys.setprofile(None)
     reply.raise_for_status()
     return reply.json()
 
