@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 from tests.conftest import TRAINING_TEXT, make_checkpoint, modules_after
 from tierserve import LLM
 from tierserve.args import default_model
-from tierserve.engine.tokenizer import (
+from tierserve.errors import TierserveError
+from tierserve.frontend.tokenizer import (
     PLAIN_MODEL_TYPES,
     _eos_from_files,
     _plain_tokenizer,
@@ -23,7 +24,6 @@ from tierserve.engine.tokenizer import (
     lazy_tokenizer,
     load_tokenizer,
 )
-from tierserve.errors import TierserveError
 
 FAMILIES = ("llama", "qwen3", "deepseek-v3")
 
