@@ -27,10 +27,10 @@ $(STAMP): pyproject.toml
 	  $(BIN)/pip install -q torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu; \
 	fi
 	# Mooncake Store's client links against libibverbs and libnuma, even over TCP; the CPU
-	# attention kernel is built with g++.
-	if command -v apt-get >/dev/null 2>&1 && ! { dpkg -s libibverbs1 libnuma1 >/dev/null 2>&1 && command -v g++ >/dev/null; }; then \
+	# attention kernel is built with g++; pyright (make lint) runs on Node.js.
+	if command -v apt-get >/dev/null 2>&1 && ! { dpkg -s libibverbs1 libnuma1 >/dev/null 2>&1 && command -v g++ >/dev/null && command -v node >/dev/null; }; then \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q libibverbs1 libnuma1 g++; \
+	  $$SUDO apt-get update -q && $$SUDO apt-get install -y -q libibverbs1 libnuma1 g++ nodejs; \
 	fi
 	$(BIN)/pip install -q -e '.[dev,bench,storage]'
 	touch $(STAMP)
@@ -74,6 +74,7 @@ test: $(STAMP) $(KERNELS) $(SPEC_STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/pyright
 
 clean:
 	rm -rf $(VENV) $(SPEC) .pytest_cache .ruff_cache *.egg-info

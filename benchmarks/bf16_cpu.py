@@ -31,7 +31,7 @@ from vllm_peer import PROMPTS, _json_of  # beside this script: on sys.path
 
 from tierserve.args import default_model
 from tierserve.bench.report import machine_info
-from tierserve.cpuinfo import cpu_flags
+from tierserve.utils import cpu_flags
 
 OUT = Path(__file__).parent / "results" / "bf16-cpu"
 DTYPES = ("float32", "bfloat16")

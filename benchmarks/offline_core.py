@@ -22,7 +22,7 @@ from served_cpu_split import PARAMS, prompts  # this folder is on the path of a 
 
 from tierserve import LLM, SamplingParams
 from tierserve.args import EngineArgs, default_model
-from tierserve.messages import Ask, FlushCache, StepOutputs
+from tierserve.core_messages import Ask, FlushCache, StepOutputs
 from tierserve.server.core_client import CoreClient
 
 OUT = Path(__file__).parent / "results" / "offline-core"

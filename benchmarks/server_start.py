@@ -33,7 +33,7 @@ from served_cpu_split import cpu_of  # beside this script: on sys.path
 
 from tierserve.bench.report import machine_info
 from tierserve.engine import CORE_MODULE
-from tierserve.net import free_port
+from tierserve.utils import free_port
 
 OUT = Path(__file__).parent / "results" / "server-start"
 START_TIMEOUT_S = 300  # a start that takes longer is a hang, reported with the server's log

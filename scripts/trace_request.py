@@ -11,7 +11,8 @@ room is the module of the innermost tierserve frame; a transition is a change of
 (frames of FastAPI, Starlette or asyncio between two tierserve frames do not count). The
 core's process is not traced: the request's walk through the API process is.
 
-Prints the rooms in the order first entered with the stays in each, and the totals; with
+Prints the rooms in the order first entered with the stays in each, and the totals (every
+move, and the distinct moves: the per-token loop repeats the same few); with
 `--label`, adds them to scripts/trace_request.json under that label (before / after a
 refactor).
 """
@@ -96,10 +97,13 @@ def main() -> None:
     reply = asyncio.run(one_request(app, walk, ns.max_tokens))
     assert reply["usage"]["completion_tokens"] >= 1, reply
     stays = Counter(walk.stays)
+    edges = set(zip(walk.stays, walk.stays[1:], strict=False))
     totals = {
         "rooms": len(stays),
         "stays": len(walk.stays),
         "transitions": max(len(walk.stays) - 1, 0),
+        # the distinct moves (from, to): the paths a reader follows, each once
+        "distinct_transitions": len(edges),
         "max_tokens": ns.max_tokens,
         "by_room": dict(stays),
     }

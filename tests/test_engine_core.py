@@ -21,7 +21,7 @@ from tests.conftest import Server, eventually, http, running, serve_cmd
 from tierserve.bench.client import parse_prometheus
 from tierserve.distributed import ENV_PARENT
 from tierserve.engine import CORE_MODULE, STEP_HOLD_ENV
-from tierserve.net import free_port
+from tierserve.utils import free_port
 
 
 def _stream(url: str, body: dict, seen: list[dict]) -> None:
@@ -244,10 +244,10 @@ def _core_messages(llama_dir, steps: int) -> list[list[tuple[int, ...]]]:
     from multiprocessing import Pipe
 
     from tierserve.args import EngineArgs
+    from tierserve.core_messages import AddRequest, Shutdown, StepOutputs, decode_output, encode
     from tierserve.engine.core import EngineCore
     from tierserve.engine.core_hooks import StepClock
     from tierserve.engine.engine import Engine
-    from tierserve.messages import AddRequest, Shutdown, StepOutputs, decode_output, encode
     from tierserve.sampling_params import SamplingParams
 
     args = EngineArgs(str(llama_dir), max_total_tokens=1024, num_continuous_decode_steps=steps)

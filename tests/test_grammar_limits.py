@@ -18,9 +18,9 @@ import pytest
 
 from tests.conftest import Server, eventually, http
 from tierserve import LLM, SamplingParams, TierserveError
-from tierserve.engine.grammar import MAX_GRAMMAR_CHARS, MAX_SCHEMA_ENUM_VALUES, check_size
+from tierserve.frontend.grammar import MAX_GRAMMAR_CHARS, MAX_SCHEMA_ENUM_VALUES, check_size
+from tierserve.frontend.grammar_worker import COMPILE_HOLD_ENV
 from tierserve.sampling_params import StructuredOutput
-from tierserve.server.grammar_worker import COMPILE_HOLD_ENV
 
 ENDED = "tierserve_grammar_compiles_ended_total{reason=%s}"
 
@@ -43,7 +43,7 @@ def compile_workers(server: Server) -> list[psutil.Process]:
     for p in psutil.Process(server.proc.pid).children():
         try:
             alive = p.status() != psutil.STATUS_ZOMBIE
-            if alive and "tierserve.server.grammar_worker" in " ".join(p.cmdline()):
+            if alive and "tierserve.frontend.grammar_worker" in " ".join(p.cmdline()):
                 running.append(p)
         except psutil.NoSuchProcess:
             continue

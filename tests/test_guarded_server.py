@@ -24,7 +24,7 @@ import pytest
 from tests.conftest import Server, eventually, http
 from tierserve.bench.client import parse_prometheus
 from tierserve.bench.replicas import Router
-from tierserve.server.api import STALE_HEADER
+from tierserve.server.worker_info import STALE_HEADER
 
 KEY = "sesame-7781"
 PLANTED = "planted-secret-4417"

@@ -15,7 +15,7 @@ import pytest
 from tests.conftest import once_per_run, random_prompts, serve_cmd, weights_hash
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.engine.kv_plan import startup_table
-from tierserve.units import format_bytes
+from tierserve.utils import format_bytes
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 POLICIES = ["write_through", "write_through_selective", "write_back"]

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,8 +22,8 @@ ROOT = Path(tierserve.__file__).parent
 # or lower ones. distributed sits above layers because the ranks set up the parallel layers'
 # groups; models above distributed because their loader reads the rank's shard.
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "units", "net", "paths", "dtypes", "console", "lazy", "cpuinfo", "test_hold"),
-    ("args", "model_config", "sampling_params", "outputs", "messages", "parsers", "chat"),
+    ("errors", "utils"),
+    ("args", "model_config", "sampling_params", "outputs", "core_messages", "parsers", "chat"),
     ("sizing",),
     ("storage",),
     ("cache",),
@@ -28,8 +31,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("distributed",),
     ("models",),
     ("speculative",),
+    ("frontend",),
     ("engine",),
     ("server", "bench", "plan"),
+    ("batch",),
     ("cli", "__init__"),
 ]
 LAYER_OF = {unit: i for i, units in enumerate(LAYERS) for unit in units}
@@ -75,11 +80,16 @@ MODULES = {name for name, _ in modules()}
 
 
 def exports_of(path: Path) -> dict[str, str]:
-    """A package's EXPORTS (name -> its module), as its __init__ states them."""
+    """A package's EXPORTS (name -> its module), as its __init__ states them: the lazy table,
+    or, for a face that imports plainly (utils/), its own top-level imports."""
+    package = ".".join(("tierserve", *path.parent.relative_to(ROOT).parts))
+    plain = {}
     for node in parsed(path).body:
         if isinstance(node, ast.Assign) and [ast.unparse(t) for t in node.targets] == ["EXPORTS"]:
             return ast.literal_eval(node.value)
-    return {}
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(f"{package}."):
+            plain |= {alias.name: (node.module or "").rpartition(".")[2] for alias in node.names}
+    return plain
 
 
 EXPORTS = {
@@ -167,16 +177,16 @@ FACTS = [
     ("host_request", "tierserve.sizing.pools"),  # flags -> HostRequest
     ("ranks_per_node", "tierserve.args"),  # ranks over nodes
     ("routes_to_experts", "tierserve.model_config"),  # the MoE-layer rule
-    ("DTYPES", "tierserve.dtypes"),  # dtype names, widths and short names
+    ("DTYPES", "tierserve.utils.dtypes"),  # dtype names, widths and short names
     ("KVSpec", "tierserve.sizing.kv"),  # KV bytes per token
     ("HostRequest", "tierserve.sizing.pools"),
     ("model_fingerprint", "tierserve.models.loader"),
     ("STORAGE_BACKENDS", "tierserve.storage.registry"),
-    ("AddRequest", "tierserve.messages"),  # what reaches the engine
-    ("CoreInput", "tierserve.messages"),  # API process -> engine core
-    ("CoreOutput", "tierserve.messages"),  # engine core -> API process
+    ("AddRequest", "tierserve.core_messages"),  # what reaches the engine
+    ("CoreInput", "tierserve.core_messages"),  # API process -> engine core
+    ("CoreOutput", "tierserve.core_messages"),  # engine core -> API process
     ("ENV_PARENT", "tierserve.distributed.rank_env"),  # whom a child process dies with
-    ("MAX_CHARS_PER_TOKEN", "tierserve.engine.prepare"),  # text refused before tokenizing
+    ("MAX_CHARS_PER_TOKEN", "tierserve.frontend.prepare"),  # text refused before tokenizing
     ("STEP_GATE_ENV", "tierserve.engine.core_hooks"),  # the test-only step hooks
     ("STEP_HOLD_ENV", "tierserve.engine.core_hooks"),
 ]
@@ -188,7 +198,10 @@ def top_level_names(path: Path) -> set[str]:
         if isinstance(node, ast.FunctionDef | ast.ClassDef | ast.AsyncFunctionDef):
             names.add(node.name)
         elif isinstance(node, ast.Assign):
-            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+            targets = [
+                e for t in node.targets for e in (t.elts if isinstance(t, ast.Tuple) else [t])
+            ]
+            names |= {t.id for t in targets if isinstance(t, ast.Name)}
         elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
             names.add(node.target.id)
     return names
@@ -237,7 +250,7 @@ def literal_restatements() -> Iterator[str]:
     for module, path in modules():
         for node in walked(path):
             where = f"{module}:{getattr(node, 'lineno', '?')}"
-            if module != "tierserve.dtypes" and isinstance(node, ast.Dict):
+            if module != "tierserve.utils.dtypes" and isinstance(node, ast.Dict):
                 keys = {k.value for k in node.keys if isinstance(k, ast.Constant)}
                 if len(keys & dtype_names) >= 2:
                     yield f"{where}: a table of dtype names"
@@ -293,3 +306,27 @@ def test_a_long_file_says_why_it_is_one_thing():
         if lines > 400 and "one thing" not in doc.lower():
             long.append(f"{module}: {lines} lines")
     assert not long, "\n".join(long)
+
+
+TOP_LEVEL_MODULES = 10  # issue 75: small top-level fact modules live in a package (utils/)
+
+
+def test_the_top_level_holds_few_modules():
+    top = sorted(p.name for p in ROOT.glob("*.py"))
+    assert len(top) <= TOP_LEVEL_MODULES, top
+
+
+def test_docs_layout_lists_every_module_as_the_code_says():
+    """docs/layout.md's module list is what scripts/layout_doc.py draws from the code now."""
+    script = ROOT.parent / "scripts" / "layout_doc.py"
+    done = subprocess.run([sys.executable, str(script), "--check"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_docs_layout_lists_the_layers_in_this_order():
+    """docs/layout.md's layer table is this file's LAYERS, row for row: it cannot drift."""
+    doc = (ROOT.parent / "docs" / "layout.md").read_text()
+    rows = re.findall(r"^\| (\d+) \| ([^|]+) \|", doc, flags=re.MULTILINE)
+    drawn = [tuple(re.findall(r"`([^`]+)`", units)) for _, units in rows]
+    assert [int(n) for n, _ in rows] == list(range(len(LAYERS)))
+    assert drawn == LAYERS

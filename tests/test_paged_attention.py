@@ -12,7 +12,7 @@ import torch
 
 from tierserve.cache import PagedKV
 from tierserve.layers.attention import TorchAttention
-from tierserve.layers.batch import ForwardBatch, SeqSpan
+from tierserve.layers.forward_batch import ForwardBatch, SeqSpan
 from tierserve.layers.mla import MLA, MLAConfig
 from tierserve.layers.mlp import GatedMLP
 from tierserve.layers.norm import RMSNorm

@@ -19,7 +19,7 @@ from tierserve.distributed.placement import (
     torch_threads,
 )
 from tierserve.errors import TierserveError
-from tierserve.server.grammar_worker import COMPILE_HOLD_ENV
+from tierserve.frontend.grammar_worker import COMPILE_HOLD_ENV
 
 
 @pytest.mark.parametrize(

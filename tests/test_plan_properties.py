@@ -26,7 +26,7 @@ from tierserve.plan.verdict import judge
 from tierserve.plan.vllm import check_vllm
 from tierserve.plan.weights import model_spec
 from tierserve.sizing.pools import HostRequest
-from tierserve.units import GB
+from tierserve.utils import GB
 
 NUMBERS = st.sampled_from(
     [

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 import pytest
 
 from tierserve import cli
-from tierserve.console import JSON_SCHEMA_VERSION
 from tierserve.errors import TierserveError
 from tierserve.model_config import ModelConfig
 from tierserve.plan import sglang as sglang_check
@@ -25,7 +24,7 @@ from tierserve.sizing import kv as kv_sizing
 from tierserve.sizing import pools
 from tierserve.sizing.kv import kv_bytes, kv_spec
 from tierserve.sizing.pools import HostBudget, HostRequest, size_host_cache
-from tierserve.units import GB, GiB, format_gb, parse_size
+from tierserve.utils import GB, JSON_SCHEMA_VERSION, GiB, format_gb, parse_size
 
 # The seed's server: Kimi-K2.5 on 8 GPUs, as SGLang reported it and as the user measured RAM.
 SEED_BYTES_PER_TOKEN = 136_793

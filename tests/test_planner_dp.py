@@ -18,7 +18,7 @@ from tierserve.plan.sglang_versions import NEWEST, SGLangVersion, auto_ratio, ra
 from tierserve.plan.verdict import judge
 from tierserve.plan.vllm import check_vllm
 from tierserve.plan.weights import model_spec
-from tierserve.units import GB, GiB
+from tierserve.utils import GB, GiB
 
 HOST = "--tp-size 8 --enable-hierarchical-cache"
 

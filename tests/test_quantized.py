@@ -257,7 +257,7 @@ def test_the_start_up_table_counts_what_the_backends_hold(int4_llama, capsys):
     """`weights per rank` in the dry run's table and the start's plan is what the loaded
     model holds, its int4 weights as the kernel keeps them (bf16 scales), within 5%."""
     from tierserve import cli
-    from tierserve.units import format_gb
+    from tierserve.utils import format_gb
 
     llm = LLM(str(int4_llama), dtype="float32", max_total_tokens=1024)
     model = llm.engine.runner.model

@@ -16,11 +16,11 @@ import pytest
 from safetensors.torch import load_file
 
 import tierserve
-import tierserve.server.batch_output as batch_module
+import tierserve.batch.output_file as batch_module
 from tests.conftest import eventually
 from tierserve import TierserveError
-from tierserve.server.batch import output_lock
-from tierserve.server.regenerate import prefix_order, read_done, read_rows
+from tierserve.batch.regenerate import prefix_order, read_done, read_rows
+from tierserve.batch.runner import output_lock
 
 DEMO_DIR = Path(tierserve.__file__).parent / "demo_model"
 SYSTEMS = ["You answer briefly.", "You are a careful assistant who explains."]
@@ -299,7 +299,7 @@ def test_hidden_states_are_taken_only_from_the_directory_given(tmp_path, monkeyp
 
     import httpx
 
-    from tierserve.server.regenerate import Regenerator
+    from tierserve.batch.regenerate import Regenerator
 
     hs, elsewhere = tmp_path / "hs", tmp_path / "elsewhere"
     hs.mkdir()

@@ -16,9 +16,9 @@ from transformers import AutoTokenizer
 import tierserve
 from tests.conftest import random_prompts
 from tierserve import LLM, SamplingParams
-from tierserve.engine.detokenizer import MAX_UNSETTLED, IncrementalDetokenizer
-from tierserve.engine.output import OutputBuilder
 from tierserve.engine.request import Request
+from tierserve.frontend.detokenizer import MAX_UNSETTLED, IncrementalDetokenizer
+from tierserve.frontend.output import OutputBuilder
 from tierserve.layers.sampler import greedy_tokens, sample
 from tierserve.outputs import RequestOutput, StepOutput, TokenLogprob
 from tierserve.server.pending_outputs import PendingOutputs

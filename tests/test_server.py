@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import Server, eventually, hold_steps, http, random_prompts, running
 from tierserve import SamplingParams
 from tierserve.engine import STEP_GATE_ENV
-from tierserve.net import free_port
+from tierserve.utils import free_port
 
 
 def test_completion_matches_offline_and_reports_usage(client, offline):
@@ -960,7 +960,7 @@ def test_batch_rerun_retries_failed_lines_and_names_a_corrupt_one(server, tmp_pa
 )
 def test_batch_input_lines_of_the_wrong_shape_are_named(tmp_path, line, message):
     from tierserve import TierserveError
-    from tierserve.server.batch import read_input
+    from tierserve.batch.runner import read_input
 
     good = '{"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "hi"}}'
     src = tmp_path / "in.jsonl"

@@ -25,7 +25,6 @@ import pytest
 from tests.conftest import Server, http, random_prompts, serve_cmd
 from tierserve import LLM, SamplingParams, TierserveError
 from tierserve.args import default_model
-from tierserve.net import free_port
 from tierserve.sizing.kv import KVSpec
 from tierserve.storage.client import GuardedStore, StorageStats, StorageUnavailable
 from tierserve.storage.config import StorageConfig
@@ -34,6 +33,7 @@ from tierserve.storage.keys import Namespace
 from tierserve.storage.mooncake import MooncakeMaster
 from tierserve.storage.prefetch_policy import MeasuredRate, PrefetchRates
 from tierserve.storage.registry import register
+from tierserve.utils import free_port
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
 PAGE = 16

@@ -15,7 +15,8 @@ from transformers import AutoTokenizer
 from tests.conftest import TRAINING_TEXT, make_checkpoint, modules_after
 from tierserve import LLM
 from tierserve.args import default_model
-from tierserve.engine.tokenizer import (
+from tierserve.errors import TierserveError
+from tierserve.frontend.tokenizer import (
     PLAIN_MODEL_TYPES,
     _eos_from_files,
     _plain_tokenizer,
@@ -23,7 +24,6 @@ from tierserve.engine.tokenizer import (
     lazy_tokenizer,
     load_tokenizer,
 )
-from tierserve.errors import TierserveError
 
 FAMILIES = ("llama", "qwen3", "deepseek-v3")
 
@@ -156,7 +156,7 @@ def test_a_plain_tokenizer_is_loaded_directly_and_as_autotokenizer_loads_it(tmp_
     if family == "qwen2":
         assert type(plain).__name__ == "Qwen2Tokenizer"
         return
-    probe = "import sys; from tierserve.engine import load_tokenizer; load_tokenizer(sys.argv[1])"
+    probe = "import sys; from tierserve.frontend import load_tokenizer; load_tokenizer(sys.argv[1])"
     assert "torch" not in modules_after(probe, str(path))
 
 

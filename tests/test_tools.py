@@ -21,7 +21,7 @@ from tests.conftest import Server, eventually, maps_library
 from tierserve.chat.fields import ChatTemplateFields
 from tierserve.chat.messages import MAX_TOOL_SCHEMA_NODES, SCHEMA_HOLD_ENV, ToolDefinition
 from tierserve.chat.template import render
-from tierserve.engine.grammar import MAX_SCHEMA_ENUM_VALUES
+from tierserve.frontend.grammar import MAX_SCHEMA_ENUM_VALUES
 from tierserve.server.tools import _calls_schema
 
 DEMO = Path(tierserve.__file__).parent / "demo_model"

@@ -39,9 +39,9 @@ from tierserve.distributed.placement import plan_placement
 from tierserve.engine import engine as engine_module
 from tierserve.engine import engine_metrics
 from tierserve.layers.parallel import TPGroup, shards_by_name, tp_group
-from tierserve.net import free_port
 from tierserve.server.metrics import ServerMetrics
 from tierserve.sizing.pools import DEFAULT_MARGIN
+from tierserve.utils import free_port
 
 # The ranks meet over gloo on CPU whatever the machine has (NCCL needs a GPU per rank), and the
 # one-process references run there too, so outputs compare exactly.

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from tierserve.dtypes import COMPUTE_DTYPES, canonical
 from tierserve.errors import TierserveError
+from tierserve.utils import COMPUTE_DTYPES, canonical
 
 DEMO_MODEL_DIR = Path(__file__).parent / "demo_model"
 # SGLang's --load-balance-method values that place requests on attention groups, and the

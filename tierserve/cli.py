@@ -8,15 +8,15 @@ import json
 import sys
 from collections.abc import Callable, Sequence
 
-from tierserve.console import JSON_SCHEMA_VERSION, emit
 from tierserve.errors import TierserveError
+from tierserve.utils import JSON_SCHEMA_VERSION, emit
 
 # name -> (module path, help); each module defines add_arguments(parser) and run(ns) -> int.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("tierserve.server.cli", "serve a model (OpenAI-compatible HTTP server)"),
     "plan": ("tierserve.plan.cli", "size the KV cache before launch (tierserve, SGLang, vLLM)"),
     "batch": (
-        "tierserve.server.batch",
+        "tierserve.batch.runner",
         "run an OpenAI Batch file (resumable) against a server or model",
     ),
     "bench": ("tierserve.bench.cli", "benchmark a server with the field's workloads"),

@@ -97,7 +97,7 @@ class SamplingParams:
     # vLLM's: the prompt's last k tokens only (-1: as many as the context holds); None: all.
     truncate_prompt_tokens: int | None = None
     # vLLM's: words never generated. The engine tokenizes each, as the text's start and after a
-    # space, into `bad_words_token_ids` (engine/prepare.py); the sampler bans a sequence's last
+    # space, into `bad_words_token_ids` (frontend/prepare.py); the sampler bans a sequence's last
     # token wherever the output ends with the tokens before it.
     bad_words: tuple[str, ...] | None = None
     bad_words_token_ids: tuple[tuple[int, ...], ...] | None = None

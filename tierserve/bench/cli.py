@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from tierserve.errors import TierserveError
-from tierserve.net import check_url
+from tierserve.utils import check_url
 
 WORKLOADS = ("multiturn", "shared-prefix", "random", "trace")
 

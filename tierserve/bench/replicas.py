@@ -26,8 +26,8 @@ import httpx
 from tierserve.bench.client import parse_prometheus
 from tierserve.bench.server_process import LoggedProcess, ServerProcess
 from tierserve.errors import TierserveError
-from tierserve.net import free_port
 from tierserve.storage import MooncakeMaster
+from tierserve.utils import free_port
 
 ROUTER_POLICIES = ("round_robin", "cache_aware", "random", "power_of_two")
 ROUTER_HINT = "replicas run behind sglang-router: pip install 'sglang-router>=0.3.2,<0.4'"

@@ -26,7 +26,7 @@ import numpy as np
 from tierserve.bench.client import RunResult
 from tierserve.bench.metrics import later_rounds_ttft
 from tierserve.bench.plots import plot
-from tierserve.cpuinfo import cpu_field
+from tierserve.utils import cpu_field
 
 
 def machine_info() -> dict[str, Any]:

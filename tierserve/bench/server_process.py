@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 
 from tierserve.errors import TierserveError
-from tierserve.net import free_port
+from tierserve.utils import free_port
 
 
 def local_client() -> httpx.Client:

@@ -18,7 +18,7 @@ from pydantic import (
 )
 
 from tierserve.errors import TierserveError
-from tierserve.test_hold import wait_while_held
+from tierserve.utils import wait_while_held
 
 # What a request's tool schemas may be, counted by a walk that costs ~1 ms per 5,000 nodes (each
 # dict, list and value is one node; the walk stops at the limit), before jsonschema's

@@ -2,7 +2,7 @@
 KV tiers make the same decisions: requests that arrived, aborts, cache flushes, and whether to
 step or stop. The engines are deterministic given these (the same requests in the same order,
 the same seeds, the same logits after the LM head's all-gather), so only inputs travel, never
-scheduling state. The messages are the engine's own (messages.py), msgpack-encoded and
+scheduling state. The messages are the engine's own (core_messages.py), msgpack-encoded and
 broadcast over a gloo group that waits as long as the server idles; a rank that dies closes its
 sockets and the broadcast fails.
 
@@ -18,7 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from tierserve.messages import BusMessage, EngineInput, decode_bus, encode
+from tierserve.core_messages import BusMessage, EngineInput, decode_bus, encode
 
 IDLE_TIMEOUT = timedelta(days=7)  # a follower waits this long for rank 0's next message
 

@@ -33,7 +33,7 @@ from tierserve.distributed.rank_env import (
     global_rank,
     start_from_lasting_thread,
 )
-from tierserve.net import free_port
+from tierserve.utils import free_port
 
 logger = logging.getLogger("tierserve")
 

@@ -1,5 +1,6 @@
 """The engine core: the engine (scheduler, KV tiers, model runner; rank 0 under tensor
-parallelism) in a process of its own, speaking only messages (messages.py) with the API process.
+parallelism) in a process of its own, speaking only messages (core_messages.py) with the API
+process.
 
 The server starts it as `python -m tierserve.engine.core` with a socket to itself, the step
 clock's file (core_hooks.py) and the engine args in its environment. It answers with
@@ -25,12 +26,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING
 
-# Light imports only up here: torch and the model load after the parent-death signal is armed.
-from tierserve.distributed import ENV_ARGS, die_with_parent, exit_after, start_node
-from tierserve.engine.core_hooks import IntakeHold, StepClock, StepGate, StepHold
-from tierserve.engine.metrics import engine_metrics
-from tierserve.errors import TierserveError
-from tierserve.messages import (
+from tierserve.core_messages import (
     AbortRequest,
     AddRequest,
     Answer,
@@ -47,6 +43,12 @@ from tierserve.messages import (
     decode_input,
     encode,
 )
+
+# Light imports only up here: torch and the model load after the parent-death signal is armed.
+from tierserve.distributed import ENV_ARGS, die_with_parent, exit_after, start_node
+from tierserve.engine.core_hooks import IntakeHold, StepClock, StepGate, StepHold
+from tierserve.engine.metrics import engine_metrics
+from tierserve.errors import TierserveError
 from tierserve.outputs import StepOutput
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ import struct
 import time
 from pathlib import Path
 
-from tierserve.test_hold import wait_while_held
+from tierserve.utils import wait_while_held
 
 # Tests order the engine's steps through this file: absent, steps run freely; holding T, a batch
 # may start while the engine has run fewer than T batches in all (tierserve_engine_steps_total);

@@ -4,8 +4,8 @@ from those reports (docs/distributed.md#data-parallel-attention)."""
 
 from __future__ import annotations
 
+from tierserve.core_messages import GroupReport
 from tierserve.engine.dispatch import Dispatcher
-from tierserve.messages import GroupReport
 from tierserve.outputs import StepOutput
 
 

@@ -1,6 +1,6 @@
 """The engine: tokenizer, model, KV cache and scheduler behind add_request / step.
 
-One synchronous loop, driven through the typed messages of messages.py: by the offline `LLM` in
+One synchronous loop, driven through the typed messages of core_messages.py: by the offline `LLM` in
 its caller's process, and by the engine core process (core.py) for the server. One thing at
 some length: the engine's life (build, take messages, step, follow rank 0, close), each part a
 few short methods.
@@ -19,6 +19,17 @@ import torch
 
 from tierserve.args import EngineArgs
 from tierserve.cache import KVCacheManager, PagedKV, TransferFactory, default_transfer, pair_keys
+from tierserve.core_messages import (
+    AbortRequest,
+    AddRequest,
+    CoreInfo,
+    EngineInput,
+    FlushCache,
+    GroupReport,
+    PrepareGrammars,
+    decode_report,
+    encode,
+)
 from tierserve.distributed import (
     NodeStart,
     Pinned,
@@ -33,26 +44,14 @@ from tierserve.engine.hidden_states import HiddenStateCapture
 from tierserve.engine.host_heap import keep_freed_heap
 from tierserve.engine.kv_plan import startup_table
 from tierserve.engine.kv_tiers import host_tier, storage_tier
-from tierserve.engine.prepare import RequestPreparer
 from tierserve.engine.request import Request
 from tierserve.engine.runner import ChunkResult, ModelRunner
 from tierserve.engine.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 from tierserve.engine.startup import Startup, resolve_device
-from tierserve.engine.tokenizer import eos_token_id, lazy_tokenizer
 from tierserve.engine.warm_up import warm_up
 from tierserve.errors import TierserveError
+from tierserve.frontend import RequestPreparer, eos_token_id, lazy_tokenizer
 from tierserve.layers import ATTENTION_BACKENDS
-from tierserve.messages import (
-    AbortRequest,
-    AddRequest,
-    CoreInfo,
-    EngineInput,
-    FlushCache,
-    GroupReport,
-    PrepareGrammars,
-    decode_report,
-    encode,
-)
 from tierserve.model_config import ModelConfig
 from tierserve.models import load_draft, load_model, load_mtp
 from tierserve.outputs import StepOutput, TokenLogprob

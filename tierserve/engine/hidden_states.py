@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tierserve.errors import TierserveError
-from tierserve.paths import unusable_dir
+from tierserve.utils import unusable_dir
 
 if TYPE_CHECKING:
     from tierserve.args import EngineArgs

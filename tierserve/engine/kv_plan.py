@@ -24,7 +24,7 @@ from tierserve.sizing import (
     host_request,
     size_host_cache,
 )
-from tierserve.units import format_bytes, format_count, format_gb
+from tierserve.utils import format_bytes, format_count, format_gb
 
 SHARED_MEMORY_DIR = "/dev/shm"
 

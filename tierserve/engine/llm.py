@@ -15,9 +15,9 @@ from tierserve.args import EngineArgs
 from tierserve.chat import ChatTemplateFields, first_problem, render
 from tierserve.distributed import set_wait_here
 from tierserve.engine.engine import Engine
-from tierserve.engine.output import OutputBuilder
 from tierserve.engine.startup import resolve_device
 from tierserve.errors import TierserveError
+from tierserve.frontend import OutputBuilder
 from tierserve.outputs import RequestOutput
 from tierserve.sampling_params import SamplingParams
 

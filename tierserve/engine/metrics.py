@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tierserve.messages import MetricFamily
+from tierserve.core_messages import MetricFamily
 
 if TYPE_CHECKING:
     from tierserve.engine.dp_groups import AttentionGroups

@@ -7,14 +7,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tierserve.cache import KVHandle
-from tierserve.messages import AddRequest
+from tierserve.core_messages import AddRequest
 from tierserve.outputs import TokenLogprob
 from tierserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # the API process builds requests without torch (or xgrammar) loaded
     import torch
 
-    from tierserve.engine.grammar import GrammarState
+    from tierserve.frontend import GrammarState
 
 
 class Status(enum.Enum):

@@ -16,7 +16,6 @@ import torch
 
 from tierserve.args import EngineArgs
 from tierserve.cache import check_pool_size
-from tierserve.dtypes import COMPUTE_DTYPES, torch_dtype
 from tierserve.engine.kv_plan import KVPlan, check_cpu_ram, size_host_tier
 from tierserve.errors import TierserveError
 from tierserve.layers import DecodeWorkspace, onednn_dtypes, packed_head_bytes, resolve_backend
@@ -34,6 +33,7 @@ from tierserve.models import (
 )
 from tierserve.sizing import DraftSize, KVSpec, device_pool_bytes
 from tierserve.storage import EXTRA_FIELD, StorageConfig, backend_class
+from tierserve.utils import COMPUTE_DTYPES, torch_dtype
 
 CPU_DEFAULT_POOL_TOKENS = 32768
 

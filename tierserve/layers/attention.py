@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from tierserve.cache import PagedKV
-from tierserve.layers.batch import ForwardBatch, SeqSpan, causal_mask
 from tierserve.layers.decode_workspace import DecodeWorkspace, _Group
+from tierserve.layers.forward_batch import ForwardBatch, SeqSpan, causal_mask
 
 if TYPE_CHECKING:
     from tierserve.layers.mla import MLA

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierserve.cpuinfo import cpu_field
+from tierserve.utils import cpu_field
 
 INTEL = "GenuineIntel"
 

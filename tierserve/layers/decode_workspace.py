@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tierserve.cache import PagedKV
-from tierserve.layers.batch import SeqSpan, page_table
+from tierserve.layers.forward_batch import SeqSpan, page_table
 
 
 @dataclass

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tierserve.layers.batch import causal_mask
+from tierserve.layers.forward_batch import causal_mask
 from tierserve.layers.norm import RMSNorm
 from tierserve.layers.parallel import (
     ColumnParallelLinear,

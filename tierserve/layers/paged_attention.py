@@ -19,7 +19,7 @@ import torch
 from tierserve.cache import PagedKV
 from tierserve.layers import kernels
 from tierserve.layers.attention import AttentionBackend, TorchAttention
-from tierserve.layers.batch import ForwardBatch, long_tensor
+from tierserve.layers.forward_batch import ForwardBatch, long_tensor
 from tierserve.layers.mlp import GatedMLP
 from tierserve.layers.norm import RMSNorm
 from tierserve.layers.rotary import RotaryEmbedding

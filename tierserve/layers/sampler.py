@@ -29,7 +29,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> li
 
 
 class Constraint(Protocol):
-    """A grammar's say on the next token (engine/grammar.py), and for speculative drafts a
+    """A grammar's say on the next token (frontend/grammar.py), and for speculative drafts a
     way to step through proposed tokens and back."""
 
     def mask(self, row: torch.Tensor) -> None: ...

@@ -13,7 +13,6 @@ import json
 from pathlib import Path
 
 from tierserve.args import EngineArgs, check_host_ratio, ranks_per_node
-from tierserve.console import JSON_SCHEMA_VERSION, emit
 from tierserve.errors import TierserveError
 from tierserve.model_config import read_hf_config
 from tierserve.plan.draft import draft_size
@@ -33,7 +32,7 @@ from tierserve.plan.vllm import check_vllm, parse_vllm_flags
 from tierserve.plan.weights import WEIGHT_DTYPE_BYTES, ModelSpec, model_spec
 from tierserve.sizing import DEFAULT_MARGIN, HostRequest, host_request, short_kv_dtype
 from tierserve.storage import StorageConfig, backend_class
-from tierserve.units import GiB, format_gb, parse_size
+from tierserve.utils import JSON_SCHEMA_VERSION, GiB, emit, format_gb, parse_size
 
 SIZES = "sizes: 48GB, 48GiB, 0.5TB, 300MB; a bare number is decimal GB (as SGLang's flags)"
 EPILOG = f"""{SIZES}. Exit status: 0 the plan fits, 1 it does not, 2 bad input.

@@ -11,7 +11,7 @@ from tierserve.plan.sglang import sglang_flags
 from tierserve.plan.verdict import Verdict
 from tierserve.plan.vllm import vllm_flags
 from tierserve.sizing import HostSizing
-from tierserve.units import GB
+from tierserve.utils import GB
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from tierserve.sizing import (
     tokens_in,
     weights_per_rank,
 )
-from tierserve.units import format_bytes, format_gb
+from tierserve.utils import format_bytes, format_gb
 
 # ---------------------------------------------------------------------------------------------
 # The plan

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierserve.errors import TierserveError
-from tierserve.units import MiB
+from tierserve.utils import MiB
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from tierserve.plan.plan import Plan, draft_figures
 from tierserve.plan.sglang import SGLangCheck
 from tierserve.plan.verdict import Verdict
 from tierserve.plan.vllm import VLLMCheck
-from tierserve.units import format_bytes, format_count, format_gb
+from tierserve.utils import format_bytes, format_count, format_gb
 
 Row = tuple[str, str, str]
 

@@ -32,7 +32,7 @@ from tierserve.plan.sglang_versions import (
 )
 from tierserve.plan.verdict import judge
 from tierserve.sizing import HostRequest, HostSizing, short_kv_dtype
-from tierserve.units import GB, format_bytes, format_count, format_gb
+from tierserve.utils import GB, format_bytes, format_count, format_gb
 
 # SGLang rounds a host pool down to whole pages, then adds one.
 SGLANG_EXTRA_PAGES = 1

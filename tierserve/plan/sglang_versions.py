@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 
 from tierserve.errors import TierserveError
-from tierserve.units import GiB, format_gb
+from tierserve.utils import GiB, format_gb
 
 NEWEST = "0.5.21"
 SPLIT_BUDGET = (0, 5, 19)  # PR #35540

@@ -15,10 +15,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from tierserve.dtypes import DTYPES
 from tierserve.plan.plan import Plan, make_plan
 from tierserve.sizing import kv_dtype_name
-from tierserve.units import GB, format_count, format_gb
+from tierserve.utils import DTYPES, GB, format_count, format_gb
 
 
 @dataclass(frozen=True)

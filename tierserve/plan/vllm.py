@@ -24,7 +24,7 @@ from tierserve.plan.misspelt import refuse_misspelt
 from tierserve.plan.plan import Plan, PlanInputs, draft_lines, kv_dtype_flag, make_plan
 from tierserve.plan.verdict import Constraint, Verdict, judge
 from tierserve.sizing import DraftSize, HostRequest, HostSizing, short_kv_dtype
-from tierserve.units import GiB, format_count
+from tierserve.utils import GiB, format_count
 
 VLLM_DEFAULT_UTILIZATION = 0.9
 VLLM_DEFAULT_BLOCK = 16

@@ -14,11 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from tierserve.dtypes import COMPUTE_DTYPES, DTYPES
 from tierserve.errors import TierserveError
 from tierserve.model_config import ModelConfig, config_int, routes_to_experts, text_config
 from tierserve.models import QuantConfig
-from tierserve.units import format_gb
+from tierserve.utils import COMPUTE_DTYPES, DTYPES, format_gb
 
 # Weight dtypes by their short names: the float ones from the one table, and packed integers.
 WEIGHT_DTYPE_BYTES: dict[str, float] = {

@@ -21,10 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tierserve.args import EngineArgs
-from tierserve.distributed import pin
-from tierserve.engine import OutputBuilder, RequestPreparer
-from tierserve.errors import TierserveError
-from tierserve.messages import (
+from tierserve.core_messages import (
     AbortRequest,
     Answer,
     Ask,
@@ -37,11 +34,18 @@ from tierserve.messages import (
     RequestFailed,
     StepOutputs,
 )
+from tierserve.distributed import pin
+from tierserve.errors import TierserveError
+from tierserve.frontend import (
+    DEFAULT_COMPILE_TIMEOUT_S,
+    GrammarCompilePool,
+    OutputBuilder,
+    RequestPreparer,
+    WorkerSetup,
+)
 from tierserve.outputs import RequestOutput, StepOutput
 from tierserve.sampling_params import SamplingParams
 from tierserve.server.core_client import CoreClient
-from tierserve.server.grammar_pool import GrammarCompilePool
-from tierserve.server.grammar_worker import DEFAULT_COMPILE_TIMEOUT_S, WorkerSetup
 from tierserve.server.pending_outputs import PendingOutputs
 from tierserve.server.request_ids import HeldIds
 from tierserve.server.watchdog import StepWatchdog

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
@@ -21,12 +21,9 @@ from tierserve.errors import TierserveError
 from tierserve.outputs import RequestOutput
 from tierserve.sampling_params import SamplingParams
 from tierserve.server.async_engine import EngineDeadError
-from tierserve.server.completion import off_the_loop
 from tierserve.server.disconnect import unless_disconnected
 from tierserve.server.protocol import SSE_DONE, error_body, sse, usage, user_error_body
-
-if TYPE_CHECKING:
-    from tierserve.server.completion import Completion
+from tierserve.server.serving import Serving, off_the_loop
 
 
 @dataclass(frozen=True)
@@ -41,13 +38,13 @@ def jobs(prompts: list[str | list[int]], params: SamplingParams, n: int) -> list
     out = []
     for j, prompt in enumerate(prompts):
         for i in range(n):
-            # The prompt's first choice scores it for all (Completion._echoed): the others
+            # The prompt's first choice scores it for all (CompletionServing._echoed): the others
             # start from its cached prefix instead of each prefilling it whole again.
             out.append(Job(j * n + i, prompt, params.sample(i), None if i == 0 else j * n))
     return out
 
 
-async def merged(c: Completion, todo: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged(c: Serving, todo: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Every choice's outputs as they come, tagged with its index; the first error raises."""
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
     started = {job.index: asyncio.Event() for job in todo}
@@ -87,9 +84,7 @@ def total_usage(finals: dict[int, RequestOutput], n: int) -> dict[str, Any]:
     )
 
 
-async def respond(
-    c: Completion, todo: list[Job], n: int, request: Request, stream: bool
-) -> Response:
+async def respond(c: Serving, todo: list[Job], n: int, request: Request, stream: bool) -> Response:
     outputs = merged(c, todo)
     # A bad prompt is a 400 here, before any byte is sent; a client that leaves ends its work.
     first = await unless_disconnected(anext(outputs), outputs, request)
@@ -103,8 +98,8 @@ async def respond(
 
     def body() -> dict[str, Any]:
         choices = [c.whole_choice(i, finals[i]) for i in sorted(finals)]
-        body = c.envelope(c.kind, choices, usage=total_usage(finals, n))
-        return body | c.chat_prompt_fields(finals[min(finals)])
+        body = c.envelope(c.object, choices, usage=total_usage(finals, n))
+        return body | c.prompt_fields(finals[min(finals)])
 
     return await off_the_loop(body)
 
@@ -127,7 +122,7 @@ async def _collect(
 
 
 async def _sse(
-    c: Completion,
+    c: Serving,
     first: tuple[int, RequestOutput],
     outputs: AsyncIterator[tuple[int, RequestOutput]],
     n: int,
@@ -154,7 +149,7 @@ async def _sse(
                 yield sse(user_error_body(err))
                 return
         if c.include_usage:
-            tail = c.envelope(c.chunk_object(), [], usage=total_usage(finals, n))
+            tail = c.envelope(c.chunk_object, [], usage=total_usage(finals, n))
             yield sse(tail)
         yield SSE_DONE
     finally:

@@ -17,10 +17,10 @@ from types import FrameType
 
 from tierserve.args import EngineArgs
 from tierserve.errors import TierserveError
-from tierserve.net import bind_server_socket, check_port, listen_address
+from tierserve.frontend import DEFAULT_COMPILE_TIMEOUT_S
 from tierserve.parsers import REASONING_PARSERS, TOOL_PARSERS
-from tierserve.server.grammar_worker import DEFAULT_COMPILE_TIMEOUT_S
 from tierserve.server.watchdog import DEFAULT_WATCHDOG_TIMEOUT_S
+from tierserve.utils import bind_server_socket, check_port, listen_address
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,7 +138,8 @@ def dry_run(args: EngineArgs, host: str, port: int) -> int:
     address is resolved, not bound; the directories a start would make are not made; the
     checkpoint's tensors are checked by their headers against rank 0's model, unread."""
     from tierserve.distributed import describe_wait, resolve_placement, wait_env
-    from tierserve.engine import Startup, check_capture_args, load_tokenizer, startup_table
+    from tierserve.engine import Startup, check_capture_args, startup_table
+    from tierserve.frontend import load_tokenizer
     from tierserve.models import check_checkpoint
     from tierserve.storage import backend_class
 
@@ -203,8 +204,9 @@ def _serve(ns: argparse.Namespace, args: EngineArgs, sock: socket.socket) -> int
     try:
         import uvicorn
 
-        from tierserve.server.api import ServerLimits, create_app
+        from tierserve.server.api import create_app
         from tierserve.server.async_engine import AsyncEngine
+        from tierserve.server.context import ServerLimits
         from tierserve.server.tools import ChatParsers
     except BaseException:
         core.kill()

@@ -22,17 +22,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from tierserve.args import EngineArgs
-from tierserve.distributed import ENV_ARGS, ENV_PARENT, start_from_lasting_thread, wait_env
-from tierserve.engine import (
-    CORE_MODULE,
-    ENV_CLOCK_FD,
-    ENV_CORE_FD,
-    ENV_LOG_LEVEL,
-    StepClock,
-    load_tokenizer,
-)
-from tierserve.errors import TierserveError
-from tierserve.messages import (
+from tierserve.core_messages import (
     CoreFailed,
     CoreInfo,
     CoreInput,
@@ -43,6 +33,16 @@ from tierserve.messages import (
     decode_output,
     encode,
 )
+from tierserve.distributed import ENV_ARGS, ENV_PARENT, start_from_lasting_thread, wait_env
+from tierserve.engine import (
+    CORE_MODULE,
+    ENV_CLOCK_FD,
+    ENV_CORE_FD,
+    ENV_LOG_LEVEL,
+    StepClock,
+)
+from tierserve.errors import TierserveError
+from tierserve.frontend import load_tokenizer
 
 
 class CoreStartError(RuntimeError):

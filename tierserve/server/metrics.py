@@ -16,8 +16,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tierserve.messages import MetricFamily
-from tierserve.server.grammar_pool import GrammarCompilePool
+from tierserve.core_messages import MetricFamily
+from tierserve.frontend import GrammarCompilePool
 from tierserve.server.vllm_metrics import VllmNames
 
 # A `*_created` gauge beside every counter and histogram is prometheus_client's default, not

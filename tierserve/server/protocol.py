@@ -25,8 +25,8 @@ from pydantic import (
 
 from tierserve.chat import ChatTemplateFields, NamedToolChoice, TextBody
 from tierserve.errors import StorageFull, TierserveError
+from tierserve.frontend import ResponseFormat, StructuredOutputs
 from tierserve.sampling_params import SamplingParams, StructuredOutput
-from tierserve.server.structured_fields import ResponseFormat, StructuredOutputs
 from tierserve.server.unsupported import UNSUPPORTED_FIELDS
 
 MAX_CHOICES = 128  # prompts × n in one request: bounded work per request

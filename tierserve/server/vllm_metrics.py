@@ -12,7 +12,7 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tierserve.messages import MetricFamily
+from tierserve.core_messages import MetricFamily
 
 # vLLM's name, its kind, and the tierserve engine family it shows (summed over its labels).
 ENGINE_VIEWS = (

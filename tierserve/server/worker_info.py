@@ -1,18 +1,32 @@
-"""What a router asks a worker about itself, answered in SGLang's shapes: sglang-router reads
-`/server_info` (or `/get_server_info`) and `/model_info` (or `/get_model_info`) when a worker
-joins, for the model and tokenizer paths and the parallel layout, and `/get_load` for its
-power_of_two policy (the sum of `num_tokens`)."""
+"""What a router, a probe or an operator asks a worker about itself, answered in SGLang's and
+vLLM's shapes: `/health`, `/health_generate`, `/metrics`, `/v1/models`, `/version`,
+`/flush_cache`; sglang-router reads `/server_info` (or `/get_server_info`) and `/model_info`
+(or `/get_model_info`) when a worker joins, for the model and tokenizer paths and the parallel
+layout, and `/get_load` for its power_of_two policy (the sum of `num_tokens`)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
-from importlib.metadata import PackageNotFoundError, version
+import uuid
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any
 
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
 from tierserve.args import EngineArgs
-from tierserve.messages import CoreInfo, MetricFamily
+from tierserve.core_messages import CoreInfo, MetricFamily
+from tierserve.sampling_params import SamplingParams
+from tierserve.server.async_engine import EngineDeadError
+from tierserve.server.context import ServerContext
+from tierserve.server.protocol import now
+
+# On /get_load, when the core did not answer in time: the seconds since its values were read.
+STALE_HEADER = "x-tierserve-stale-seconds"
 
 REDACTED = "<redacted>"
 # Flags whose values may hold a store's or a peer's address, credentials, or where this node
@@ -104,6 +118,84 @@ def _config(model_path: str) -> dict[str, Any]:
 
 def _version() -> str:
     try:
-        return version("tierserve")
+        return package_version("tierserve")
     except PackageNotFoundError:
         return "unknown"
+
+
+def register(app: FastAPI, ctx: ServerContext) -> None:
+    engine, model = ctx.engine, ctx.model
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        if engine.error is not None:
+            raise EngineDeadError(str(engine.error))
+        return {"status": "ok"}
+
+    probe: asyncio.Future | None = None
+
+    async def generate_one_token() -> None:
+        # Never a hidden-states file: probes are open without the key on a capturing server.
+        params = SamplingParams(max_tokens=1, temperature=0, return_hidden_states=False)
+        async for _ in engine.generate([0], params, f"health-generate-{uuid.uuid4().hex}"):
+            pass
+
+    @app.get("/health_generate")
+    async def health_generate() -> dict[str, str]:
+        """SGLang's: healthy only when the engine generates a token (a core that is up but
+        stuck fails here, and past --watchdog-timeout everywhere). One probe runs at a time:
+        callers that come while it runs share its verdict."""
+        nonlocal probe
+        if engine.error is not None:
+            raise EngineDeadError(str(engine.error))
+        if probe is None or probe.done():
+            probe = asyncio.ensure_future(generate_one_token())
+        await asyncio.shield(probe)  # a caller that leaves does not end the others' probe
+        return {"status": "ok"}
+
+    @app.get("/get_load")
+    @app.get("/get_loads")
+    async def get_load() -> JSONResponse:
+        """Within STATE_WAIT_S: the last known load when the core does not answer in time (a
+        503 here makes sglang-router drop the worker), marked by a header with its age (the
+        body keeps SGLang's shape, which the router parses)."""
+        families, age = await engine.recent_metrics()
+        stale = {} if age == 0 else {STALE_HEADER: "unknown" if age is None else f"{age:.3f}"}
+        return JSONResponse(loads(families, engine.info.page_size), headers=stale)
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")  # SGLang's older name; sglang-router tries both
+    async def get_server_info() -> dict[str, Any]:
+        return server_info(engine.args or EngineArgs(), engine.info, model)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict[str, Any]:
+        return model_info(engine.info)
+
+    def card() -> dict[str, Any]:
+        return {"id": model, "object": "model", "created": now(), "owned_by": "tierserve",
+                "max_model_len": engine.info.context_length}  # fmt: skip
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{name:path}")  # the openai client's models.retrieve
+    async def one_model(name: str) -> dict[str, Any]:
+        ctx.check_model(name)
+        return card()
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": package_version("tierserve")}
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        body = ctx.metrics.render(*await engine.recent_metrics())
+        return Response(body, media_type="text/plain; version=0.0.4")
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> dict[str, Any]:
+        tiers = await engine.flush_cache()
+        return {"flushed_pages": tiers["device_pages"], "tiers": tiers}

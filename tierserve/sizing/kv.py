@@ -21,8 +21,8 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
-from tierserve.dtypes import DTYPES, canonical, float8_of, torch_dtype
 from tierserve.errors import TierserveError
+from tierserve.utils import DTYPES, canonical, float8_of, torch_dtype
 
 if TYPE_CHECKING:
     import torch

@@ -19,7 +19,7 @@ from typing import Literal
 
 from tierserve.args import check_mem_fraction
 from tierserve.errors import TierserveError
-from tierserve.units import GB, GiB, format_gb, parse_size
+from tierserve.utils import GB, GiB, format_gb, parse_size
 
 # Host RAM one serving process needs beyond its KV cache (CUDA context, torch, pinned staging,
 # tokenizer); the seed's 8-rank server took ~40 GB, i.e. ~5 GB a rank.

@@ -3,7 +3,15 @@ a draft model's steps, EAGLE-3's or an MTP layer's) and the verifier that keeps 
 forward confirms (verifier.py). Above models (a draft is a model), below the engine, whose
 scheduler asks for drafts and whose runner verifies them."""
 
-from tierserve.lazy import lazy_exports
+from typing import TYPE_CHECKING
+
+from tierserve.utils import lazy_exports
+
+if TYPE_CHECKING:  # what type checkers and IDEs resolve; at run time each loads on first use
+    from tierserve.speculative.draft_model import DraftModelProposer, DraftRows
+    from tierserve.speculative.ngram import NgramProposer, proposer_for
+    from tierserve.speculative.proposer import DraftModel, Proposer
+    from tierserve.speculative.verifier import SpecStats, verify
 
 EXPORTS = {
     "DraftModel": "proposer",

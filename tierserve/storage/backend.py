@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tierserve.errors import TierserveError
-from tierserve.units import parse_size
+from tierserve.utils import parse_size
 
 EXTRA_FIELD = "hicache_storage_backend_extra_config"
 

@@ -42,8 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from tierserve.errors import TierserveError
-from tierserve.paths import unusable_dir
 from tierserve.storage.backend import EXTRA_FIELD, StorageBackend, config_bytes
+from tierserve.utils import unusable_dir
 
 logger = logging.getLogger("tierserve")
 

@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from tierserve.errors import TierserveError
-from tierserve.net import free_port
 from tierserve.storage.backend import EXTRA_FIELD, StorageBackend, config_bytes
+from tierserve.utils import free_port
 
 DEFAULTS = {
     "master_server_address": "127.0.0.1:50051",

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from tierserve.cpuinfo import cpu_field
 from tierserve.errors import TierserveError
+from tierserve.utils import cpu_field
 
 logger = logging.getLogger("tierserve")
 

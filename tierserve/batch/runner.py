@@ -26,17 +26,17 @@ from typing import Any
 import httpx
 
 from tierserve.args import EngineArgs
-from tierserve.errors import TierserveError
-from tierserve.net import check_url
-from tierserve.server.batch_output import (
+from tierserve.batch.job_usage import JobUsage
+from tierserve.batch.jsonl import read_json_lines
+from tierserve.batch.output_file import (
     check_output,
     drop_failed,
     output_lock,
     read_output,
     writable_output,
 )
-from tierserve.server.job_usage import JobUsage
-from tierserve.server.jsonl import read_json_lines
+from tierserve.errors import TierserveError
+from tierserve.utils import check_url
 
 RETRYABLE = {408, 429, 500, 502, 503, 504}
 # What a batch line may ask for: OpenAI's batch endpoints that tierserve serves (its
@@ -268,7 +268,7 @@ def _check_regenerate_args(ns: argparse.Namespace) -> None:
 
 
 def _regenerate(ns: argparse.Namespace) -> int:
-    from tierserve.server.regenerate import Regenerator, prefix_order, read_done, read_rows
+    from tierserve.batch.regenerate import Regenerator, prefix_order, read_done, read_rows
 
     rows = read_rows(Path(ns.input))
     out = writable_output(Path(ns.output))
@@ -301,9 +301,7 @@ async def _client(ns: argparse.Namespace) -> AsyncIterator[tuple[httpx.AsyncClie
         async with httpx.AsyncClient(base_url=ns.url) as client:
             yield client, False
         return
-    from tierserve.server.api import create_app
-    from tierserve.server.async_engine import AsyncEngine
-    from tierserve.server.cli import served_model_name
+    from tierserve.server import AsyncEngine, create_app, served_model_name
 
     args = EngineArgs.from_cli(ns)
     engine = AsyncEngine.launch(args, log_level="warning")

@@ -1,4 +1,4 @@
-"""One grammar compile process of the server's compile pool (server/grammar_pool.py).
+"""One grammar compile process of the server's compile pool (frontend/grammar_pool.py).
 
 xgrammar's compile threads cannot be stopped, and a hostile grammar can compile for minutes; a
 process can be ended. The pool starts this as `python -m tierserve.server.grammar_worker`, sends
@@ -72,8 +72,9 @@ class CompileResult:
 
 
 def serve(requests: BinaryIO, replies: BinaryIO) -> int:
-    from tierserve.engine import compile_spec, load_tokenizer, new_compiler, tokenizer_info
     from tierserve.errors import TierserveError
+    from tierserve.frontend.grammar import compile_spec, new_compiler, tokenizer_info
+    from tierserve.frontend.tokenizer import load_tokenizer
     from tierserve.sampling_params import StructuredOutput
 
     setup = WorkerSetup.decode(requests.readline())
@@ -99,7 +100,7 @@ def serve(requests: BinaryIO, replies: BinaryIO) -> int:
 
 
 def _test_hold() -> None:
-    from tierserve.test_hold import wait_while_held
+    from tierserve.utils import wait_while_held
 
     hold = os.environ.get(COMPILE_HOLD_ENV)
     wait_while_held(hold, f"{hold}.held.{os.getpid()}")

@@ -3,7 +3,7 @@
 A grammar compiled in a thread could not be stopped: an enum of 500 strings of 5,000 characters
 compiled for more than ten minutes after its client had left, and six of them starved plain
 requests, whose tokenization shared their thread pool. Here each compile runs in a worker process
-(server/grammar_worker.py) that is killed when its client leaves, when it outlives
+(frontend/grammar_worker.py) that is killed when its client leaves, when it outlives
 `--grammar-compile-timeout` (a 400), or when the server stops; the next compile starts a fresh
 one (about three seconds here: Python, torch, xgrammar and the tokenizer). Plain requests never
 wait for this pool.
@@ -20,22 +20,22 @@ import sys
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 
-from tierserve.engine import CACHE_BYTES, check_size
 from tierserve.errors import TierserveError
-from tierserve.sampling_params import StructuredOutput
-from tierserve.server.grammar_worker import (
+from tierserve.frontend.grammar import CACHE_BYTES, check_size
+from tierserve.frontend.grammar_worker import (
     DEFAULT_COMPILE_TIMEOUT_S,
     READY,
     CompileJob,
     CompileResult,
     WorkerSetup,
 )
+from tierserve.sampling_params import StructuredOutput
 
 logger = logging.getLogger("tierserve")
 
 # A compiled grammar's serialised form of a large enum runs to many megabytes on one line.
 LINE_LIMIT = 1 << 30
-WORKER = [sys.executable, "-m", "tierserve.server.grammar_worker"]
+WORKER = [sys.executable, "-m", "tierserve.frontend.grammar_worker"]
 
 
 class ShuttingDown(Exception):

@@ -13,12 +13,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from tierserve.engine.grammar import Grammars
+from tierserve.core_messages import AddRequest, CoreInfo
 from tierserve.errors import StorageFull, TierserveError
-from tierserve.messages import AddRequest, CoreInfo
+from tierserve.frontend.grammar import Grammars
 from tierserve.sampling_params import SamplingParams, encodes_utf8
 from tierserve.sizing import pages_for
-from tierserve.units import format_bytes
+from tierserve.utils import format_bytes
 
 # A token is rarely longer than this many characters: text longer than the context times this
 # is refused before it is tokenized (a 10 MB prompt took ~10 s and gigabytes to learn that).

@@ -13,19 +13,32 @@ dropped, so outputs are the same as if the engine had stopped at once.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
-from tierserve.engine.detokenizer import IncrementalDetokenizer
-from tierserve.engine.request import Request
-from tierserve.messages import AddRequest
+from tierserve.frontend.detokenizer import IncrementalDetokenizer
 from tierserve.outputs import RequestOutput, StepOutput, TokenLogprob
+from tierserve.sampling_params import SamplingParams
+
+
+class Submitted(Protocol):
+    """What a request carries into its outputs: the API process's `AddRequest`, or the offline
+    engine's own request."""
+
+    @property
+    def rid(self) -> str: ...
+    @property
+    def prompt_text(self) -> str | None: ...
+    @property
+    def prompt_ids(self) -> list[int]: ...
+    @property
+    def params(self) -> SamplingParams: ...
 
 
 class OutputBuilder:
     """One request's outputs, built from the engine's StepOutputs as they arrive."""
 
     def __init__(
-        self, req: Request | AddRequest, tokenizer: Any, eos_ids: frozenset[int] = frozenset()
+        self, req: Submitted, tokenizer: Any, eos_ids: frozenset[int] = frozenset()
     ) -> None:
         """`eos_ids`: the model's EOS tokens, which end a request without a stop_reason (as in
         vLLM) unless it ignores EOS."""

@@ -39,9 +39,9 @@ from typing import Any
 
 import httpx
 
+from tierserve.batch.dataset_rows import Row, Transcript, id_key, prefix_order, read_rows
+from tierserve.batch.job_usage import JobUsage
 from tierserve.errors import TierserveError
-from tierserve.server.dataset_rows import Row, Transcript, id_key, prefix_order, read_rows
-from tierserve.server.job_usage import JobUsage
 
 __all__ = ["Regenerator", "prefix_order", "read_done", "read_rows"]
 

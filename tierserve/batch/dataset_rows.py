@@ -22,9 +22,9 @@ from typing import Any, get_args
 
 from pydantic import ValidationError
 
+from tierserve.batch.jsonl import read_json_lines
 from tierserve.chat import ChatMessage, ChatRole, first_problem
 from tierserve.errors import TierserveError
-from tierserve.server.jsonl import read_json_lines
 
 SHAREGPT_ROLES = {
     "human": "user",

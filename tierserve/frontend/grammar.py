@@ -1,7 +1,7 @@
 """Structured output through xgrammar (the grammar engine SGLang and vLLM use).
 
 A request's grammar is compiled when the request is made: on the server in the compile pool's
-processes (server/grammar_pool.py), offline in the calling thread; never on the engine thread.
+processes (frontend/grammar_pool.py), offline in the calling thread; never on the engine thread.
 A request carries it in xgrammar's serialised form, which each rank reads back. Each step, a
 constrained row's logits keep only the tokens its grammar allows (after penalties and biases,
 so the grammar has the last word); the sampled token then advances the row's matcher. A grammar
