@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierserve.server.json_depth import JsonDepthGauge
+from tierserve.server.guards import JsonDepthGauge
 
 # Strings full of what a naive bracket count would trip on.
 TRICKY = st.text(alphabet='[]{}"\\ab\n', max_size=6)

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 import tierserve
-from tierserve.frontend.detokenizer import IncrementalDetokenizer
+from tierserve.frontend.output import IncrementalDetokenizer
 from tierserve.parsers import (
     REASONING_PARSERS,
     TOOL_PARSERS,

@@ -17,8 +17,7 @@ import tierserve
 from tests.conftest import random_prompts
 from tierserve import LLM, SamplingParams
 from tierserve.engine.request import Request
-from tierserve.frontend.detokenizer import MAX_UNSETTLED, IncrementalDetokenizer
-from tierserve.frontend.output import OutputBuilder
+from tierserve.frontend.output import MAX_UNSETTLED, IncrementalDetokenizer, OutputBuilder
 from tierserve.layers.sampler import greedy_tokens, sample
 from tierserve.outputs import RequestOutput, StepOutput, TokenLogprob
 from tierserve.server.pending_outputs import PendingOutputs

@@ -34,7 +34,7 @@ CACHE_BYTES = 64 * 1024 * 1024
 # time limit (--grammar-compile-timeout) bounds the rest.
 MAX_GRAMMAR_CHARS = 4_000_000
 MAX_SCHEMA_ENUM_VALUES = 10_000
-MAX_SCHEMA_DEPTH = 128  # JSON levels, as a request body (server/json_depth.py)
+MAX_SCHEMA_DEPTH = 128  # JSON levels, as a request body (server/guards.py)
 # The kinds whose source is JSON holding schemas, all under the limits above: a structural tag
 # holds one per tag, a tool family's (builtin_structural_tag) one per tool; outside them, a
 # forced call's tool with 20,000 enum values compiled for 17-21 s.
