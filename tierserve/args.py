@@ -606,9 +606,12 @@ class EngineArgs:
         return self.model or default_model()
 
     @property
-    def tokenizer_dir(self) -> str | None:
+    def tokenizer_dir(self) -> str:
         """Where the tokenizer is read: `--tokenizer`, else the checkpoint's directory."""
-        return self.tokenizer or self.model_dir
+        path = self.tokenizer or self.model_dir
+        if path is None:  # Startup refuses the same before anything loads
+            raise TierserveError("no --model given and no bundled demo model", field="model")
+        return path
 
     @property
     def local_ranks(self) -> int:

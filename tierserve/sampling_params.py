@@ -126,7 +126,7 @@ class SamplingParams:
             if not isinstance(value, list | tuple):
                 raise TierserveError(f"{name} must be a list, got {value!r}", name)
             object.__setattr__(self, name, tuple(value))
-        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
+        object.__setattr__(self, "logit_bias", bias_pairs(self.logit_bias))
         self._validate()
         self._validate_penalties()
 
@@ -319,7 +319,7 @@ class SamplingParams:
         return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
-def _bias_pairs(bias: object) -> tuple[tuple[Any, ...], ...]:
+def bias_pairs(bias: object) -> tuple[tuple[int, float], ...]:
     """(token id, bias) pairs from OpenAI's form, {"token id": bias}, or pairs already."""
     if isinstance(bias, dict):
         pairs = sorted(((_token_id(k), v) for k, v in bias.items()), key=lambda p: p[0])

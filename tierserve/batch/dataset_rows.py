@@ -66,7 +66,10 @@ class Row:
         return [t if "function" in t else {"type": "function", "function": t} for t in tools]
 
     def role(self, turn: dict[str, Any]) -> str:
-        return SHAREGPT_ROLES.get(turn["from"], turn["from"]) if self.sharegpt else turn["role"]
+        if not self.sharegpt:
+            return turn["role"]
+        speaker: str = turn["from"]
+        return SHAREGPT_ROLES.get(speaker, speaker)
 
     def is_assistant(self, turn: dict[str, Any]) -> bool:
         return self.role(turn) == "assistant"

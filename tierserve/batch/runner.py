@@ -21,7 +21,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
@@ -37,6 +37,9 @@ from tierserve.batch.output_file import (
 )
 from tierserve.errors import TierserveError
 from tierserve.utils import check_url
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
 
 RETRYABLE = {408, 429, 500, 502, 503, 504}
 # What a batch line may ask for: OpenAI's batch endpoints that tierserve serves (its
@@ -143,7 +146,7 @@ class BatchRunner:
         self.totals = Totals()
         self.lock = asyncio.Lock()
         self.start = time.perf_counter()
-        self.bar = None
+        self.bar: tqdm | None = None  # the progress bar, while `run` runs
 
     async def run(self, pending: list[dict[str, Any]]) -> None:
         from tqdm import tqdm
@@ -184,6 +187,7 @@ class BatchRunner:
             "response": {"status_code": status, "request_id": body.get("id"), "body": body},
             "error": None if status == 200 else body.get("error"),
         }
+        assert self.bar is not None  # called from `run` only
         async with self.lock:
             sink.write(json.dumps(record) + "\n")
             sink.flush()  # survives the process being killed

@@ -186,7 +186,7 @@ async def served_model(client: httpx.AsyncClient, url: str) -> str | None:
 class _Sender:
     def __init__(self, client: httpx.AsyncClient, url: str, opts: LoadOptions, t0: float) -> None:
         self.client, self.url, self.opts, self.t0 = client, url, opts, t0
-        self.tokenizer = None
+        self.tokenizer: Any = None  # a transformers tokenizer, where output text is re-encoded
         self.model = opts.model
         self.need_ids = False  # multi-turn histories need the output ids
         self.saw_ids = False

@@ -251,7 +251,7 @@ def compare(
             if s["failed"]:
                 log(f"[{cfg.name}] {s['failed']} failed: {s['errors']}")
         log(f"[{cfg.name}] wall {time.monotonic() - start:.0f} s with startup")
-    meta = {"model": model, **(meta or {})}
-    meta.setdefault("machine", report.machine_info())
-    meta = json.loads(json.dumps(meta, default=str))
-    return report.write_report(out, runs, meta)
+    shown: dict[str, Any] = {"model": model, **(meta or {})}
+    shown.setdefault("machine", report.machine_info())
+    shown = json.loads(json.dumps(shown, default=str))
+    return report.write_report(out, runs, shown)

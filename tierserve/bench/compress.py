@@ -27,17 +27,23 @@ def compress(
     """`dense`'s checkpoint with every linear but `ignore` quantized by compressed-tensors'
     PackedQuantizationCompressor, and the quantization_config it documents."""
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.config import CompressionFormat
     from compressed_tensors.quantization import (
         QuantizationArgs,
         QuantizationConfig,
         QuantizationScheme,
+        QuantizationStrategy,
+        QuantizationType,
     )
     from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
-    strategy = "group" if group else "channel"
-    args = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy,
-                            group_size=group)  # fmt: skip
-    scheme = QuantizationScheme(targets=["Linear"], weights=args, format="pack-quantized")
+    # The enums' members: their models keep the values ("int", "group", "pack-quantized").
+    strategy = QuantizationStrategy.GROUP if group else QuantizationStrategy.CHANNEL
+    args = QuantizationArgs(num_bits=bits, type=QuantizationType.INT, symmetric=symmetric,
+                            strategy=strategy, group_size=group)  # fmt: skip
+    scheme = QuantizationScheme(
+        targets=["Linear"], weights=args, format=CompressionFormat.pack_quantized
+    )
     out.mkdir(parents=True, exist_ok=True)
     for f in dense.iterdir():
         if f.name != "model.safetensors":

@@ -102,7 +102,8 @@ def summarize(result: RunResult) -> dict[str, Any]:
     failed = len(result.records) - len(done)
     span = 0.0
     if done:
-        span = max(r.end for r in done) - min(r.send for r in result.records)
+        ends = [r.end for r in done if r.end is not None]  # every one: `ok` has an end
+        span = max(ends) - min(r.send for r in result.records)
     input_tokens = sum(
         r.prompt_tokens if r.prompt_tokens is not None else r.prompt_len for r in done
     )

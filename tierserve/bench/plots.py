@@ -21,6 +21,7 @@ def plot(runs: list[dict[str, Any]], out: Path) -> list[str]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     names = [r["name"] for r in runs]
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
@@ -41,7 +42,9 @@ def plot(runs: list[dict[str, Any]], out: Path) -> list[str]:
         ax.set_xlabel("configuration")
     else:
         ax.set_xlabel("round")
-        ax.xaxis.get_major_locator().set_params(integer=True)
+        locator = ax.xaxis.get_major_locator()
+        if isinstance(locator, MaxNLocator):  # a numeric axis's AutoLocator
+            locator.set_params(integer=True)
     ax.set_ylabel("mean TTFT (s)")
     ax.set_ylim(bottom=0)
     ax.set_title("Time to first token per round")

@@ -27,5 +27,4 @@ EXPORTS = {
     "default_transfer": "transfer",
     "open_share": "shared_host",
 }
-__all__ = list(EXPORTS)
 __getattr__ = lazy_exports(__name__, EXPORTS)

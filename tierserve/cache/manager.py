@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from tierserve.cache.handle import KVHandle
 from tierserve.cache.pool import PageAllocator, PagedKV
@@ -151,7 +151,8 @@ class KVCacheManager:
             self.storage.stats.add(dropped_prefetch_pages=n)
             return
         if payloads[0] is not None:  # None: the rank filling this shared host copy writes it
-            host.host_pool.write_page_bytes(pages, payloads)
+            # All or none are None (Prefetcher._hand_over): here every one is bytes.
+            host.host_pool.write_page_bytes(pages, cast("list[bytes]", payloads))
         if host.share is not None:  # loads of these pages wait for that rank at a barrier
             host.share.backed_up = True
         unused = radix.insert_host(tokens, start, pages)  # 0 unless eviction took the prefix
@@ -160,11 +161,14 @@ class KVCacheManager:
 
     def load_back(self, h: KVHandle) -> bool:
         """Queue the host part's copy to the device; False (it stays behind) if no room."""
+        # A host part was matched: there is a host tier, a tree, and a locked node.
+        assert self.radix is not None and self.host is not None and h.node is not None
         pages = self._alloc(h.host_hit // self.page_size)
         if pages is None:
             self.radix.unlock(h.node)
-            h.node = h.host_nodes[0].parent
-            self.radix.lock(h.node)
+            h.node = parent = h.host_nodes[0].parent
+            assert parent is not None  # a host node is never the root
+            self.radix.lock(parent)
             return False
         op, pages = self.host.load_back(h.host_nodes, pages)
         h.waiting.append(op)
@@ -222,6 +226,7 @@ class KVCacheManager:
         return self.allocator.alloc(n)
 
     def _evict(self, n: int) -> None:
+        assert self.radix is not None
         hook = self.host.before_device_drop if self.host else None
         freed = self.radix.evict(n, before_drop=hook)
         if self.host:

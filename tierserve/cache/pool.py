@@ -131,7 +131,9 @@ def _page_lock(t: torch.Tensor) -> None:
     """Pin an existing host tensor in place. torch's pinned allocator rounds a block up to a
     power of two (a 300 GB tier would lock 512 GB), past what the start-up check approved."""
     size = t.numel() * t.element_size()
-    err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), size, 0)
+    cudart = torch.cuda.cudart()
+    assert cudart is not None  # cudart() has raised where CUDA's runtime is missing
+    err = cudart.cudaHostRegister(t.data_ptr(), size, 0)
     if int(err) != 0:  # still correct, only the copies to and from the device are synchronous
         logger.warning("could not page-lock the %d-byte host tier (cuda error %s)", size, err)
 

@@ -41,7 +41,9 @@ class RadixNode:
         "parent",
     )
 
-    def __init__(self, key: tuple[int, ...], pages: list[int], parent: RadixNode | None) -> None:
+    def __init__(
+        self, key: tuple[int, ...], pages: list[int] | None, parent: RadixNode | None
+    ) -> None:
         self.key = key
         self.pages: list[int] | None = pages  # device pages; None once evicted from the device
         self.host_pages: list[int] | None = None  # host copy, if backed up
@@ -123,7 +125,7 @@ class RadixCache:
         """The longest cached whole-page prefix of `tokens`, split by tier."""
         match = PrefixMatch([], self.root)
         for node, _, _ in self._walk(tokens[: len(tokens) // self.page_size * self.page_size]):
-            if node.on_device:
+            if node.pages is not None:  # on the device
                 match.device_pages.extend(node.pages)
                 match.device_node = node
                 if node.loading is not None:
@@ -189,6 +191,7 @@ class RadixCache:
         path = []
         while node is not self.root and node.page_keys is None:
             path.append(node)
+            assert node.parent is not None  # only the root has none
             node = node.parent
         parent = node.page_keys[-1] if node is not self.root and node.page_keys else None
         for n in reversed(path):
@@ -245,7 +248,8 @@ class RadixCache:
         parent = node.parent
         assert parent is not None
         cut = n // self.page_size
-        upper = RadixNode(node.key[:n], node.pages[:cut] if node.on_device else None, parent)
+        pages = node.pages[:cut] if node.pages is not None else None
+        upper = RadixNode(node.key[:n], pages, parent)
         if node.host_pages is not None:
             upper.host_pages, node.host_pages = node.host_pages[:cut], node.host_pages[cut:]
         if node.page_keys is not None:
@@ -258,7 +262,7 @@ class RadixCache:
         )
         parent.children[upper.key[: self.page_size]] = upper
         node.key, node.parent = node.key[n:], upper
-        if node.on_device:
+        if node.pages is not None:
             node.pages = node.pages[cut:]
         upper.children[node.key[: self.page_size]] = node
         return upper
@@ -270,7 +274,7 @@ class RadixCache:
 
     def lock(self, node: RadixNode) -> None:
         for n in self._path(node):
-            if n.lock_ref == 0 and n.on_device:
+            if n.lock_ref == 0 and n.pages is not None:
                 self.evictable_pages -= len(n.pages)
                 self.locked_pages += len(n.pages)
             n.lock_ref += 1
@@ -278,7 +282,7 @@ class RadixCache:
     def unlock(self, node: RadixNode) -> None:
         for n in self._path(node):
             n.lock_ref -= 1
-            if n.lock_ref == 0 and n.on_device:
+            if n.lock_ref == 0 and n.pages is not None:
                 self.evictable_pages += len(n.pages)
                 self.locked_pages -= len(n.pages)
 
@@ -319,6 +323,7 @@ class RadixCache:
                 continue
             freed += self._drop_device(node)
             parent = node.parent
+            assert parent is not None  # the root is never a candidate
             if (
                 parent is not self.root
                 and parent.lock_ref == 0
@@ -328,6 +333,7 @@ class RadixCache:
         return freed
 
     def _drop_device(self, node: RadixNode) -> int:
+        assert node.pages is not None
         freed = len(node.pages)
         self._free_pages(node.pages)
         self.evictable_pages -= freed
@@ -347,9 +353,11 @@ class RadixCache:
         freed = 0
         while heap and freed < num_pages:
             node = heapq.heappop(heap)
+            assert node.host_pages is not None  # a node off the device is in the tree for it
             freed += len(node.host_pages)
             self._drop_host(node)
             parent = node.parent
+            assert parent is not None  # the root is never a candidate
             if (
                 parent is not self.root
                 and not parent.children
@@ -360,7 +368,7 @@ class RadixCache:
         return freed
 
     def _drop_host(self, node: RadixNode) -> None:
-        assert self._free_host_pages is not None
+        assert self._free_host_pages is not None and node.host_pages is not None
         self._free_host_pages(node.host_pages)
         self.host_pages -= len(node.host_pages)
         node.host_pages = None

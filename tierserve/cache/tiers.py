@@ -113,6 +113,7 @@ class HostTier:
         path = []
         while node is not self.radix.root and node.host_pages is None:
             path.append(node)
+            assert node.parent is not None  # only the root has none
             node = node.parent
         path.reverse()
         need = sum(len(n.pages) for n in path)
@@ -151,7 +152,9 @@ class HostTier:
         """write_through_selective: back up the deepest node on the path hit often enough."""
         if self.write_policy != "write_through_selective":
             return
+        assert self.radix is not None
         while node is not self.radix.root and node.hit_count < self.selective_threshold:
+            assert node.parent is not None  # only the root has none
             node = node.parent
         if node is not self.radix.root and node.on_device:
             self.backup(node)
@@ -170,11 +173,15 @@ class HostTier:
         assert self.radix is not None
         if self._loads is None:
             self._loads = CopyOp("load")
-        host_pages = [p for n in nodes for p in n.host_pages]
+        host_pages: list[int] = []
+        for n in nodes:
+            assert n.host_pages is not None  # host-only nodes: their KV is on the host
+            host_pages += n.host_pages
         device_pages = matched_runs(host_pages, fresh_pages)
         self._loads.add(host_pages, device_pages)
         rest = device_pages
         for n in nodes:
+            assert n.host_pages is not None
             size = len(n.host_pages)
             self.radix.set_device_pages(n, rest[:size])
             rest = rest[size:]

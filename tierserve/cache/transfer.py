@@ -73,7 +73,8 @@ def copy_pages(
     if not runs:
         return
     if src.data.device == dst.data.device:
-        torch._foreach_copy_(
+        # torch._foreach_copy_ itself, by the name torch's stubs export it under.
+        torch._VF._foreach_copy_(
             [dst.data[d : d + n] for _, d, n in runs], [src.data[s : s + n] for s, _, n in runs]
         )
         return

@@ -30,5 +30,4 @@ EXPORTS = {
     "check_tool_schemas": "messages",
     "render": "template",
 }
-__all__ = list(EXPORTS)
 __getattr__ = lazy_exports(__name__, EXPORTS)

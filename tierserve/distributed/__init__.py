@@ -40,5 +40,4 @@ EXPORTS = {
     "set_wait_here": "omp_wait",
     "wait_env": "omp_wait",
 }
-__all__ = list(EXPORTS)
 __getattr__ = lazy_exports(__name__, EXPORTS)

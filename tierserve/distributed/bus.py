@@ -26,7 +26,9 @@ IDLE_TIMEOUT = timedelta(days=7)  # a follower waits this long for rank 0's next
 class CommandBus:
     def __init__(self, rank: int, group_size: int) -> None:
         self.leader = rank == 0
-        self._group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        group = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+        assert isinstance(group, dist.ProcessGroup)  # every rank is a member
+        self._group = group
         self._pending: list[EngineInput] = []
         # The ranks of this rank's attention group (every rank without DP attention), for
         # what they alone must agree on; made by every rank, in the same order.
@@ -36,7 +38,8 @@ class CommandBus:
             for first in range(0, world, group_size):
                 ranks = list(range(first, first + group_size))
                 made = dist.new_group(ranks, backend="gloo", timeout=IDLE_TIMEOUT)
-                if rank in ranks:
+                if rank in ranks:  # else `made` is GroupMember.NON_GROUP_MEMBER
+                    assert isinstance(made, dist.ProcessGroup)
                     self._attention = made
 
     def post(self, command: EngineInput) -> None:

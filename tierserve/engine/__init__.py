@@ -34,5 +34,4 @@ EXPORTS = {
     "engine_metrics": "metrics",
     "startup_table": "kv_plan",
 }
-__all__ = list(EXPORTS)
 __getattr__ = lazy_exports(__name__, EXPORTS)

@@ -111,8 +111,10 @@ class Dispatcher:
         self._in_flight[rid] = _InFlight(
             group, len(prompt_ids), prompt_key if joins or sibling is None else None
         )
-        if sibling is None or joins:
-            self._prompts[prompt_key] = (group, sibling[1] + 1 if joins else 1)
+        if sibling is None:
+            self._prompts[prompt_key] = (group, 1)
+        elif joins:
+            self._prompts[prompt_key] = (group, sibling[1] + 1)
         return group
 
     def group_of(self, rid: str) -> int | None:

@@ -116,9 +116,11 @@ class Engine:
             table = startup_table(plan, args.dp_groups, placed, waits)
             logger.info("KV cache plan:\n%s", table)
             # Loaded where text is read (offline prompts, grammars): a core never loads it.
-            self._tokenizer = lazy_tokenizer(args.tokenizer_dir)
+            tokenizer_dir = args.tokenizer_dir
+            assert tokenizer_dir is not None  # Startup found the model directory
+            self._tokenizer = lazy_tokenizer(tokenizer_dir)
             self.eos_token_ids = set(cfg.eos_token_ids)
-            eos = eos_token_id(args.tokenizer_dir, self._tokenizer)
+            eos = eos_token_id(tokenizer_dir, self._tokenizer)
             if eos is not None:
                 self.eos_token_ids.add(eos)
             # Before the weights: a store that cannot be reached refuses the start at no cost.
@@ -196,6 +198,7 @@ class Engine:
             return proposer_for(self.args)
         load = load_mtp if startup.draft_kind == "nextn" else load_draft
         draft = load(startup.draft_path, model, self.dtype, self.device)
+        assert startup.plan.draft is not None  # planned with its draft model
         logger.info("%s: %s", startup.plan.draft.name, startup.draft_path)
         attn = ATTENTION_BACKENDS[startup.attention_backend](pool, pool.spec.num_layers)
         attn.adopt(draft)
@@ -409,6 +412,7 @@ class Engine:
     def _finish_reason(self, req: Request, token: int) -> str | None:
         if token in req.stop_ids or (req.grammar is not None and req.grammar.ended):
             return "stop"
+        assert req.params.max_tokens is not None  # filled in by Preparer.prepare()
         if len(req.output_ids) >= req.params.max_tokens or req.num_tokens >= self.context_length:
             return "length"
         return None

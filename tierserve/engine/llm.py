@@ -7,7 +7,7 @@ import threading
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from pydantic import ValidationError
 
@@ -218,7 +218,9 @@ class LLM:
         touched = []
         for step in self.engine.step():
             builder = self._open.get(step.request_id)
-            out = builder.add(step) if builder is not None else None
+            if builder is None:
+                continue
+            out = builder.add(step)
             if out is None:
                 continue
             if builder.stopped_here:
@@ -258,24 +260,25 @@ def _as_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if not isinstance(prompts, list | tuple):  # bytes read as token ids, a dict as its keys
         raise TierserveError(f"{PROMPTS}, got {type(prompts).__name__}", "prompt")
     if prompts and all(isinstance(t, int) for t in prompts):
-        return [list(prompts)]  # a single token-id prompt
+        return [cast("list[int]", list(prompts))]  # a single token-id prompt
     if not all(isinstance(p, str | list | tuple) for p in prompts):
         raise TierserveError(PROMPTS, "prompt")
-    return list(prompts)
+    return cast("list[Prompt]", list(prompts))  # each checked just above
 
 
 def _conversations(messages: Conversation | Sequence[Conversation]) -> list[Conversation]:
     """One conversation or a list of them, each a list of message dicts."""
-    if isinstance(messages, list | tuple) and messages and isinstance(messages[0], dict):
-        messages = [messages]  # one conversation
-    if not isinstance(messages, list | tuple) or not messages:
+    given: Sequence[Any] = messages  # what a caller passed: checked here
+    if isinstance(given, list | tuple) and given and isinstance(given[0], dict):
+        given = [given]  # one conversation
+    if not isinstance(given, list | tuple) or not given:
         raise TierserveError(CONVERSATIONS, "messages")
-    for conversation in messages:
+    for conversation in given:
         if not isinstance(conversation, list | tuple) or not conversation:
             raise TierserveError(CONVERSATIONS, "messages")
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in conversation):
             raise TierserveError(CONVERSATIONS, "messages")
-    return list(messages)
+    return list(given)
 
 
 def _broadcast(

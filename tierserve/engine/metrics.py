@@ -4,6 +4,7 @@ the engine's own). Names and meanings: docs/server.md."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from tierserve.core_messages import MetricFamily
@@ -23,7 +24,9 @@ def _counter(name: str, doc: str, value: float) -> MetricFamily:
     return MetricFamily(name, "counter", doc, [], [([], float(value))])
 
 
-def _labelled(name: str, kind: str, doc: str, label: str, values: dict[str, float]) -> MetricFamily:
+def _labelled(
+    name: str, kind: str, doc: str, label: str, values: Mapping[str, float]
+) -> MetricFamily:
     samples = [([key], float(value)) for key, value in values.items()]
     return MetricFamily(name, kind, doc, [label], samples)
 

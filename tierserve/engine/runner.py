@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
@@ -20,6 +21,9 @@ from tierserve.layers import (
 )
 from tierserve.outputs import TokenLogprob
 from tierserve.speculative import DraftModelProposer, DraftRows, verify
+
+if TYPE_CHECKING:
+    from tierserve.models import CausalLM
 
 # Prompt positions whose logits are materialised at once for prompt logprobs: a chunk of 8K
 # tokens over a 128K vocabulary would otherwise take 4 GB of float32 logits.
@@ -49,7 +53,7 @@ class ModelRunner:
         capture: tuple[int, ...] = (),
         proposer: DraftModelProposer | None = None,
     ) -> None:
-        self.model = model
+        self.model = cast("CausalLM", model)  # load_model builds one, typed as nn.Module
         self.attn = attn
         self.page_size = page_size
         self.device = device

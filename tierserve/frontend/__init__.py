@@ -9,10 +9,6 @@ from typing import TYPE_CHECKING
 from tierserve.utils import lazy_exports
 
 if TYPE_CHECKING:  # what type checkers and IDEs resolve; at run time each loads on first use
-    from tierserve.frontend.detokenizer import (
-        MAX_UNSETTLED,
-        IncrementalDetokenizer,
-    )
     from tierserve.frontend.grammar import (
         CACHE_BYTES,
         MAX_GRAMMAR_CHARS,
@@ -34,7 +30,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs resolve; at run time each loads
         DEFAULT_COMPILE_TIMEOUT_S,
         WorkerSetup,
     )
-    from tierserve.frontend.output import OutputBuilder
+    from tierserve.frontend.output import (
+        MAX_UNSETTLED,
+        IncrementalDetokenizer,
+        OutputBuilder,
+    )
     from tierserve.frontend.prepare import (
         MAX_CHARS_PER_TOKEN,
         RequestPreparer,
@@ -59,11 +59,11 @@ EXPORTS = {
     "GrammarCompilePool": "grammar_pool",
     "GrammarState": "grammar",
     "Grammars": "grammar",
-    "IncrementalDetokenizer": "detokenizer",
+    "IncrementalDetokenizer": "output",
     "MAX_CHARS_PER_TOKEN": "prepare",
     "MAX_GRAMMAR_CHARS": "grammar",
     "MAX_SCHEMA_ENUM_VALUES": "grammar",
-    "MAX_UNSETTLED": "detokenizer",
+    "MAX_UNSETTLED": "output",
     "OutputBuilder": "output",
     "RequestPreparer": "prepare",
     "ResponseFormat": "structured_fields",
@@ -78,5 +78,4 @@ EXPORTS = {
     "new_compiler": "grammar",
     "tokenizer_info": "grammar",
 }
-__all__ = list(EXPORTS)
 __getattr__ = lazy_exports(__name__, EXPORTS)

@@ -220,6 +220,7 @@ class RequestPreparer:
         if any(t >= vocab for seq in params.bad_words_token_ids or () for t in seq):
             message = f"bad_words must be tokens of this model's vocabulary of {vocab}"
             raise TierserveError(message, "bad_words")
+        assert params.max_tokens is not None  # filled in by prepare() before this check
         total = len(prompt_ids) + params.max_tokens
         if total > self.context_length:
             raise TierserveError(

@@ -119,5 +119,4 @@ EXPORTS = {
     "token_logprobs": "sampler",
     "tp_group": "parallel",
 }
-__all__ = list(EXPORTS)
 __getattr__ = lazy_exports(__name__, EXPORTS)

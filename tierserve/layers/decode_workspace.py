@@ -165,6 +165,8 @@ class DecodeWorkspace:
         `new` (one [B, heads, dim] tensor per part, as stored)."""
         if g.appending:
             kv = g.kv[layer]
+            # Appending only follows a step over the same rows, which stored every layer's kv.
+            assert kv is not None
             for part, x in enumerate(new):
                 kv[part][:, g.arange, g.lens - 1] = x.transpose(0, 1)
             return kv

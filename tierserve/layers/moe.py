@@ -15,7 +15,7 @@ intermediate] down) so one index picks an expert's matrices.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +24,9 @@ from torch import nn
 from tierserve.layers.cpu_linear import linear
 from tierserve.layers.mlp import GatedMLP
 from tierserve.layers.parallel import all_reduce, mark_shard, shard_size, tp_group
+
+if TYPE_CHECKING:
+    from tierserve.layers.quantized import QuantizedWeight
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class TopKRouter(nn.Module):
     # Kept in float32 whatever the model's dtype (as transformers does): the biased scores
     # decide which experts run, and bf16 rounding would flip near-ties.
     keep_in_fp32 = True
+    e_score_correction_bias: torch.Tensor  # a buffer, with sigmoid scoring only
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()
@@ -92,6 +96,11 @@ class Experts(nn.Module):
     """The routed experts' gated MLPs, stacked. With TP each rank holds a slice of every
     expert's intermediate features (SGLang's default, not expert parallelism): gate and up
     column-wise, down row-wise; the caller sums the ranks' partial outputs."""
+
+    # Parameters, or QuantizedWeights once models/quantization.py quantized them.
+    gate_up_proj: nn.Parameter | QuantizedWeight
+    down_proj: nn.Parameter | QuantizedWeight
+    tp_shards: dict[str, tuple[int, int, int]]  # set by mark_shard
 
     def __init__(self, cfg: MoEConfig) -> None:
         super().__init__()

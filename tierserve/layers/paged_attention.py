@@ -60,8 +60,8 @@ class CPUPagedAttention(TorchAttention):
         model)."""
         dtype = self.pool.data.dtype  # parts: K and V, or the latent alone
         if parts[0].dtype == dtype and parts[-1].dtype == dtype:
-            v = parts[1] if len(parts) > 1 else None
-            torch.ops.tierserve.kv_write(self.pool.data, layer, self.batch.out_slots, parts[0], v)
+            k, v = parts[0], parts[1] if len(parts) > 1 else None
+            torch.ops.tierserve.kv_write(self.pool.data, layer, self.batch.out_slots, k, v)
         else:
             self.pool.write(layer, self.batch.out_slots, *parts)
 

@@ -109,6 +109,9 @@ class ColumnParallelLinear(nn.Linear):
     """`out_features` split over the ranks; with `replicas` > 1, that many neighbouring ranks
     hold the same slice (a KV head shared by their query heads)."""
 
+    # Set on a linear whose weight is read as a tensor elsewhere (MLA's kv_b_proj): left dense.
+    keep_dense: bool
+
     def __init__(self, in_features: int, out_features: int, bias: bool, replicas: int = 1) -> None:
         tp = tp_group()
         shards = max(1, tp.size // replicas)
@@ -172,10 +175,12 @@ class PackedColumnLinear(nn.Linear):
         """Per parameter ("weight", "bias"), the checkpoint names of its parts and the parts,
         for a packed linear whose parent module's keys start with `parent` ("" or "a.b.")."""
         weight = self.weight
-        if isinstance(weight, torch.Tensor):
-            params = ["weight"]
-        else:  # quantized (layers/quantized.py): its buffers, each packed by rows
+        # Quantized, it is a QuantizedWeight (layers/quantized.py), a module where nn.Linear
+        # declares a Tensor: its buffers, each packed by rows.
+        if isinstance(weight, nn.Module):
             params = [f"weight.{name}" for name, _ in weight.named_buffers()]
+        else:
+            params = ["weight"]
         params += ["bias"] if self.bias is not None else []
         return {p: [(f"{parent}{part.name}.{p}", part) for part in self.parts] for p in params}
 

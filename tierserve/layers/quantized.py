@@ -59,13 +59,24 @@ class QuantizedWeight(nn.Module):
     With `experts`, the stacked weights of that many experts ([experts, out, in], as MoE
     layers stack them): `weight[e]` is expert e's, called the same way."""
 
+    # Buffers: the checkpoint's (until `finalize` drops them; `zero_point`: asymmetric only),
+    # then the backend's (int4_cpu: int4_packed, scales_zeros; int8_cpu: int8_weight, row_scale).
+    packed: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    int4_packed: torch.Tensor
+    scales_zeros: torch.Tensor
+    int8_weight: torch.Tensor
+    row_scale: torch.Tensor
+
     def __init__(
         self, out_features: int, in_features: int, scheme: QuantScheme, experts: int = 0
     ) -> None:
         super().__init__()
         self.out_features, self.in_features, self.scheme = out_features, in_features, scheme
         self.experts = experts
-        self.whole_shape = (out_features, in_features)  # the checkpoint's, before TP slices
+        # The checkpoint's (out, in), before TP slices.
+        self.whole_shape: tuple[int, ...] = (out_features, in_features)
         self.dense_at_load = False  # made a dense tensor after loading (models/quantization.py)
         bits, groups = scheme.num_bits, scheme.groups(in_features)
         words = -(-in_features * bits // 32)
@@ -109,7 +120,7 @@ class QuantizedWeight(nn.Module):
         scale = pick(self.scale)
         if s.group_size is not None:
             scale = scale.repeat_interleave(s.group_size, dim=-1)
-            if not s.symmetric:
+            if isinstance(zero, torch.Tensor):  # asymmetric
                 zero = zero.repeat_interleave(s.group_size, dim=-1)
         return (q - zero) * scale
 

@@ -53,7 +53,7 @@ def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
 
 def attention_factor(scaling: dict[str, Any] | None) -> float:
     """What cos/sin are multiplied by: YaRN's magnitude correction, 1 for every other kind."""
-    if (scaling or {}).get("rope_type") != "yarn":
+    if scaling is None or scaling.get("rope_type") != "yarn":
         return 1.0
     if scaling.get("attention_factor") is not None:
         return float(scaling["attention_factor"])
@@ -71,6 +71,7 @@ def inverse_frequencies(
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
         return inv_freq
+    assert scaling is not None  # `kind` came from it
     if kind == "linear":
         return inv_freq / scaling["factor"]
     if kind == "llama3":
@@ -82,6 +83,9 @@ def inverse_frequencies(
 
 class RotaryEmbedding(torch.nn.Module):
     """Precomputed cos/sin for every position; applied in the half-rotation (NeoX) layout."""
+
+    cos: torch.Tensor  # buffers: [max_positions, head_dim / 2]
+    sin: torch.Tensor
 
     def __init__(
         self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None

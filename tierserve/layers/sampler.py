@@ -54,7 +54,10 @@ class History(Protocol):
     prompt_ids: list[int]
     output_ids: list[int]
     stop_ids: frozenset[int]
-    grammar: Constraint | None
+
+    @property
+    def grammar(self) -> Constraint | None: ...
+
     allowed_ids: torch.Tensor | None  # SamplingParams.allowed_token_ids, once made
 
 

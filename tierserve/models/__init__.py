@@ -11,6 +11,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs resolve; at run time each loads
         checkpoint_numels,
         checkpoint_sizes,
     )
+    from tierserve.models.decoder import CausalLM
     from tierserve.models.dry_load import check_checkpoint
     from tierserve.models.eagle3 import (
         SHIPPED_DRAFT,
@@ -29,6 +30,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs resolve; at run time each loads
 # What outsiders import from this package, and the module that defines each (loaded on
 # first use: tierserve/utils/lazy.py).
 EXPORTS = {
+    "CausalLM": "decoder",
     "Eagle3Config": "eagle3",
     "Eagle3Draft": "eagle3",
     "SHIPPED_DRAFT": "eagle3",
@@ -50,5 +52,4 @@ EXPORTS = {
     "model_class": "registry",
     "model_fingerprint": "loader",
 }
-__all__ = list(EXPORTS)
 __getattr__ = lazy_exports(__name__, EXPORTS)

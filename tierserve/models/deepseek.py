@@ -9,6 +9,7 @@ ship one tensor per expert, and `checkpoint_target` says where each one goes.
 from __future__ import annotations
 
 import re
+from typing import cast
 
 import torch
 from torch import nn
@@ -16,6 +17,7 @@ from torch import nn
 from tierserve.layers import (
     MLA,
     AttentionBackend,
+    Experts,
     GatedMLP,
     MLAConfig,
     MoE,
@@ -103,6 +105,6 @@ class DeepseekForCausalLM(CausalLM):
         prefix, expert, proj, part = match[1], int(match[2]), match[3], match[4] or ""
         if proj == "down":
             return f"{prefix}.down_proj{part}", (expert,)
-        inter = self.get_submodule(prefix).intermediate  # this rank's
+        inter = cast(Experts, self.get_submodule(prefix)).intermediate  # this rank's
         half = slice(0, inter) if proj == "gate" else slice(inter, 2 * inter)
         return f"{prefix}.gate_up_proj{part}", (expert, half)

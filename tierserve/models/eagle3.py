@@ -21,7 +21,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from safetensors.torch import load_file
@@ -41,6 +41,7 @@ from tierserve.layers import (
     tp_group,
 )
 from tierserve.model_config import ModelConfig
+from tierserve.models.decoder import CausalLM
 from tierserve.models.llama import LlamaAttention
 from tierserve.models.loader import fill, materialize, tensor_headers, tensor_shapes
 
@@ -257,6 +258,7 @@ class Eagle3Draft(nn.Module):
     into draft tokens."""
 
     final_hidden = False  # step 0 reads the auxiliary layers' states
+    d2t: torch.Tensor  # a buffer: each draft token's offset to its target id
 
     def __init__(self, cfg: Eagle3Config, layer_id: int) -> None:
         super().__init__()
@@ -314,6 +316,7 @@ def load_draft(
 ) -> Eagle3Draft:
     """The draft in `path` for `target` (a CausalLM): its layer's KV is the pool's layer after
     the target's; without its own embeddings it shares the target's."""
+    assert isinstance(target, CausalLM)  # every model load_model makes is one
     path = Path(path)
     cfg = Eagle3Config.from_dir(path, target.config)
     cfg.check_target(target.config, str(path))
@@ -336,7 +339,7 @@ def load_draft(
         draft.d2t.zero_()
     fill(draft, targets, weights.items(), f"EAGLE-3 draft {path}", FIELD)
     cfg.check_d2t(draft.d2t, target.config, path)
-    layer = draft.layers[0]
+    layer = cast(Eagle3Layer, draft.layers[0])  # nn.ModuleList's items are typed Module
     fresh = rotary_for(cfg.layer).to(device)
     layer.rotary.cos, layer.rotary.sin = fresh.cos, fresh.sin
     pack_for_cpu(draft)

@@ -21,6 +21,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -212,9 +213,10 @@ def _return_freed_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
-def materialize(
-    model: nn.Module, device: torch.device, dtype: torch.dtype | None = None
-) -> nn.Module:
+_M = TypeVar("_M", bound=nn.Module)
+
+
+def materialize(model: _M, device: torch.device, dtype: torch.dtype | None = None) -> _M:
     """`model.to_empty(device)` for a model made on the meta device, without its first-call
     cost: to_empty makes each tensor with empty_like of a meta tensor, whose first call imports
     torch's symbolic shapes and sympy (~0.5 CPU-seconds of every engine core's and rank's
@@ -232,6 +234,7 @@ def materialize(
         return made[id(t)]
 
     for module in model.modules():
+        tensors: dict[str, Any]  # Parameters (empty makes a Parameter of one), or buffers
         for tensors in (module._parameters, module._buffers):
             for name, t in tensors.items():
                 if t is not None:

@@ -24,7 +24,7 @@ from torch import nn
 from tierserve.errors import TierserveError
 from tierserve.layers import AttentionBackend, ColumnParallelLinear, RMSNorm, pack_for_cpu, tp_group
 from tierserve.model_config import ModelConfig, read_hf_config, text_config
-from tierserve.models.decoder import DecoderLayer
+from tierserve.models.decoder import CausalLM, DecoderLayer
 from tierserve.models.deepseek import DeepseekForCausalLM
 from tierserve.models.loader import (
     CheckpointLayout,
@@ -54,7 +54,7 @@ class MTPDraft(nn.Module):
     final_hidden = True
     checkpoint_target = DeepseekForCausalLM.checkpoint_target  # per-expert tensors: stacked
 
-    def __init__(self, cfg: ModelConfig, target: nn.Module) -> None:
+    def __init__(self, cfg: ModelConfig, target: CausalLM) -> None:
         super().__init__()
         hidden, eps, layer_id = cfg.hidden_size, cfg.rms_norm_eps, cfg.num_layers
         self.enorm = RMSNorm(hidden, eps)
@@ -147,6 +147,7 @@ def mtp_numels(model_dir: str | Path, num_layers: int) -> tuple[int, int]:
 def load_mtp(
     model_dir: str | Path, target: nn.Module, dtype: torch.dtype, device: torch.device
 ) -> MTPDraft:
+    assert isinstance(target, CausalLM)  # every model load_model makes is one
     path, cfg = Path(model_dir), target.config
     with torch.device("meta"):
         draft = MTPDraft(cfg, target)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
+from typing import cast
 
 import torch
 from torch import nn
@@ -56,7 +57,9 @@ def quantize_modules(model: nn.Module, quant: QuantConfig) -> None:
         # quantized, then made dense once (`densify`); llm-compressor's recipes quantize it.
         weight.dense_at_load = getattr(module, "keep_dense", False)
         del module.weight
-        module.weight = weight
+        # A module where nn.Linear declares a Tensor (PackedColumnLinear.checkpoint_keys and
+        # layers/cpu_linear.py's `linear` take either).
+        cast(nn.Module, module).weight = weight
 
 
 def densify(model: nn.Module, dtype: torch.dtype) -> None:
@@ -67,7 +70,7 @@ def densify(model: nn.Module, dtype: torch.dtype) -> None:
             module.weight = nn.Parameter(weight.dense().to(dtype), requires_grad=False)
 
 
-def _quantize_experts(experts: nn.Module, prefix: str, quant: QuantConfig) -> None:
+def _quantize_experts(experts: Experts, prefix: str, quant: QuantConfig) -> None:
     """A MoE layer's stacked experts (gate/up packed, down), quantized as the checkpoint's
     expert 0 is (its experts are quantized alike, or the config says nothing of them)."""
     scheme = _one_scheme([f"{prefix}.0.{proj}_proj" for proj in ("gate", "up", "down")], quant)
@@ -194,8 +197,10 @@ def check_declared(model: nn.Module, declared: Mapping[str, list]) -> None:
             _check_shape(name, declared, [rows, weight.whole_shape[1]])
 
 
-def _check_experts(experts: nn.Module, prefix: str, declared: Mapping[str, list]) -> None:
-    hidden, inter = experts.down_proj.whole_shape  # down: [hidden, intermediate]
+def _check_experts(experts: Experts, prefix: str, declared: Mapping[str, list]) -> None:
+    down = experts.down_proj
+    assert isinstance(down, QuantizedWeight)  # the caller's check
+    hidden, inter = down.whole_shape  # down: [hidden, intermediate]
     for e in range(experts.num_experts):
         for proj, want in (("gate", [inter, hidden]), ("up", [inter, hidden]),
                            ("down", [hidden, inter])):  # fmt: skip

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from tierserve.errors import TierserveError
+from tierserve.models.decoder import CausalLM
 from tierserve.models.deepseek import DeepseekForCausalLM
 from tierserve.models.llama import LlamaForCausalLM
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+MODEL_REGISTRY: dict[str, type[CausalLM]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
@@ -18,7 +17,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
 }
 
 
-def model_class(architecture: str) -> type[nn.Module]:
+def model_class(architecture: str) -> type[CausalLM]:
     try:
         return MODEL_REGISTRY[architecture]
     except KeyError:

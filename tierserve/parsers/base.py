@@ -15,7 +15,7 @@ import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeGuard
 
 
 @dataclass(frozen=True)
@@ -231,7 +231,7 @@ class ToolParser(ABC):
             self._in_section, self._after_call = False, True
         return self._unread(buf[:end]) if body is None else self._call(body)
 
-    def _unread_text(self, held: str | None) -> bool:
+    def _unread_text(self, held: str | None) -> TypeGuard[str]:
         """Whether a section's held text has more than its begin marker and whitespace (an
         empty section is no content)."""
         return held is not None and bool(held[len(self.section_begin or "") :].strip())

@@ -236,12 +236,13 @@ def run(ns: argparse.Namespace) -> int:
     inputs = build_inputs(ns, load_model(_model_arg(ns), ns.weight_dtype, _weights(ns)))
     if ns.check_sglang is not None and ns.check_vllm is not None:
         raise TierserveError("give --check-sglang or --check-vllm, not both", "check_vllm")
-    if ns.check_sglang is not None or ns.check_vllm is not None:
-        check = (
-            check_sglang(ns.check_sglang, inputs, ns.sglang_version)
-            if ns.check_sglang is not None
-            else check_vllm(ns.check_vllm, inputs)
-        )
+    if ns.check_sglang is not None:
+        check = check_sglang(ns.check_sglang, inputs, ns.sglang_version)
+    elif ns.check_vllm is not None:
+        check = check_vllm(ns.check_vllm, inputs)
+    else:
+        check = None
+    if check is not None:
         emit(_json(check.to_dict()) if ns.json else render_check(check))
         return 0 if check.fits else 1
     plan = make_plan(inputs)

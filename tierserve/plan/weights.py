@@ -241,7 +241,9 @@ def model_spec(
     groups = parameter_groups(config)
     total = sum(groups.values())
     scale = num_parameters / total if num_parameters else 1.0
-    dtypes = dict.fromkeys(GROUPS, weight_dtype) if weight_dtype else checkpoint_dtypes(config)
+    dtypes: dict[str, str] = (
+        dict.fromkeys(GROUPS, weight_dtype) if weight_dtype else checkpoint_dtypes(config)
+    )
     size = int(sum(groups[g] * scale * dtype_bytes(dtypes[g]) for g in GROUPS))
     attention = model.num_layers * _attention_params(model) * dtype_bytes(dtypes["other"])
     attention = int((attention + groups["embeddings"] * dtype_bytes(dtypes["embeddings"])) * scale)

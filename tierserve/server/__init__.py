@@ -17,5 +17,4 @@ EXPORTS = {
     "create_app": "api",
     "served_model_name": "cli",
 }
-__all__ = list(EXPORTS)
 __getattr__ = lazy_exports(__name__, EXPORTS)

@@ -10,7 +10,7 @@ equal single requests with those seeds. Usage counts each prompt once.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +22,8 @@ from tierserve.outputs import RequestOutput
 from tierserve.sampling_params import SamplingParams
 from tierserve.server.async_engine import EngineDeadError
 from tierserve.server.disconnect import unless_disconnected
-from tierserve.server.protocol import SSE_DONE, error_body, sse, usage, user_error_body
-from tierserve.server.serving import Serving, off_the_loop
+from tierserve.server.protocol import SSE_DONE, sse, usage
+from tierserve.server.serving import Serving, off_the_loop, stream_error
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,7 @@ def jobs(prompts: list[str | list[int]], params: SamplingParams, n: int) -> list
     return out
 
 
-async def merged(c: Serving, todo: list[Job]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merged(c: Serving, todo: list[Job]) -> AsyncGenerator[tuple[int, RequestOutput], None]:
     """Every choice's outputs as they come, tagged with its index; the first error raises."""
     queue: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
     started = {job.index: asyncio.Event() for job in todo}
@@ -106,7 +106,7 @@ async def respond(c: Serving, todo: list[Job], n: int, request: Request, stream:
 
 async def _collect(
     first: tuple[int, RequestOutput],
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
     request: Request,
 ) -> dict[int, RequestOutput] | None:
 
@@ -124,9 +124,9 @@ async def _collect(
 async def _sse(
     c: Serving,
     first: tuple[int, RequestOutput],
-    outputs: AsyncIterator[tuple[int, RequestOutput]],
+    outputs: AsyncGenerator[tuple[int, RequestOutput], None],
     n: int,
-) -> AsyncIterator[bytes]:
+) -> AsyncGenerator[bytes, None]:
     seen: set[int] = set()
     finals: dict[int, RequestOutput] = {}
     try:
@@ -142,11 +142,8 @@ async def _sse(
                 finals[index] = out
             try:
                 item = await anext(outputs, None)
-            except EngineDeadError as err:  # headers are sent: say so in the stream
-                yield sse(error_body(str(err), "service_unavailable", None, 503))
-                return
-            except TierserveError as err:  # a later prompt refused after the first streamed
-                yield sse(user_error_body(err))
+            except (EngineDeadError, TierserveError) as err:
+                yield stream_error(err)
                 return
         if c.include_usage:
             tail = c.envelope(c.chunk_object, [], usage=total_usage(finals, n))

@@ -71,7 +71,7 @@ class CoreClient:
         assert self._info is not None, "ready() first"
         return self._info
 
-    def tokenizer_beside(self, path: str | None) -> Any:
+    def tokenizer_beside(self, path: str) -> Any:
         """The tokenizer at `path` (`EngineArgs.tokenizer_dir`, what the core reads too),
         loaded on a thread while the core starts. The core's verdict on the flags comes first:
         a missing model is its refusal, not a tokenizer error."""
@@ -175,4 +175,7 @@ def _spawn(cmd: list[str], env: dict[str, str], fds: tuple[int, ...]) -> subproc
     def start() -> subprocess.Popen:
         return subprocess.Popen(cmd, env=env, pass_fds=fds, stdin=subprocess.DEVNULL)
 
-    return start_from_lasting_thread(start, subprocess.Popen.wait, "tierserve-core-spawner")
+    def outlive(proc: subprocess.Popen) -> None:
+        proc.wait()
+
+    return start_from_lasting_thread(start, outlive, "tierserve-core-spawner")

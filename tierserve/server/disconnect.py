@@ -4,7 +4,7 @@ requests it asked for, streaming or not."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -13,7 +13,7 @@ T = TypeVar("T")
 
 
 async def unless_disconnected(
-    work: Awaitable[T], outputs: AsyncIterator[Any], request: Request
+    work: Awaitable[T], outputs: AsyncGenerator[Any, None], request: Request
 ) -> T | None:
     """`work`'s result, or None if the client disconnects first; then `outputs` is closed,
     which aborts its requests and frees their KV."""

@@ -98,9 +98,11 @@ class GenerateRequest(TextBody):
             empty = isinstance(value, list | dict) and not value
             if not (value is None or value is False or empty):
                 raise TierserveError(f"{name} is not supported", name)
-        if (self.text is None) == (self.input_ids is None):
-            raise TierserveError("give exactly one of text or input_ids", "text")
-        return self.text if self.text is not None else self.input_ids
+        if self.text is not None and self.input_ids is None:
+            return self.text
+        if self.input_ids is not None and self.text is None:
+            return self.input_ids
+        raise TierserveError("give exactly one of text or input_ids", "text")
 
     def params(self) -> SamplingParams:
         params = self.sampling_params.to_params()

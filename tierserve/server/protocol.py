@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, TypeVar, cast
 
 import msgspec
 from pydantic import (
@@ -26,7 +26,7 @@ from pydantic import (
 from tierserve.chat import ChatTemplateFields, NamedToolChoice, TextBody
 from tierserve.errors import StorageFull, TierserveError
 from tierserve.frontend import ResponseFormat, StructuredOutputs
-from tierserve.sampling_params import SamplingParams, StructuredOutput
+from tierserve.sampling_params import SamplingParams, StructuredOutput, bias_pairs
 from tierserve.server.unsupported import UNSUPPORTED_FIELDS
 
 MAX_CHOICES = 128  # prompts × n in one request: bounded work per request
@@ -107,14 +107,14 @@ class SamplingKnobs(TextBody):
             frequency_penalty=self.frequency_penalty,
             repetition_penalty=self.repetition_penalty,
             min_tokens=self.min_tokens,
-            logit_bias=self.logit_bias or (),
+            logit_bias=bias_pairs(self.logit_bias or ()),
             structured_output=self._structured(structured),
             return_hidden_states=self.return_hidden_states,
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            allowed_token_ids=self.allowed_token_ids,
+            allowed_token_ids=_tuple(self.allowed_token_ids),
             truncate_prompt_tokens=self.truncate_prompt_tokens,
-            bad_words=self.bad_words,
+            bad_words=_tuple(self.bad_words),
         )
 
 
@@ -207,7 +207,8 @@ class CompletionRequest(SamplingFields):
     def prompts(self) -> list[str | list[int]]:
         """One prompt, or a batch: each its own choice(s), in order."""
         p = self.prompt
-        batch = p if isinstance(p, list) and p and isinstance(p[0], str | list) else [p]
+        many = isinstance(p, list) and p and isinstance(p[0], str | list)
+        batch = cast("list[str | list[int]]", p) if many else [p]
         if not all(isinstance(b, str) or all(isinstance(t, int) for t in b) for b in batch):
             raise TierserveError("prompt must be a string, token ids, or a list of those", "prompt")
         if len(batch) * self.n > MAX_CHOICES:
@@ -300,3 +301,10 @@ def error_body(message: str, kind: str, param: str | None, code: int) -> dict[st
     if param is not None:
         param = param.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+T = TypeVar("T")
+
+
+def _tuple(values: list[T] | None) -> tuple[T, ...] | None:
+    return tuple(values) if values is not None else None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import msgspec
@@ -83,7 +83,7 @@ class Serving:
 
     async def tracked(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         start, first_at, out = time.perf_counter(), None, None
         try:
             async for out in self.engine.generate(prompt, params, request_id or self.id):
@@ -164,8 +164,8 @@ class Serving:
         return self.envelope(self.chunk_object, [], usage=self.usage_of(out))
 
     async def _sse(
-        self, first: RequestOutput, outputs: AsyncIterator[RequestOutput]
-    ) -> AsyncIterator[bytes]:
+        self, first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None]
+    ) -> AsyncGenerator[bytes, None]:
         out, is_first = first, True
         try:
             while True:
@@ -179,11 +179,8 @@ class Serving:
                     break
                 try:
                     out = await anext(outputs)
-                except EngineDeadError as err:  # headers are sent: say so in the stream
-                    yield sse(error_body(str(err), "service_unavailable", None, 503))
-                    return
-                except TierserveError as err:  # refused by the engine once it had begun
-                    yield sse(user_error_body(err))
+                except (EngineDeadError, TierserveError) as err:
+                    yield stream_error(err)
                     return
             tail = self.usage_chunk(out)
             if tail is not None:
@@ -191,6 +188,14 @@ class Serving:
             yield SSE_DONE
         finally:
             await outputs.aclose()  # a client that left aborts the request and frees its KV
+
+
+def stream_error(err: EngineDeadError | TierserveError) -> bytes:
+    """The last chunk of a stream whose request failed after its headers were sent: an engine
+    that died, or a refusal once the request had begun (a later prompt of a batch)."""
+    if isinstance(err, EngineDeadError):
+        return sse(error_body(str(err), "service_unavailable", None, 503))
+    return sse(user_error_body(err))
 
 
 def per_prompt(
@@ -228,7 +233,7 @@ def _without_output(out: RequestOutput) -> RequestOutput:
 
 
 async def _until_done(
-    first: RequestOutput, outputs: AsyncIterator[RequestOutput], request: Request
+    first: RequestOutput, outputs: AsyncGenerator[RequestOutput, None], request: Request
 ) -> RequestOutput | None:
     """The final output, or None if the client disconnects first (the request is aborted)."""
     if first.finished:

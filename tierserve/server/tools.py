@@ -42,7 +42,8 @@ TOKEN_MARKERS = {"qwen_3": ("<think>", "</think>", "<tool_call>", "</tool_call>"
 
 
 class Reply(Protocol):
-    calls: list[ToolCall]
+    @property
+    def calls(self) -> list[ToolCall]: ...
 
     def feed(self, text: str) -> ParsedDelta: ...
 

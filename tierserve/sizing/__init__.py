@@ -55,5 +55,4 @@ EXPORTS = {
     "tokens_in": "pools",
     "weights_per_rank": "pools",
 }
-__all__ = list(EXPORTS)
 __getattr__ = lazy_exports(__name__, EXPORTS)

@@ -23,5 +23,4 @@ EXPORTS = {
     "proposer_for": "ngram",
     "verify": "verifier",
 }
-__all__ = list(EXPORTS)
 __getattr__ = lazy_exports(__name__, EXPORTS)

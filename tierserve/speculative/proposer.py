@@ -18,8 +18,11 @@ class DraftSource(Protocol):
 
 
 class Proposer(Protocol):
-    # Slots past a sampling chunk's rows that proposing writes (a draft model's later steps).
-    lookahead: int
+    @property
+    def lookahead(self) -> int:
+        """Slots past a sampling chunk's rows that proposing writes (a draft model's later
+        steps)."""
+        ...
 
     def draft_for(self, req: DraftSource, k: int) -> tuple[int, ...]:
         """Up to `k` tokens to verify after `req`'s last one."""
@@ -39,9 +42,9 @@ class DraftModel(Protocol):
         attn: AttentionBackend,
     ) -> torch.Tensor: ...  # fmt: skip
 
-    def step(
+    def step(  # positional: MTPDraft's step is its start, under start's names
         self, previous: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
-        attn: AttentionBackend,
+        attn: AttentionBackend, /,
     ) -> torch.Tensor: ...  # fmt: skip
 
     def propose(self, out: torch.Tensor) -> torch.Tensor: ...

@@ -28,5 +28,4 @@ EXPORTS = {
     "StorageTier": "tier",
     "backend_class": "registry",
 }
-__all__ = list(EXPORTS)
 __getattr__ = lazy_exports(__name__, EXPORTS)

@@ -36,6 +36,9 @@ class StorageBackend(ABC):
     # ignored (a misspelt "pathh" once served from the default directory). None: any.
     config_keys: frozenset[str] | None = None
 
+    def __init__(self, extra: Mapping[str, Any]) -> None:  # noqa: B027 (each reads its own)
+        """A backend is made from the storage config's extra keys (`make_backend`)."""
+
     @abstractmethod
     def exists(self, keys: list[str]) -> list[bool]: ...
 

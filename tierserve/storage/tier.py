@@ -87,11 +87,11 @@ class StorageTier:
 
     def _write_loop(self) -> None:
         while (item := self._writes.get()) is not None:
-            batch = [item]
-            while len(batch) < self.cfg.batch_pages and not self._writes.empty():
-                batch.append(self._writes.get_nowait())  # the only consumer: never empty here
-            stop = batch[-1] is None
-            batch = [b for b in batch if b is not None]
+            taken: list[tuple[str, bytes] | None] = [item]  # None: the stop after the pages
+            while len(taken) < self.cfg.batch_pages and not self._writes.empty():
+                taken.append(self._writes.get_nowait())  # the only consumer: never empty here
+            stop = taken[-1] is None
+            batch = [b for b in taken if b is not None]
             self._write(batch)
             with self._lock:
                 self._queued_bytes -= sum(len(p) for _, p in batch)
