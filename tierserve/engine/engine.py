@@ -53,7 +53,7 @@ from tierserve.errors import TierserveError
 from tierserve.frontend import RequestPreparer, eos_token_id, lazy_tokenizer
 from tierserve.layers import ATTENTION_BACKENDS
 from tierserve.model_config import ModelConfig
-from tierserve.models import load_draft, load_model, load_mtp
+from tierserve.models import CausalLM, load_draft, load_model, load_mtp
 from tierserve.outputs import StepOutput, TokenLogprob
 from tierserve.sampling_params import SamplingParams
 from tierserve.speculative import DraftModelProposer, Proposer, SpecStats, proposer_for
@@ -191,7 +191,7 @@ class Engine:
             self.abandon_storage()
             raise
 
-    def _proposer(self, startup: Startup, model: torch.nn.Module, pool: PagedKV) -> Proposer | None:
+    def _proposer(self, startup: Startup, model: CausalLM, pool: PagedKV) -> Proposer | None:
         """The flags' proposer; a draft model with an attention backend of its own (its decode
         workspace holds the draft's layer only)."""
         if startup.draft_path is None:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from tierserve.engine.scheduler import ScheduledChunk
 from tierserve.layers import (
@@ -46,14 +45,14 @@ class ChunkResult:
 class ModelRunner:
     def __init__(
         self,
-        model: nn.Module,
+        model: CausalLM,
         attn: AttentionBackend,
         page_size: int,
         device: torch.device,
         capture: tuple[int, ...] = (),
         proposer: DraftModelProposer | None = None,
     ) -> None:
-        self.model = cast("CausalLM", model)  # load_model builds one, typed as nn.Module
+        self.model = model
         self.attn = attn
         self.page_size = page_size
         self.device = device

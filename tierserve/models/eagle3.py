@@ -312,11 +312,10 @@ class Eagle3Draft(nn.Module):
 
 
 def load_draft(
-    path: str | Path, target: nn.Module, dtype: torch.dtype, device: torch.device
+    path: str | Path, target: CausalLM, dtype: torch.dtype, device: torch.device
 ) -> Eagle3Draft:
     """The draft in `path` for `target` (a CausalLM): its layer's KV is the pool's layer after
     the target's; without its own embeddings it shares the target's."""
-    assert isinstance(target, CausalLM)  # every model load_model makes is one
     path = Path(path)
     cfg = Eagle3Config.from_dir(path, target.config)
     cfg.check_target(target.config, str(path))

@@ -39,6 +39,7 @@ from tierserve.layers import (
     shards_by_name,
 )
 from tierserve.model_config import ModelConfig, read_hf_config, text_config
+from tierserve.models.decoder import CausalLM
 from tierserve.models.quant_config import QuantConfig
 from tierserve.models.quantization import (
     check_declared,
@@ -156,7 +157,7 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     quantized_activations: str = "auto",
-) -> nn.Module:
+) -> CausalLM:
     """`quantized_activations`: EngineArgs' (auto: bf16 into the int4 kernel; model: `dtype`)."""
     bound_primitive_caches()  # before this process's first oneDNN primitive: the reorders
     path = Path(path)

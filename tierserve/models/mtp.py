@@ -145,9 +145,8 @@ def mtp_numels(model_dir: str | Path, num_layers: int) -> tuple[int, int]:
 
 
 def load_mtp(
-    model_dir: str | Path, target: nn.Module, dtype: torch.dtype, device: torch.device
+    model_dir: str | Path, target: CausalLM, dtype: torch.dtype, device: torch.device
 ) -> MTPDraft:
-    assert isinstance(target, CausalLM)  # every model load_model makes is one
     path, cfg = Path(model_dir), target.config
     with torch.device("meta"):
         draft = MTPDraft(cfg, target)
